@@ -1,0 +1,1 @@
+"""Core data model: structs, variables, layers, random streams, selectors."""

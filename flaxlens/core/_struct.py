@@ -1,0 +1,139 @@
+"""Struct: the frozen dataclass pytree that every flaxlens tree is built from.
+
+Subclassing `Struct` turns the class into a frozen dataclass and registers it with JAX
+as a keyed pytree, so `jax.tree_util` paths read `.field_name`. Fields are pytree
+children unless declared with `static_field()`, in which case they travel in the
+treedef (and must therefore be hashable, as jit caches on them). No Flax internals here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Self
+
+import jax
+from treescope import formatting_util, repr_lib
+
+
+def static_field(**kwargs: Any) -> Any:
+  """Declares a `Struct` field that is metadata, not a pytree child.
+
+  Example:
+    >>> import flaxlens as fl
+    >>> class Scale(fl.Struct):
+    ...   factor: float
+    ...   name: str = fl.static_field(default="scale")
+    >>> jax.tree_util.tree_leaves(Scale(2.0))
+    [2.0]
+  """
+  metadata = dict(kwargs.pop("metadata", None) or {})
+  metadata["static"] = True
+  return dataclasses.field(metadata=metadata, **kwargs)
+
+
+class Struct:
+  """Base class for frozen dataclass pytrees.
+
+  Every subclass is a frozen dataclass (identity equality, so arrays never get
+  compared elementwise) and a JAX pytree whose children are its non-static fields.
+
+  Example:
+    >>> import flaxlens as fl, jax
+    >>> class Pair(fl.Struct):
+    ...   left: object
+    ...   right: object
+    >>> jax.tree_util.tree_map(lambda x: x + 1, Pair(1, 2))
+    Pair(left=2, right=3)
+  """
+
+  def __init_subclass__(cls, **kwargs: Any):
+    super().__init_subclass__(**kwargs)
+    dataclasses.dataclass(frozen=True, eq=False)(cls)
+    jax.tree_util.register_pytree_with_keys(
+        cls, cls.tree_flatten_with_keys, cls.tree_unflatten, cls.tree_flatten
+    )
+
+  @classmethod
+  def _field_split(cls) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    split = cls.__dict__.get("_flaxlens_field_split")
+    if split is None:
+      fields = dataclasses.fields(cls)
+      split = (
+          tuple(f.name for f in fields if not f.metadata.get("static")),
+          tuple(f.name for f in fields if f.metadata.get("static")),
+      )
+      type.__setattr__(cls, "_flaxlens_field_split", split)
+    return split
+
+  def attributes_dict(self) -> dict[str, Any]:
+    """Returns the fields of this struct as a dict, in declaration order."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+  @classmethod
+  def from_attributes(cls, **field_values: Any) -> Self:
+    """Builds an instance directly from its fields, without running `__init__`.
+
+    Raises:
+      ValueError: if a field is missing or an unknown one is given.
+    """
+    names = {f.name for f in dataclasses.fields(cls)}
+    if set(field_values) != names:
+      missing = sorted(names - set(field_values))
+      extra = sorted(set(field_values) - names)
+      raise ValueError(
+          f"{cls.__name__}.from_attributes needs exactly the fields {sorted(names)};"
+          f" missing {missing}, unexpected {extra}."
+      )
+    obj = object.__new__(cls)
+    for name, value in field_values.items():
+      object.__setattr__(obj, name, value)
+    return obj
+
+  @classmethod
+  def key_for_field(cls, name: str) -> jax.tree_util.GetAttrKey:
+    """Returns the JAX path key under which the field `name` appears."""
+    return jax.tree_util.GetAttrKey(name)
+
+  def select(self):
+    """Starts a selection whose only selected node is this whole struct."""
+    from flaxlens.core._selectors import select
+
+    return select(self)
+
+  def tree_flatten(self) -> tuple[list[Any], tuple[Any, ...]]:
+    children, static = self._field_split()
+    return [getattr(self, n) for n in children], tuple(getattr(self, n) for n in static)
+
+  def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+    children, static = self._field_split()
+    keyed = [(self.key_for_field(n), getattr(self, n)) for n in children]
+    return keyed, tuple(getattr(self, n) for n in static)
+
+  @classmethod
+  def tree_unflatten(cls, aux_data: tuple[Any, ...], children: Any) -> Self:
+    child_names, static_names = cls._field_split()
+    values = dict(zip(child_names, children, strict=True))
+    values.update(zip(static_names, aux_data, strict=True))
+    return cls.from_attributes(**values)
+
+  def treescope_color(self) -> str | None:
+    """The background color treescope uses for this node (None: no color)."""
+    return None
+
+  def _treescope_attributes(self) -> dict[str, Any]:
+    return self.attributes_dict()
+
+  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    return repr_lib.render_object_constructor(
+        object_type=type(self),
+        attributes=self._treescope_attributes(),
+        path=path,
+        subtree_renderer=subtree_renderer,
+        roundtrippable=False,
+        color=self.treescope_color(),
+    )
+
+
+def color_for(name: str) -> str:
+  """A stable treescope background color derived from a string."""
+  return formatting_util.color_from_string(name)

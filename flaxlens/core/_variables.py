@@ -1,0 +1,300 @@
+"""Variables: mutable parameter and state holders inside otherwise immutable trees.
+
+A `Parameter` or `StateVariable` is a small mutable object with a `label` and a
+`.value`; it is deliberately *not* a pytree, so a tree that holds one is "bound". To pass
+such a tree through a JAX transformation, `unbind_variables` swaps every variable for a
+slot that only remembers its label and returns the variables beside the tree;
+`bind_variables` puts them (or fresh copies made from frozen values) back. A variable
+reachable twice (shared weights) becomes two slots with one label, so sharing survives
+the round trip. No Flax internals here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+
+from flaxlens.core._struct import Struct, static_field
+
+_label_counter = itertools.count()
+
+
+class VariableError(ValueError):
+  """A variable, slot or label was used inconsistently."""
+
+
+class AbstractVariable:
+  """Base class of the mutable holders `Parameter` and `StateVariable`."""
+
+  __slots__ = ("label", "value")
+
+  def __init__(self, value: Any, label: str | None = None):
+    if label is None:
+      label = f"{type(self).__name__.lower()}_{next(_label_counter)}"
+    if not isinstance(label, str):
+      raise TypeError(f"A variable label must be a string, got {label!r}.")
+    self.label = label
+    self.value = value
+
+  def freeze(self) -> AbstractVariableValue:
+    """Returns an immutable snapshot (a pytree) of this variable's current value."""
+    raise NotImplementedError
+
+  def slot(self) -> AbstractVariableSlot:
+    """Returns the slot that marks where this variable was unbound."""
+    raise NotImplementedError
+
+  def __repr__(self) -> str:
+    value = self.value
+    shown = (
+        f"<{value.dtype}{list(value.shape)}>" if hasattr(value, "shape") else repr(value)
+    )
+    return f"{type(self).__name__}(label={self.label!r}, value={shown})"
+
+  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    from treescope import repr_lib
+
+    return repr_lib.render_object_constructor(
+        object_type=type(self),
+        attributes={"label": self.label, "value": self.value},
+        path=path,
+        subtree_renderer=subtree_renderer,
+        color=_VARIABLE_COLORS[type(self).__name__.removesuffix("Value")],
+    )
+
+
+class Parameter(AbstractVariable):
+  """A learnable parameter: a mutable holder of a value, identified by its label.
+
+  Example:
+    >>> import flaxlens as fl, jax.numpy as jnp
+    >>> w = fl.Parameter(jnp.ones(3), label="dense/kernel")
+    >>> w.value = w.value * 2
+    >>> w.freeze()
+    ParameterValue(value=Array([2., 2., 2.], dtype=float32), label='dense/kernel')
+  """
+
+  __slots__ = ()
+
+  def freeze(self) -> ParameterValue:
+    return ParameterValue(value=self.value, label=self.label)
+
+  def slot(self) -> ParameterSlot:
+    return ParameterSlot(label=self.label)
+
+
+class StateVariable(AbstractVariable):
+  """A piece of mutable model state (batch statistics, caches, counters).
+
+  Example:
+    >>> import flaxlens as fl
+    >>> count = fl.StateVariable(0, label="counter")
+    >>> count.value += 1
+    >>> count.value
+    1
+  """
+
+  __slots__ = ()
+
+  def freeze(self) -> StateVariableValue:
+    return StateVariableValue(value=self.value, label=self.label)
+
+  def slot(self) -> StateVariableSlot:
+    return StateVariableSlot(label=self.label)
+
+
+class AbstractVariableValue(Struct):
+  """Frozen snapshot of a variable; a pytree whose only child is `value`."""
+
+  value: Any
+  label: str = static_field()
+
+  def unfreeze_as_copy(self) -> AbstractVariable:
+    """Makes a new mutable variable holding this value."""
+    raise NotImplementedError
+
+  def treescope_color(self) -> str:
+    return _VARIABLE_COLORS[type(self).__name__.removesuffix("Value")]
+
+
+class ParameterValue(AbstractVariableValue):
+  """Frozen value of a `Parameter`."""
+
+  def unfreeze_as_copy(self) -> Parameter:
+    return Parameter(self.value, label=self.label)
+
+
+class StateVariableValue(AbstractVariableValue):
+  """Frozen value of a `StateVariable`."""
+
+  def unfreeze_as_copy(self) -> StateVariable:
+    return StateVariable(self.value, label=self.label)
+
+
+class AbstractVariableSlot(Struct):
+  """Marks where a variable was unbound; has no pytree children."""
+
+  label: str = static_field()
+
+
+class ParameterSlot(AbstractVariableSlot):
+  """Where a `Parameter` with this label goes back in."""
+
+
+class StateVariableSlot(AbstractVariableSlot):
+  """Where a `StateVariable` with this label goes back in."""
+
+
+_VARIABLE_COLORS = {"Parameter": "#cde8ff", "StateVariable": "#ffe2c2"}
+_SLOT_KIND = {ParameterSlot: Parameter, StateVariableSlot: StateVariable}
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, AbstractVariable)
+
+
+def _is_variable_or_slot(x: Any) -> bool:
+  return isinstance(x, AbstractVariable | AbstractVariableSlot)
+
+
+def variables_in(tree: Any) -> tuple[AbstractVariable, ...]:
+  """Returns the distinct bound variables of `tree`, in traversal order.
+
+  Raises:
+    VariableError: if two different variable objects carry the same label.
+  """
+  found: dict[str, AbstractVariable] = {}
+  for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_variable):
+    if isinstance(leaf, AbstractVariable):
+      seen = found.setdefault(leaf.label, leaf)
+      if seen is not leaf:
+        raise VariableError(
+            f"Two different variables share the label {leaf.label!r}. Labels identify"
+            " variables, so each must be unique; give one of them another label."
+        )
+  return tuple(found.values())
+
+
+def slots_in(tree: Any) -> tuple[AbstractVariableSlot, ...]:
+  """Returns the slots of `tree` (one per label), in traversal order."""
+  found: dict[str, AbstractVariableSlot] = {}
+  for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_variable_or_slot):
+    if isinstance(leaf, AbstractVariableSlot):
+      found.setdefault(leaf.label, leaf)
+  return tuple(found.values())
+
+
+def unbind_variables(
+    tree: Any,
+    predicate: Callable[[AbstractVariable], bool] | None = None,
+    freeze: bool = False,
+) -> tuple[Any, tuple[Any, ...]]:
+  """Replaces variables in `tree` by slots and returns them beside the new tree.
+
+  Args:
+    tree: any pytree that may hold `Parameter`s and `StateVariable`s.
+    predicate: if given, only variables for which it returns True are unbound.
+    freeze: return frozen values (`ParameterValue` / `StateVariableValue`) instead of
+      the variable objects.
+
+  Returns:
+    `(tree_with_slots, variables)`, one entry in `variables` per distinct variable.
+
+  Example:
+    >>> import flaxlens as fl
+    >>> w = fl.Parameter(1.0, label="w")
+    >>> tree, (var,) = fl.unbind_variables({"a": w, "b": w})
+    >>> tree["a"], var is w
+    (ParameterSlot(label='w'), True)
+  """
+  if predicate is not None and not callable(predicate):
+    raise TypeError(f"unbind_variables: predicate must be callable, got {predicate!r}.")
+  chosen = [v for v in variables_in(tree) if predicate is None or predicate(v)]
+  chosen_ids = {id(v) for v in chosen}
+
+  def swap(leaf: Any) -> Any:
+    return leaf.slot() if id(leaf) in chosen_ids else leaf
+
+  new_tree = jax.tree_util.tree_map(swap, tree, is_leaf=_is_variable)
+  if freeze:
+    return new_tree, tuple(v.freeze() for v in chosen)
+  return new_tree, tuple(chosen)
+
+
+def bind_variables(
+    tree: Any,
+    variables: Iterable[AbstractVariable | AbstractVariableValue],
+    allow_unused: bool = False,
+) -> Any:
+  """Fills the slots of `tree` with variables, matched by label.
+
+  Frozen values are turned into fresh mutable variables first (one per label, so two
+  slots with the same label share one variable); variable objects are inserted as is.
+
+  Args:
+    tree: a pytree holding slots.
+    variables: variables or frozen values to insert.
+    allow_unused: accept variables whose label matches no slot.
+
+  Raises:
+    VariableError: on duplicate labels, a label with no slot (unless `allow_unused`),
+      or a parameter given for a state slot (or the reverse).
+
+  Example:
+    >>> import flaxlens as fl
+    >>> tree = {"w": fl.ParameterSlot(label="w")}
+    >>> fl.bind_variables(tree, [fl.ParameterValue(value=3.0, label="w")])["w"].value
+    3.0
+  """
+  by_label: dict[str, AbstractVariable] = {}
+  for var in variables:
+    if isinstance(var, AbstractVariableValue):
+      var = var.unfreeze_as_copy()
+    if not isinstance(var, AbstractVariable):
+      raise TypeError(
+          f"bind_variables expects Parameters, StateVariables or their frozen values,"
+          f" got {type(var).__name__}."
+      )
+    if var.label in by_label:
+      raise VariableError(f"bind_variables got two variables labelled {var.label!r}.")
+    by_label[var.label] = var
+
+  used: set[str] = set()
+
+  def fill(leaf: Any) -> Any:
+    if not isinstance(leaf, AbstractVariableSlot) or leaf.label not in by_label:
+      return leaf
+    var = by_label[leaf.label]
+    expected = _SLOT_KIND[type(leaf)]
+    if not isinstance(var, expected):
+      raise VariableError(
+          f"Slot {leaf.label!r} holds a {expected.__name__}, but a"
+          f" {type(var).__name__} was given for it."
+      )
+    used.add(leaf.label)
+    return var
+
+  new_tree = jax.tree_util.tree_map(fill, tree, is_leaf=_is_variable_or_slot)
+  unused = sorted(set(by_label) - used)
+  if unused and not allow_unused:
+    raise VariableError(
+        f"No slot in the tree for the variable label(s) {unused}. Check the labels,"
+        " or pass allow_unused=True to ignore them."
+    )
+  return new_tree
+
+
+def freeze_variables(tree: Any) -> Any:
+  """Replaces every bound variable in `tree` by its frozen value.
+
+  Example:
+    >>> import flaxlens as fl
+    >>> fl.freeze_variables([fl.StateVariable(1, label="s")])
+    [StateVariableValue(value=1, label='s')]
+  """
+  return jax.tree_util.tree_map(
+      lambda x: x.freeze() if isinstance(x, AbstractVariable) else x, tree, is_leaf=_is_variable
+  )
