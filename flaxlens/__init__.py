@@ -1,49 +1,65 @@
 """flaxlens: turn any Flax model into an explicit tree of layers you can see and edit."""
 
+from flaxlens._errors import CallStructureError, FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens._unflaxify import unflaxify
+from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._layer import Layer
 from flaxlens.core._random import RandomStream
 from flaxlens.core._selectors import Selection, select
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._variables import (
-    AbstractVariable,
-    AbstractVariableSlot,
-    AbstractVariableValue,
-    Parameter,
-    ParameterSlot,
-    ParameterValue,
-    StateVariable,
-    StateVariableSlot,
-    StateVariableValue,
-    VariableError,
-    bind_variables,
-    freeze_variables,
-    unbind_variables,
-    variables_in,
+  AbstractVariable,
+  AbstractVariableSlot,
+  AbstractVariableValue,
+  Parameter,
+  ParameterSlot,
+  ParameterValue,
+  StateVariable,
+  StateVariableSlot,
+  StateVariableValue,
+  VariableError,
+  bind_variables,
+  freeze_variables,
+  unbind_variables,
+  variables_in,
+)
+from flaxlens.linen._tree import (
+  InterceptedFlaxModuleMethod,
+  InterceptedFlaxScopeData,
+  Uninitialized,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbstractVariable",
-    "AbstractVariableSlot",
-    "AbstractVariableValue",
-    "Layer",
-    "Parameter",
-    "ParameterSlot",
-    "ParameterValue",
-    "RandomStream",
-    "Selection",
-    "StateVariable",
-    "StateVariableSlot",
-    "StateVariableValue",
-    "Struct",
-    "VariableError",
-    "bind_variables",
-    "freeze_variables",
-    "select",
-    "static_field",
-    "unbind_variables",
-    "variable_jit",
-    "variables_in",
+  "ArgsAndKwargs",
+  "CallStructureError",
+  "FlaxlensError",
+  "InterceptedFlaxModuleMethod",
+  "InterceptedFlaxScopeData",
+  "Uninitialized",
+  "UnsupportedFlaxFeatureError",
+  "unflaxify",
+  "AbstractVariable",
+  "AbstractVariableSlot",
+  "AbstractVariableValue",
+  "Layer",
+  "Parameter",
+  "ParameterSlot",
+  "ParameterValue",
+  "RandomStream",
+  "Selection",
+  "StateVariable",
+  "StateVariableSlot",
+  "StateVariableValue",
+  "Struct",
+  "VariableError",
+  "bind_variables",
+  "freeze_variables",
+  "select",
+  "static_field",
+  "unbind_variables",
+  "variable_jit",
+  "variables_in",
 ]

@@ -18,12 +18,12 @@ import jax
 import numpy as np
 
 from flaxlens.core._variables import (
-    AbstractVariable,
-    VariableError,
-    bind_variables,
-    slots_in,
-    unbind_variables,
-    variables_in,
+  AbstractVariable,
+  VariableError,
+  bind_variables,
+  slots_in,
+  unbind_variables,
+  variables_in,
 )
 
 
@@ -41,8 +41,8 @@ class _Static:
       hash(values)
     except TypeError as e:
       raise TypeError(
-          "variable_jit treats non-array leaves as static, and they must be hashable;"
-          f" got an unhashable leaf ({e}). Convert it to an array or a tuple."
+        "variable_jit treats non-array leaves as static, and they must be hashable;"
+        f" got an unhashable leaf ({e}). Convert it to an array or a tuple."
       ) from None
     self.values = values
 
@@ -51,7 +51,7 @@ class _Static:
 
   def __eq__(self, other: object) -> bool:
     return isinstance(other, _Static) and all(
-        type(a) is type(b) and a == b for a, b in zip(self.values, other.values, strict=True)
+      type(a) is type(b) and a == b for a, b in zip(self.values, other.values, strict=True)
     )
 
 
@@ -88,13 +88,11 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
     out = fn(*args, **kwargs)
     if any(isinstance(x, AbstractVariable) for x in jax.tree_util.tree_leaves(out)):
       raise VariableError(
-          f"{getattr(fn, '__name__', 'function')} under variable_jit returned a bound"
-          " variable; return its .value (or unbind_variables(...)) instead."
+        f"{getattr(fn, '__name__', 'function')} under variable_jit returned a bound"
+        " variable; return its .value (or unbind_variables(...)) instead."
       )
     changed = {
-        v.label: v.value
-        for v in variables_in((args, kwargs))
-        if v.value is not originals[v.label]
+      v.label: v.value for v in variables_in((args, kwargs)) if v.value is not originals[v.label]
     }
     return out, changed
 
@@ -105,9 +103,9 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
     missing = slots_in((args, kwargs))
     if missing:
       raise VariableError(
-          f"{getattr(fn, '__name__', 'function')} under variable_jit got a tree with"
-          f" unbound slots {[s.label for s in missing]}; bind them first with"
-          " fl.bind_variables(tree, values)."
+        f"{getattr(fn, '__name__', 'function')} under variable_jit got a tree with"
+        f" unbound slots {[s.label for s in missing]}; bind them first with"
+        " fl.bind_variables(tree, values)."
       )
     unbound, variables = unbind_variables((args, kwargs))
     leaves, treedef = jax.tree_util.tree_flatten(unbound)

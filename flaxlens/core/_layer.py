@@ -15,13 +15,13 @@ from typing import Any, Self
 
 from flaxlens.core._struct import Struct, color_for
 from flaxlens.core._variables import (
-    AbstractVariableValue,
-    StateVariable,
-    VariableError,
-    bind_variables,
-    slots_in,
-    unbind_variables,
-    variables_in,
+  AbstractVariableValue,
+  StateVariable,
+  VariableError,
+  bind_variables,
+  slots_in,
+  unbind_variables,
+  variables_in,
 )
 
 
@@ -44,18 +44,16 @@ class Layer(Struct, abc.ABC):
   def treescope_color(self) -> str | None:
     return color_for(type(self).__name__)
 
-  def bind_variables(
-      self, variables: Iterable[Any], allow_unused: bool = False
-  ) -> Self:
+  def bind_variables(self, variables: Iterable[Any], allow_unused: bool = False) -> Self:
     """Returns a copy of this layer with its slots filled; see `fl.bind_variables`."""
     return bind_variables(self, variables, allow_unused=allow_unused)
 
   def stateless_call(
-      self,
-      variable_values: Iterable[AbstractVariableValue],
-      argument: Any,
-      /,
-      **side_inputs: Any,
+    self,
+    variable_values: Iterable[AbstractVariableValue],
+    argument: Any,
+    /,
+    **side_inputs: Any,
   ) -> tuple[Any, tuple[AbstractVariableValue, ...]]:
     """Calls the layer on variable values and returns `(output, new_state_values)`.
 
@@ -83,11 +81,9 @@ class Layer(Struct, abc.ABC):
     missing = slots_in(layer)
     if missing:
       raise VariableError(
-          f"{type(self).__name__}.stateless_call: no value for the slot(s)"
-          f" {[s.label for s in missing]}; pass their values in variable_values."
+        f"{type(self).__name__}.stateless_call: no value for the slot(s)"
+        f" {[s.label for s in missing]}; pass their values in variable_values."
       )
     output = layer(argument, **side_inputs)
-    new_state = tuple(
-        v.freeze() for v in variables_in(layer) if isinstance(v, StateVariable)
-    )
+    new_state = tuple(v.freeze() for v in variables_in(layer) if isinstance(v, StateVariable))
     return output, new_state

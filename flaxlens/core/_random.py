@@ -39,8 +39,8 @@ class RandomStream(Struct):
     """Returns the next key and advances the counter."""
     if not isinstance(self.offset, StateVariable):
       raise TypeError(
-          "RandomStream.next_key needs a bound StateVariable counter; this stream's"
-          f" offset is a {type(self.offset).__name__}. Bind its variables first."
+        "RandomStream.next_key needs a bound StateVariable counter; this stream's"
+        f" offset is a {type(self.offset).__name__}. Bind its variables first."
       )
     key = jax.random.fold_in(self.base_key, self.offset.value)
     self.offset.value = self.offset.value + 1

@@ -11,7 +11,7 @@ internals here.
 
 from __future__ import annotations
 
-import fnmatch
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -65,7 +65,7 @@ def _replace(node: Any, updates: dict[KeyPath, Any]) -> Any:
   for path, value in updates.items():
     grouped.setdefault(path[0], {})[path[1:]] = value
   new_children = [
-      _replace(child, grouped.pop(key)) if key in grouped else child for key, child in pairs
+    _replace(child, grouped.pop(key)) if key in grouped else child for key, child in pairs
   ]
   if grouped:
     raise KeyError(f"No child {list(grouped)} in {type(node).__name__}.")
@@ -91,7 +91,7 @@ def _marked_copy(node: Any, path: KeyPath, ids: dict[int, KeyPath]) -> Any:
     return _Marker(path)
   pairs, treedef = level
   copy = jax.tree_util.tree_unflatten(
-      treedef, [_marked_copy(child, path + (key,), ids) for key, child in pairs]
+    treedef, [_marked_copy(child, path + (key,), ids) for key, child in pairs]
   )
   ids[id(copy)] = path
   return copy
@@ -134,9 +134,7 @@ class Selection:
       found.extend(find(path, _get(self._root, path)))
     return Selection(self._root, found)
 
-  def _search(
-      self, hit: Callable[[KeyPath, Any], bool], innermost: bool
-  ) -> Selection:
+  def _search(self, hit: Callable[[KeyPath, Any], bool], innermost: bool) -> Selection:
     def find(path: KeyPath, node: Any) -> list[KeyPath]:
       return list(_search(node, path, hit, innermost))
 
@@ -159,8 +157,8 @@ class Selection:
         result = accessor(marked)
       except (AttributeError, TypeError) as e:
         raise ValueError(
-            f"Selection.at: the accessor failed while navigating {_format_path(path)}"
-            f" ({e}). It may only use attribute, key and index access."
+          f"Selection.at: the accessor failed while navigating {_format_path(path)}"
+          f" ({e}). It may only use attribute, key and index access."
         ) from e
       results = list(result) if multiple else [result]
       paths = []
@@ -171,9 +169,9 @@ class Selection:
           paths.append(ids[id(r)])
         else:
           raise ValueError(
-              "Selection.at: the accessor returned something that is not a node of the"
-              f" tree under {_format_path(path)}: {type(r).__name__}. Return a part of"
-              " the tree itself (pass multiple=True to return several)."
+            "Selection.at: the accessor returned something that is not a node of the"
+            f" tree under {_format_path(path)}: {type(r).__name__}. Return a part of"
+            " the tree itself (pass multiple=True to return several)."
           )
       return paths
 
@@ -190,10 +188,10 @@ class Selection:
     return self._search(lambda _, node: isinstance(node, cls), innermost)
 
   def at_subtrees_where(
-      self,
-      predicate: Callable[..., bool],
-      with_keypath: bool = False,
-      innermost: bool = False,
+    self,
+    predicate: Callable[..., bool],
+    with_keypath: bool = False,
+    innermost: bool = False,
   ) -> Selection:
     """Selects the outermost (or innermost) subtrees for which `predicate` holds.
 
@@ -214,9 +212,7 @@ class Selection:
         try:
           _get(node, rel)
         except KeyError:
-          raise KeyError(
-              f"Selection.at_keypaths: no node at {_format_path(path + rel)}."
-          ) from None
+          raise KeyError(f"Selection.at_keypaths: no node at {_format_path(path + rel)}.") from None
       return [path + rel for rel in keypaths]
 
     selection = self._narrow(find)
@@ -244,14 +240,14 @@ class Selection:
     selection = self._search(hit, innermost=False)
     if not selection._paths:
       known = sorted(
-          {
-              ".".join(node.readable_path())
-              for _, node in _walk(self._root)
-              if callable(getattr(node, "readable_path", None))
-          }
+        {
+          ".".join(node.readable_path())
+          for _, node in _walk(self._root)
+          if callable(getattr(node, "readable_path", None))
+        }
       )
       raise KeyError(
-          f"No call matches the path pattern {pattern!r}. Known calls include: {known[:12]}"
+        f"No call matches the path pattern {pattern!r}. Known calls include: {known[:12]}"
       )
     return selection
 
@@ -259,9 +255,9 @@ class Selection:
     """Keeps only the selected nodes for which `predicate` holds."""
     _check_callable(predicate, "where")
     kept = [
-        p
-        for p in self._paths
-        if (predicate(p, _get(self._root, p)) if with_keypath else predicate(_get(self._root, p)))
+      p
+      for p in self._paths
+      if (predicate(p, _get(self._root, p)) if with_keypath else predicate(_get(self._root, p)))
     ]
     return Selection(self._root, kept)
 
@@ -291,9 +287,9 @@ class Selection:
     """
     if len(self._paths) != 1:
       raise ValueError(
-          f"Selection.get needs exactly one selected node, but {len(self._paths)} are"
-          f" selected: {[_format_path(p) for p in self._paths[:8]]}. Narrow the"
-          " selection, or use get_sequence()."
+        f"Selection.get needs exactly one selected node, but {len(self._paths)} are"
+        f" selected: {[_format_path(p) for p in self._paths[:8]]}. Narrow the"
+        " selection, or use get_sequence()."
       )
     return _get(self._root, self._paths[0])
 
@@ -322,7 +318,7 @@ class Selection:
   def insert_after(self, value: Any) -> Any:
     """Inserts `value` after each selected node in its parent list or tuple."""
     return self._edit_parents(
-        lambda items, i: items[: i + 1] + [value] + items[i + 1 :], "insert_after"
+      lambda items, i: items[: i + 1] + [value] + items[i + 1 :], "insert_after"
     )
 
   def remove_from_parent(self) -> Any:
@@ -345,8 +341,8 @@ class Selection:
         continue
       if type(parent) not in (list, tuple):
         raise TypeError(
-            f"Selection.{method}: the parent at {where} is a {type(parent).__name__};"
-            " only lists and tuples (and dicts, for removal) support this."
+          f"Selection.{method}: the parent at {where} is a {type(parent).__name__};"
+          " only lists and tuples (and dicts, for removal) support this."
         )
       items = list(parent)
       for idx in sorted((k.idx for k in keys), reverse=True):
@@ -356,7 +352,7 @@ class Selection:
 
 
 def _search(
-    node: Any, path: KeyPath, hit: Callable[[KeyPath, Any], bool], innermost: bool
+  node: Any, path: KeyPath, hit: Callable[[KeyPath, Any], bool], innermost: bool
 ) -> Iterable[KeyPath]:
   """Paths of matching subtrees: outermost matches, or innermost ones."""
   matched = hit(path, node)
@@ -380,17 +376,18 @@ def _check_disjoint(paths: Sequence[KeyPath]) -> None:
     for long in ordered[i + 1 :]:
       if long[: len(short)] == short:
         raise ValueError(
-            f"Selected nodes overlap: {_format_path(short)} contains {_format_path(long)}."
+          f"Selected nodes overlap: {_format_path(short)} contains {_format_path(long)}."
         )
 
 
+_GLOB_REGEX = {"**": ".*", "*": "[^/]*", "?": "[^/]"}
+
+
 def _path_matches(pattern: str, path: str) -> bool:
-  if "**" in pattern:
-    return fnmatch.fnmatchcase(path, pattern.replace("**", "*"))
-  pattern_parts, path_parts = pattern.split("/"), path.split("/")
-  return len(pattern_parts) == len(path_parts) and all(
-      fnmatch.fnmatchcase(s, p) for s, p in zip(path_parts, pattern_parts, strict=True)
-  )
+  """Glob match in which `**` spans path segments and `*` and `?` stay within one."""
+  tokens = re.split(r"(\*\*|\*|\?)", pattern)
+  regex = "".join(_GLOB_REGEX.get(token, re.escape(token)) for token in tokens)
+  return re.fullmatch(regex, path) is not None
 
 
 def select(tree: Any) -> Selection:

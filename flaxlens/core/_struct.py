@@ -50,7 +50,7 @@ class Struct:
     super().__init_subclass__(**kwargs)
     dataclasses.dataclass(frozen=True, eq=False)(cls)
     jax.tree_util.register_pytree_with_keys(
-        cls, cls.tree_flatten_with_keys, cls.tree_unflatten, cls.tree_flatten
+      cls, cls.tree_flatten_with_keys, cls.tree_unflatten, cls.tree_flatten
     )
 
   @classmethod
@@ -59,8 +59,8 @@ class Struct:
     if split is None:
       fields = dataclasses.fields(cls)
       split = (
-          tuple(f.name for f in fields if not f.metadata.get("static")),
-          tuple(f.name for f in fields if f.metadata.get("static")),
+        tuple(f.name for f in fields if not f.metadata.get("static")),
+        tuple(f.name for f in fields if f.metadata.get("static")),
       )
       type.__setattr__(cls, "_flaxlens_field_split", split)
     return split
@@ -81,8 +81,8 @@ class Struct:
       missing = sorted(names - set(field_values))
       extra = sorted(set(field_values) - names)
       raise ValueError(
-          f"{cls.__name__}.from_attributes needs exactly the fields {sorted(names)};"
-          f" missing {missing}, unexpected {extra}."
+        f"{cls.__name__}.from_attributes needs exactly the fields {sorted(names)};"
+        f" missing {missing}, unexpected {extra}."
       )
     obj = object.__new__(cls)
     for name, value in field_values.items():
@@ -102,18 +102,24 @@ class Struct:
 
   def tree_flatten(self) -> tuple[list[Any], tuple[Any, ...]]:
     children, static = self._field_split()
-    return [getattr(self, n) for n in children], tuple(getattr(self, n) for n in static)
+    return [getattr(self, n) for n in children], self._static_aux(static)
 
   def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
     children, static = self._field_split()
     keyed = [(self.key_for_field(n), getattr(self, n)) for n in children]
-    return keyed, tuple(getattr(self, n) for n in static)
+    return keyed, self._static_aux(static)
+
+  def _static_aux(self, names: tuple[str, ...]) -> tuple[Any, ...]:
+    return tuple(_hashable(getattr(self, n)) for n in names)
 
   @classmethod
   def tree_unflatten(cls, aux_data: tuple[Any, ...], children: Any) -> Self:
     child_names, static_names = cls._field_split()
     values = dict(zip(child_names, children, strict=True))
-    values.update(zip(static_names, aux_data, strict=True))
+    values.update(
+      (n, v.value if type(v) is _ByIdentity else v)
+      for n, v in zip(static_names, aux_data, strict=True)
+    )
     return cls.from_attributes(**values)
 
   def treescope_color(self) -> str | None:
@@ -125,13 +131,37 @@ class Struct:
 
   def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
     return repr_lib.render_object_constructor(
-        object_type=type(self),
-        attributes=self._treescope_attributes(),
-        path=path,
-        subtree_renderer=subtree_renderer,
-        roundtrippable=False,
-        color=self.treescope_color(),
+      object_type=type(self),
+      attributes=self._treescope_attributes(),
+      path=path,
+      subtree_renderer=subtree_renderer,
+      roundtrippable=False,
+      color=self.treescope_color(),
     )
+
+
+class _ByIdentity:
+  """Treedef entry for an unhashable static value (a Flax module holding a list, say):
+  equal only to itself, so jit caches on the object rather than failing."""
+
+  __slots__ = ("value",)
+
+  def __init__(self, value: Any):
+    self.value = value
+
+  def __hash__(self) -> int:
+    return id(self.value)
+
+  def __eq__(self, other: object) -> bool:
+    return type(other) is _ByIdentity and other.value is self.value
+
+
+def _hashable(value: Any) -> Any:
+  try:
+    hash(value)
+  except TypeError:
+    return _ByIdentity(value)
+  return value
 
 
 def color_for(name: str) -> str:

@@ -49,20 +49,18 @@ class AbstractVariable:
 
   def __repr__(self) -> str:
     value = self.value
-    shown = (
-        f"<{value.dtype}{list(value.shape)}>" if hasattr(value, "shape") else repr(value)
-    )
+    shown = f"<{value.dtype}{list(value.shape)}>" if hasattr(value, "shape") else repr(value)
     return f"{type(self).__name__}(label={self.label!r}, value={shown})"
 
   def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
     from treescope import repr_lib
 
     return repr_lib.render_object_constructor(
-        object_type=type(self),
-        attributes={"label": self.label, "value": self.value},
-        path=path,
-        subtree_renderer=subtree_renderer,
-        color=_VARIABLE_COLORS[type(self).__name__.removesuffix("Value")],
+      object_type=type(self),
+      attributes={"label": self.label, "value": self.value},
+      path=path,
+      subtree_renderer=subtree_renderer,
+      color=_VARIABLE_COLORS[type(self).__name__.removesuffix("Value")],
     )
 
 
@@ -172,8 +170,8 @@ def variables_in(tree: Any) -> tuple[AbstractVariable, ...]:
       seen = found.setdefault(leaf.label, leaf)
       if seen is not leaf:
         raise VariableError(
-            f"Two different variables share the label {leaf.label!r}. Labels identify"
-            " variables, so each must be unique; give one of them another label."
+          f"Two different variables share the label {leaf.label!r}. Labels identify"
+          " variables, so each must be unique; give one of them another label."
         )
   return tuple(found.values())
 
@@ -188,9 +186,9 @@ def slots_in(tree: Any) -> tuple[AbstractVariableSlot, ...]:
 
 
 def unbind_variables(
-    tree: Any,
-    predicate: Callable[[AbstractVariable], bool] | None = None,
-    freeze: bool = False,
+  tree: Any,
+  predicate: Callable[[AbstractVariable], bool] | None = None,
+  freeze: bool = False,
 ) -> tuple[Any, tuple[Any, ...]]:
   """Replaces variables in `tree` by slots and returns them beside the new tree.
 
@@ -225,9 +223,9 @@ def unbind_variables(
 
 
 def bind_variables(
-    tree: Any,
-    variables: Iterable[AbstractVariable | AbstractVariableValue],
-    allow_unused: bool = False,
+  tree: Any,
+  variables: Iterable[AbstractVariable | AbstractVariableValue],
+  allow_unused: bool = False,
 ) -> Any:
   """Fills the slots of `tree` with variables, matched by label.
 
@@ -255,8 +253,8 @@ def bind_variables(
       var = var.unfreeze_as_copy()
     if not isinstance(var, AbstractVariable):
       raise TypeError(
-          f"bind_variables expects Parameters, StateVariables or their frozen values,"
-          f" got {type(var).__name__}."
+        f"bind_variables expects Parameters, StateVariables or their frozen values,"
+        f" got {type(var).__name__}."
       )
     if var.label in by_label:
       raise VariableError(f"bind_variables got two variables labelled {var.label!r}.")
@@ -271,8 +269,8 @@ def bind_variables(
     expected = _SLOT_KIND[type(leaf)]
     if not isinstance(var, expected):
       raise VariableError(
-          f"Slot {leaf.label!r} holds a {expected.__name__}, but a"
-          f" {type(var).__name__} was given for it."
+        f"Slot {leaf.label!r} holds a {expected.__name__}, but a"
+        f" {type(var).__name__} was given for it."
       )
     used.add(leaf.label)
     return var
@@ -281,8 +279,8 @@ def bind_variables(
   unused = sorted(set(by_label) - used)
   if unused and not allow_unused:
     raise VariableError(
-        f"No slot in the tree for the variable label(s) {unused}. Check the labels,"
-        " or pass allow_unused=True to ignore them."
+      f"No slot in the tree for the variable label(s) {unused}. Check the labels,"
+      " or pass allow_unused=True to ignore them."
     )
   return new_tree
 
@@ -296,5 +294,5 @@ def freeze_variables(tree: Any) -> Any:
     [StateVariableValue(value=1, label='s')]
   """
   return jax.tree_util.tree_map(
-      lambda x: x.freeze() if isinstance(x, AbstractVariable) else x, tree, is_leaf=_is_variable
+    lambda x: x.freeze() if isinstance(x, AbstractVariable) else x, tree, is_leaf=_is_variable
   )

@@ -1,0 +1,46 @@
+"""`unflaxify`: the one entry point that converts a Linen or an NNX model into a tree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+
+
+def unflaxify(model: Any, *args: Any, **kwargs: Any) -> Any:
+  """Converts a Flax model into an explicit tree of its calls.
+
+  Linen: `unflaxify(module, variables, *example_args, method=None, rngs=None,
+  mutable=False, capture_intermediates=False, **example_kwargs)` returns an
+  `InterceptedFlaxModuleMethod` whose call reproduces `module.apply` bit for bit.
+
+  Args:
+    model: an unbound `flax.linen.Module`.
+    *args: for Linen, the variables then the example positional arguments.
+    **kwargs: conversion options and example keyword arguments.
+
+  Returns:
+    The root node of the converted tree.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model = nn.Dense(3)
+    >>> x = jnp.ones((2, 4))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> tree = fl.unflaxify(model, variables, x)
+    >>> bool((tree(fl.ArgsAndKwargs.capture(x)) == model.apply(variables, x)).all())
+    True
+  """
+  if isinstance(model, nn.Module):
+    from flaxlens.linen._convert import unflaxify_linen
+
+    if not args:
+      raise TypeError(
+        f"unflaxify({type(model).__name__}): a Linen module needs its variables as the"
+        " second argument: fl.unflaxify(module, variables, *example_args)."
+      )
+    return unflaxify_linen(model, *args, **kwargs)
+  raise TypeError(
+    f"unflaxify expects a flax.linen.Module (with its variables) or a flax.nnx.Module,"
+    f" got {type(model).__name__}."
+  )

@@ -1,0 +1,169 @@
+"""Converting a Linen module into a tree of `InterceptedFlaxModuleMethod` nodes.
+
+Conversion runs the root `module.apply` once under `jax.eval_shape` with the recording
+interceptor of `_tree`, so it costs no FLOPs, copies no buffers and does not grow with
+batch size. Every intercepted call becomes a node; every variable becomes a `Parameter`
+(`params`), a `StateVariable` (mutable collections) or a plain value (other collections)
+holding the caller's own buffer, owned by the calls of its module. Flax internals used:
+see `flaxlens._flax_internals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from flaxlens import _flax_internals as fi
+from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens.core._variables import Parameter, StateVariable
+from flaxlens.linen._tree import (
+  CallRecord,
+  InterceptedFlaxModuleMethod,
+  InterceptedFlaxScopeData,
+  Path,
+  Uninitialized,
+  _ApplyState,
+  _Frame,
+  flatten_collections,
+)
+
+
+def _split_static(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+  """Array leaves of `tree`, and a function rebuilding `tree` from new array leaves."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  mask = [isinstance(x, jax.Array | np.ndarray | np.generic) for x in leaves]
+
+  def rebuild(arrays: list[Any]) -> Any:
+    it = iter(arrays)
+    return jax.tree_util.tree_unflatten(
+      treedef, [next(it) if m else leaf for leaf, m in zip(leaves, mask, strict=True)]
+    )
+
+  return [x for x, m in zip(leaves, mask, strict=True) if m], rebuild
+
+
+def unflaxify_linen(
+  module: nn.Module,
+  variables: Mapping[str, Any],
+  *example_args: Any,
+  method: str | Callable[..., Any] | None = None,
+  rngs: Any = None,
+  mutable: Any = False,
+  capture_intermediates: bool | Callable[..., bool] = False,
+  **example_kwargs: Any,
+) -> InterceptedFlaxModuleMethod:
+  """Converts a Linen module into a tree of its calls; see `flaxlens.unflaxify`."""
+  where = f"{type(module).__name__}"
+  if module.scope is not None:
+    raise FlaxlensError(
+      f"{where}: unflaxify needs an unbound module (as passed to module.apply); this"
+      " one is bound. Use module.unbind() to get the module and its variables."
+    )
+  if not isinstance(variables, Mapping):
+    raise TypeError(
+      f"{where}: variables must be a dict of collections (as returned by"
+      f" module.init), got {type(variables).__name__}."
+    )
+  method_name = "__call__" if method is None else method
+  if isinstance(method_name, str) and not callable(getattr(module, method_name, None)):
+    raise FlaxlensError(f"{where}: the module has no method {method_name!r}.")
+
+  state = _ApplyState(side_inputs={}, building=True)
+  root = CallRecord(module, (), method_name)
+  arrays, rebuild = _split_static((variables, example_args, example_kwargs, rngs))
+
+  def trace(arrays: list[Any]) -> Any:
+    state.frames[:] = [
+      _Frame((), record=root, absorb=method_name if isinstance(method_name, str) else None)
+    ]
+    root.children.clear()
+    vs, args, kwargs, keys = rebuild(arrays)
+    with state.active():
+      result = fi.apply_fresh(
+        module,
+        vs,
+        *args,
+        method=method,
+        rngs=keys,
+        mutable=mutable,
+        capture_intermediates=capture_intermediates,
+        **kwargs,
+      )
+    mutated = result[1] if _any_mutable(mutable, capture_intermediates) else {}
+    return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x,
+      mutated,
+    )
+
+  mutated = jax.eval_shape(trace, arrays)
+  return _build_tree(root, variables, mutated, capture_intermediates)
+
+
+def _any_mutable(mutable: Any, capture_intermediates: Any) -> bool:
+  return bool(capture_intermediates) or not (mutable is False or mutable is None)
+
+
+def _build_tree(
+  root: CallRecord,
+  variables: Mapping[str, Any],
+  mutated: Mapping[str, Any],
+  capture_intermediates: Any,
+) -> InterceptedFlaxModuleMethod:
+  given = flatten_collections(variables)
+  created = flatten_collections(mutated)
+  mutable_collections = set(mutated)
+  if any(c == "params" for c, _ in created if (c, _) not in given):
+    raise UnsupportedFlaxFeatureError(
+      f"{type(root.module).__name__}: this call creates parameters (an `init` run"
+      " through apply). Run module.init first and convert with its variables."
+    )
+  mutable_collections.discard("params")
+
+  records: list[CallRecord] = []
+
+  def collect(record: CallRecord) -> None:
+    records.append(record)
+    for _, child in record.children:
+      collect(child)
+
+  collect(root)
+  called_paths = {r.path for r in records}
+
+  scopes: dict[Path, InterceptedFlaxScopeData] = {
+    path: InterceptedFlaxScopeData(parameters={}, variables={}, immutable_variables={})
+    for path in called_paths
+  }
+  for (collection, vpath), value in {**{k: None for k in created}, **given}.items():
+    owner = max((p for p in called_paths if vpath[: len(p)] == p and len(p) < len(vpath)), key=len)
+    name = "/".join(vpath[len(owner) :])
+    label = f"{collection}:{'/'.join(vpath)}"
+    data = scopes[owner]
+    if collection == "params":
+      data.parameters[name] = Parameter(value, label=label)
+    elif collection in mutable_collections:
+      initial = Uninitialized() if (collection, vpath) not in given else value
+      data.variables.setdefault(collection, {})[name] = StateVariable(initial, label=label)
+    else:
+      data.immutable_variables.setdefault(collection, {})[name] = value
+
+  def build(record: CallRecord) -> InterceptedFlaxModuleMethod:
+    data = scopes[record.path]
+    return InterceptedFlaxModuleMethod(
+      module=record.module,
+      method_name=record.method_name,
+      path=record.path,
+      scope_data=InterceptedFlaxScopeData(
+        parameters=dict(data.parameters),
+        variables={c: dict(v) for c, v in data.variables.items()},
+        immutable_variables={c: dict(v) for c, v in data.immutable_variables.items()},
+        rngs=record.rngs,
+      ),
+      submodule_calls={key: build(child) for key, child in record.children},
+      capture_intermediates=capture_intermediates,
+    )
+
+  return build(root)
