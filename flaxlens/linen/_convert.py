@@ -19,15 +19,13 @@ import numpy as np
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens.core._calls import CallRecord, Frame, Path
 from flaxlens.core._variables import Parameter, StateVariable
 from flaxlens.linen._tree import (
-  CallRecord,
   InterceptedFlaxModuleMethod,
   InterceptedFlaxScopeData,
-  Path,
+  LinenInterceptor,
   Uninitialized,
-  _ApplyState,
-  _Frame,
   flatten_collections,
 )
 
@@ -72,13 +70,13 @@ def unflaxify_linen(
   if isinstance(method_name, str) and not callable(getattr(module, method_name, None)):
     raise FlaxlensError(f"{where}: the module has no method {method_name!r}.")
 
-  state = _ApplyState(side_inputs={}, building=True)
+  state = LinenInterceptor(side_inputs={}, building=True)
   root = CallRecord(module, (), method_name)
   arrays, rebuild = _split_static((variables, example_args, example_kwargs, rngs))
 
   def trace(arrays: list[Any]) -> Any:
     state.frames[:] = [
-      _Frame((), record=root, absorb=method_name if isinstance(method_name, str) else None)
+      Frame((), record=root, absorb=method_name if isinstance(method_name, str) else None)
     ]
     root.children.clear()
     vs, args, kwargs, keys = rebuild(arrays)
@@ -123,15 +121,7 @@ def _build_tree(
     )
   mutable_collections.discard("params")
 
-  records: list[CallRecord] = []
-
-  def collect(record: CallRecord) -> None:
-    records.append(record)
-    for _, child in record.children:
-      collect(child)
-
-  collect(root)
-  called_paths = {r.path for r in records}
+  called_paths = {r.path for r in root.walk()}
 
   scopes: dict[Path, InterceptedFlaxScopeData] = {
     path: InterceptedFlaxScopeData(parameters={}, variables={}, immutable_variables={})
@@ -160,7 +150,7 @@ def _build_tree(
         parameters=dict(data.parameters),
         variables={c: dict(v) for c, v in data.variables.items()},
         immutable_variables={c: dict(v) for c, v in data.immutable_variables.items()},
-        rngs=record.rngs,
+        rngs=record.extra.get("rngs", ()),
       ),
       submodule_calls={key: build(child) for key, child in record.children},
       capture_intermediates=capture_intermediates,

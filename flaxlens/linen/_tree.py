@@ -16,8 +16,8 @@ tree's `StateVariable`s. Flax internals used: see `flaxlens._flax_internals`.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import jax
@@ -25,7 +25,15 @@ import jax
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import CallStructureError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._layer import Layer
+from flaxlens.core._calls import (
+  CallInterceptor,
+  CallNode,
+  CallRecord,
+  Frame,
+  Path,
+  current_interceptor,
+  iter_call_nodes,
+)
 from flaxlens.core._random import RandomStream
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._variables import (
@@ -34,9 +42,6 @@ from flaxlens.core._variables import (
   AbstractVariableValue,
   StateVariable,
 )
-
-CallKey = tuple[int, str]
-Path = tuple[str, ...]
 
 
 class Uninitialized(Struct):
@@ -67,7 +72,7 @@ class InterceptedFlaxScopeData(Struct):
   rngs: tuple[str, ...] = static_field(default=())
 
 
-class InterceptedFlaxModuleMethod(Layer):
+class InterceptedFlaxModuleMethod(CallNode):
   """One call of a Flax Linen module method, with its submodule calls as children.
 
   Call it as `node(fl.ArgsAndKwargs.capture(*args, **kwargs), random_streams=...)`;
@@ -88,39 +93,21 @@ class InterceptedFlaxModuleMethod(Layer):
   method_name: Any = static_field()
   path: Path = static_field()
   scope_data: InterceptedFlaxScopeData
-  submodule_calls: dict[CallKey, Any]
+  submodule_calls: dict[tuple[int, str], Any]
   capture_intermediates: Any = static_field(default=False)
 
-  def readable_path(self) -> tuple[str, str]:
-    """`("Block_0/Dense_0", "__call__")`: the module path and the method name."""
-    name = self.method_name if isinstance(self.method_name, str) else _fn_name(self.method_name)
-    return "/".join(self.path), name
+  def _module_type_name(self) -> str:
+    return type(self.module).__name__
 
   def _treescope_attributes(self) -> dict[str, Any]:
     attrs = self.attributes_dict()
     attrs["module"] = _ModuleSummary(self.module)
     return attrs
 
-  def __call__(
-    self,
-    argument: ArgsAndKwargs,
-    /,
-    random_streams: Any = None,
-    **side_inputs: Any,
+  def _run_root(
+    self, argument: ArgsAndKwargs, /, random_streams: Any = None, **side_inputs: Any
   ) -> Any:
-    if not isinstance(argument, ArgsAndKwargs):
-      raise TypeError(
-        f"{self._where()}: a converted call takes fl.ArgsAndKwargs.capture(*args,"
-        f" **kwargs) as its argument, got {type(argument).__name__}."
-      )
-    state = _current_state()
-    if state is not None and state.pending and state.pending[-1].matches(self):
-      return state.continue_pending(self, argument)
     return _apply_tree(self, argument, random_streams, side_inputs)
-
-  def _where(self) -> str:
-    path, method = self.readable_path()
-    return f"{path or type(self.module).__name__}.{method}"
 
 
 class _ModuleSummary:
@@ -138,29 +125,7 @@ class _ModuleSummary:
     return rendering_parts.text(repr(self))
 
 
-def _fn_name(fn: Any) -> str:
-  return getattr(fn, "__name__", type(fn).__name__)
-
-
 # --- gathering variables from a tree ---------------------------------------------------
-
-
-def _is_node(x: Any) -> bool:
-  return isinstance(x, InterceptedFlaxModuleMethod)
-
-
-def iter_nodes(tree: Any) -> list[InterceptedFlaxModuleMethod]:
-  """All call nodes of `tree`, also those held inside replacement layers."""
-  found: list[InterceptedFlaxModuleMethod] = []
-
-  def visit(subtree: Any) -> None:
-    for leaf in jax.tree_util.tree_leaves(subtree, is_leaf=_is_node):
-      if _is_node(leaf):
-        found.append(leaf)
-        visit(leaf.submodule_calls)
-
-  visit(tree)
-  return found
 
 
 def _value_of(entry: Any, where: str) -> Any:
@@ -208,7 +173,7 @@ class _Gathered:
 def _gather(root: InterceptedFlaxModuleMethod) -> _Gathered:
   gathered = _Gathered()
   prefix = root.path
-  for node in iter_nodes(root):
+  for node in iter_call_nodes(root):
     if node.path[: len(prefix)] != prefix:
       raise UnsupportedFlaxFeatureError(
         f"{root._where()}: this call uses the module at {'/'.join(node.path)!r}, which"
@@ -274,10 +239,10 @@ def _apply_tree(
   gathered = _gather(root)
   mutable = tuple(sorted({collection for collection, _ in gathered.state}))
   rngs = _resolve_rngs(random_streams, where)
-  state = _ApplyState(side_inputs=side_inputs, building=False, prefix=root.path)
+  state = LinenInterceptor(side_inputs=side_inputs, building=False, prefix=root.path)
   method = root.method_name
   state.frames.append(
-    _Frame(path=root.path, node=root, absorb=method if isinstance(method, str) else None)
+    Frame(path=root.path, node=root, absorb=method if isinstance(method, str) else None)
   )
   with state.active():
     result = fi.apply_fresh(
@@ -316,176 +281,34 @@ def _write_back(
 # --- the interceptor -------------------------------------------------------------------
 
 
-class _Frame:
-  """One active call: where submodule calls made inside it are looked up or recorded."""
-
-  __slots__ = ("path", "node", "record", "counter", "absorb", "lifted")
-
-  def __init__(self, path: Path, node: Any = None, record: Any = None, absorb: Any = None):
-    self.path = path
-    self.node = node
-    self.record = record
-    self.counter = 0
-    self.absorb = absorb
-    # After Flax's setup check of a lifted module: [call name, index] of the lifted
-    # call, so that a transform tracing its body again (nn.scan traces twice) reuses
-    # the same call index, and so the same node.
-    self.lifted: list[Any] | None = None
-
-  def next_key(self, name: str) -> tuple[CallKey, bool]:
-    """The key of the next call named `name`, and whether it re-traces the last one."""
-    lifted = self.lifted
-    if lifted is not None and lifted[0] == name:
-      return (lifted[1], name), True
-    index = self.counter
-    self.counter += 1
-    if lifted is not None and lifted[0] is None:
-      lifted[0], lifted[1] = name, index
-    else:
-      self.lifted = None
-    return (index, name), False
-
-
-class _Pending:
-  """A replaced call whose replacement may continue the original natively."""
-
-  __slots__ = ("path", "method_name", "next_fun")
-
-  def __init__(self, path: Path, method_name: str, next_fun: Callable[..., Any]):
-    self.path = path
-    self.method_name = method_name
-    self.next_fun = next_fun
-
-  def matches(self, node: InterceptedFlaxModuleMethod) -> bool:
-    return node.path == self.path and node.method_name == self.method_name
-
-
-class CallRecord:
-  """What conversion saw of one call (made into a node afterwards)."""
-
-  __slots__ = ("module", "path", "method_name", "children", "rngs")
-
-  def __init__(self, module: Any, path: Path, method_name: Any):
-    self.module = module
-    self.path = path
-    self.method_name = method_name
-    self.children: list[tuple[CallKey, CallRecord]] = []
-    self.rngs: tuple[str, ...] = ()
-
-
-_local = threading.local()
-
-
-def _current_state() -> _ApplyState | None:
-  stack = getattr(_local, "stack", None)
-  return stack[-1] if stack else None
-
-
-def _relative_name(frame_path: Path, path: Path) -> str:
-  if path == frame_path:
-    return "self"
-  if path[: len(frame_path)] == frame_path:
-    return "/".join(path[len(frame_path) :])
-  return "/" + "/".join(path)
-
-
-def _pristine(node: InterceptedFlaxModuleMethod) -> bool:
-  return all(_is_node(child) and _pristine(child) for child in node.submodule_calls.values())
-
-
-class _ApplyState:
-  """Interception state of one running `apply` (conversion or call)."""
-
-  def __init__(self, side_inputs: dict[str, Any], building: bool, prefix: Path = ()):
-    self.side_inputs = side_inputs
-    self.building = building
-    self.prefix = prefix
-    self.frames: list[_Frame] = []
-    self.pending: list[_Pending] = []
-
-  def active(self) -> Any:
-    state = self
-
-    class _Active:
-      def __enter__(self) -> None:
-        if not hasattr(_local, "stack"):
-          _local.stack = []
-        _local.stack.append(state)
-        self._interceptor = fi.intercept_methods(state.intercept)
-        self._interceptor.__enter__()
-
-      def __exit__(self, *exc: Any) -> None:
-        try:
-          self._interceptor.__exit__(*exc)
-        finally:
-          _local.stack.remove(state)
-
-    return _Active()
-
-  def run_frame(self, frame: _Frame, fun: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    self.frames.append(frame)
-    try:
-      return fun(*args, **kwargs)
-    finally:
-      self.frames.pop()
-
-  def continue_pending(self, node: InterceptedFlaxModuleMethod, argument: ArgsAndKwargs) -> Any:
-    pending = self.pending.pop()
-    try:
-      return self.run_frame(
-        _Frame(node.path, node=node), pending.next_fun, argument.args, argument.kwargs
-      )
-    finally:
-      self.pending.append(pending)
+class LinenInterceptor(CallInterceptor):
+  """Receives Linen's method-interceptor callbacks for one `apply`."""
 
   def intercept(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-    if _current_state() is not self or context.method_name == "setup":
+    if current_interceptor() is not self or context.method_name == "setup":
       return next_fun(*args, **kwargs)
-    frame = self.frames[-1]
     module = context.module
     if fi.is_setup_check(module):
-      frame.lifted = [None, None]
+      self.frames[-1].lifted = [None, None]
       return next_fun(*args, **kwargs)
     path = self.prefix + fi.module_path(module)
-    name = context.method_name
-    if frame.absorb is not None and path == frame.path and name == frame.absorb:
-      frame.absorb = None
-      return next_fun(*args, **kwargs)
-    key, retrace = frame.next_key(f"{_relative_name(frame.path, path)}.{name}")
-    if self.building:
-      return self._record(frame, key, retrace, module, path, name, next_fun, args, kwargs)
-    if frame.node is None:
-      return self.run_frame(_Frame(path), next_fun, args, kwargs)
-    child = frame.node.submodule_calls.get(key)
-    if _is_node(child) and child.path == path and type(child.module) is type(module):
-      return self.run_frame(_Frame(path, node=child), next_fun, args, kwargs)
-    if child is None or _is_node(child):
-      self._diverged(frame, key)
-      return self.run_frame(_Frame(path), next_fun, args, kwargs)
-    self.pending.append(_Pending(path, name, next_fun))
-    try:
-      return child(ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs)), **self.side_inputs)
-    finally:
-      self.pending.pop()
+    return self.dispatch(module, path, context.method_name, next_fun, args, kwargs)
 
-  def _diverged(self, frame: _Frame, key: CallKey) -> None:
-    node = frame.node
-    if not _pristine(node):
-      seen = list(node.submodule_calls)
-      raise CallStructureError(
-        f"{node._where()}: call {key} was not made at conversion (conversion saw"
-        f" {seen[:8]}), and this part of the tree has replaced calls that would no"
-        " longer line up. Convert with example arguments that take the same branch."
-      )
-    frame.node = None
+  @contextmanager
+  def active(self) -> Iterator[None]:
+    with super().active(), fi.intercept_methods(self.intercept):
+      yield
 
-  def _record(self, frame, key, retrace, module, path, name, next_fun, args, kwargs) -> Any:
-    record = CallRecord(fi.unbound_clone(module), path, name)
-    if not retrace:
-      frame.record.children.append((key, record))
+  def new_record(self, module: Any, path: Path, name: str) -> CallRecord:
+    return CallRecord(fi.unbound_clone(module), path, name)
+
+  def same_module(self, node: CallNode, module: Any) -> bool:
+    return type(node.module) is type(module)
+
+  def record_call(self, record: CallRecord, module: Any, run: Callable[[], Any]) -> Any:
     before = fi.rng_counts(module)
     try:
-      return self.run_frame(_Frame(path, record=record), next_fun, args, kwargs)
+      return run()
     finally:
       after = fi.rng_counts(module)
-      record.rngs = tuple(sorted(k for k, v in after.items() if v > before.get(k, 0)))
+      record.extra["rngs"] = tuple(sorted(k for k, v in after.items() if v > before.get(k, 0)))
