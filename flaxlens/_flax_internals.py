@@ -34,6 +34,18 @@ def module_path(module: nn.Module) -> tuple[str, ...]:
   return tuple(module.scope.path)
 
 
+def lifting_transforms(module: nn.Module) -> tuple[str, ...]:
+  """Names of the lifted transforms (`scan`, `vmap`, `jit`, ...) a module runs inside.
+
+  Read from `Scope.debug_path`, whose segments read `"scan(layers)"` inside a lift.
+  """
+  found = []
+  for segment in module.scope.debug_path:
+    if isinstance(segment, str) and segment.endswith(")") and "(" in segment:
+      found.append(segment.split("(", 1)[0])
+  return tuple(found)
+
+
 def unbound_clone(module: nn.Module) -> nn.Module:
   """An unbound copy of a bound Linen module that keeps its name and settings.
 

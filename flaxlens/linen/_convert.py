@@ -33,7 +33,7 @@ from flaxlens.linen._tree import (
 def _split_static(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
   """Array leaves of `tree`, and a function rebuilding `tree` from new array leaves."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
-  mask = [isinstance(x, jax.Array | np.ndarray | np.generic) for x in leaves]
+  mask = [isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct) for x in leaves]
 
   def rebuild(arrays: list[Any]) -> Any:
     it = iter(arrays)
@@ -154,6 +154,7 @@ def _build_tree(
       ),
       submodule_calls={key: build(child) for key, child in record.children},
       capture_intermediates=capture_intermediates,
+      lifted_by=record.extra.get("lifted_by", ()),
     )
 
   return build(root)

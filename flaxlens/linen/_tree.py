@@ -87,6 +87,7 @@ class InterceptedFlaxModuleMethod(CallNode):
     scope_data: the module's own variables.
     submodule_calls: `{(call_index, "Child.method"): layer}` in call order.
     capture_intermediates: Flax's `capture_intermediates` option for this apply.
+    lifted_by: the lifted transforms (`"scan"`, `"vmap"`, ...) the call runs inside.
   """
 
   module: Any = static_field()
@@ -95,6 +96,7 @@ class InterceptedFlaxModuleMethod(CallNode):
   scope_data: InterceptedFlaxScopeData
   submodule_calls: dict[tuple[int, str], Any]
   capture_intermediates: Any = static_field(default=False)
+  lifted_by: tuple[str, ...] = static_field(default=())
 
   def _module_type_name(self) -> str:
     return type(self.module).__name__
@@ -210,6 +212,9 @@ def flatten_collections(collections: Mapping[str, Any]) -> dict[tuple[str, Path]
 # --- running a tree --------------------------------------------------------------------
 
 
+_SHAPE_PRESERVING_LIFTS = ("jit", "remat", "checkpoint", "named_call")
+
+
 def _resolve_rngs(random_streams: Any, where: str) -> Any:
   if random_streams is None:
     return None
@@ -236,6 +241,13 @@ def _apply_tree(
   side_inputs: dict[str, Any],
 ) -> Any:
   where = root._where()
+  batched = [t for t in root.lifted_by if t not in _SHAPE_PRESERVING_LIFTS]
+  if batched:
+    raise UnsupportedFlaxFeatureError(
+        f"{where}: this call runs inside nn.{batched[-1]}, where its variables are"
+        " sliced per iteration, so it cannot be called on its own. Call the tree it"
+        " belongs to (patches inside it apply at every iteration)."
+    )
   gathered = _gather(root)
   mutable = tuple(sorted({collection for collection, _ in gathered.state}))
   rngs = _resolve_rngs(random_streams, where)
@@ -306,6 +318,7 @@ class LinenInterceptor(CallInterceptor):
     return type(node.module) is type(module)
 
   def record_call(self, record: CallRecord, module: Any, run: Callable[[], Any]) -> Any:
+    record.extra["lifted_by"] = fi.lifting_transforms(module)
     before = fi.rng_counts(module)
     try:
       return run()

@@ -28,8 +28,6 @@ class Case:
   rngs: Any = None
   mutable: Any = False
   capture_intermediates: Any = False
-  # Arguments of a second call (for example another flag value) compared as well.
-  call_kwargs: Sequence[dict[str, Any]] = ()
 
   def apply(self, variables=None, rngs=None, **kwargs):
     return self.module.apply(
@@ -150,12 +148,14 @@ class Scale(nn.Module):
 
 
 class Branchy(nn.Module):
+  """Takes one of two branches by a Python argument; init creates both."""
+
   @nn.compact
   def __call__(self, x, mode: str = "a"):
-    if mode == "a":
-      x = nn.Dense(8, name="a")(x)
-    else:
-      x = nn.Dense(8, name="b")(x)
+    a, b = nn.Dense(8, name="a"), nn.Dense(8, name="b")
+    if self.is_initializing():
+      b(x)
+    x = a(x) if mode == "a" else b(x)
     return Scale(2.0 if mode == "a" else 3.0)(x)
 
 
@@ -260,6 +260,15 @@ def _case(name, module, *args, init_kwargs=None, **fields) -> Case:
   return Case(name, module, dict(variables), args, **fields)
 
 
+# Keyword arguments of further calls, other than at conversion, compared as well.
+CALL_KWARGS: dict[str, Sequence[dict[str, Any]]] = {
+  "batchnorm_train": ({"train": False},),
+  "batchnorm_eval": ({"train": True},),
+  "dropout": ({"train": False},),
+  "branch": ({"mode": "b"},),
+}
+
+
 def build() -> dict[str, Case]:
   """All corpus cases, keyed by name."""
   builders: list[Callable[[], Case]] = [
@@ -275,7 +284,6 @@ def build() -> dict[str, Case]:
       kwargs={"train": True},
       mutable=["batch_stats"],
       init_kwargs={"train": False},
-      call_kwargs=({"train": False},),
     ),
     lambda: _case(
       "batchnorm_eval",
@@ -284,14 +292,12 @@ def build() -> dict[str, Case]:
       kwargs={"train": False},
       init_kwargs={"train": False},
       mutable=["batch_stats"],
-      call_kwargs=({"train": True},),
     ),
     lambda: _case(
       "dropout",
       DropoutNet(),
       X,
       rngs={"dropout": jax.random.key(7)},
-      call_kwargs=({"train": False},),
     ),
     lambda: _case(
       "single_key_rngs", DropoutNet(), X, rngs=jax.random.key(7), kwargs={"train": False}
@@ -320,3 +326,31 @@ def build() -> dict[str, Case]:
   ]
   cases = [b() for b in builders]
   return {c.name: c for c in cases}
+
+
+NAMES = [
+  "mlp",
+  "setup_mlp",
+  "shared_child_called_twice",
+  "passed_attribute",
+  "collections",
+  "batchnorm_train",
+  "batchnorm_eval",
+  "dropout",
+  "single_key_rngs",
+  "method_encode",
+  "self_method_calls",
+  "method_function",
+  "sequential",
+  "branch",
+  "sow_new_collection",
+  "perturb",
+  "capture_intermediates",
+  "scan",
+  "vmap",
+  "remat",
+  "jit",
+  "rnn_lstm",
+  "partitioned",
+  "transformer",
+]

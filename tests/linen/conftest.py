@@ -1,0 +1,67 @@
+"""Shared fixtures for the Linen tests: the corpus, conversion and comparison helpers."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import flaxlens as fl
+
+from . import corpus
+
+
+@pytest.fixture(scope="session")
+def cases() -> dict[str, corpus.Case]:
+  return corpus.build()
+
+
+def convert(case: corpus.Case, **overrides) -> fl.InterceptedFlaxModuleMethod:
+  options = dict(
+    method=case.method,
+    rngs=case.rngs,
+    mutable=case.mutable,
+    capture_intermediates=case.capture_intermediates,
+  )
+  options.update(overrides)
+  return fl.unflaxify(case.module, case.variables, *case.args, **options, **case.kwargs)
+
+
+def call(tree, case: corpus.Case, **kwargs):
+  return tree(
+    fl.ArgsAndKwargs.capture(*case.args, **{**case.kwargs, **kwargs}), random_streams=case.rngs
+  )
+
+
+def assert_trees_equal(actual, expected) -> None:
+  """Same structure and bit-identical leaves."""
+  leaves_a, def_a = jax.tree_util.tree_flatten(actual)
+  leaves_e, def_e = jax.tree_util.tree_flatten(expected)
+  assert def_a == def_e, f"structure differs:\n{def_a}\n{def_e}"
+  for a, e in zip(leaves_a, leaves_e, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def tree_state(tree) -> dict[str, object]:
+  """The tree's state variables as {label: value}; labels read "collection:path"."""
+  return {
+    v.label: v.value
+    for v in fl.variables_in(tree)
+    if isinstance(v, fl.StateVariable) and not isinstance(v.value, fl.Uninitialized)
+  }
+
+
+def flat_collections(collections) -> dict[str, object]:
+  """A Flax collections dict as {"collection:path": leaf}, mappings being nodes."""
+  flat = {}
+
+  def walk(collection, path, value):
+    if hasattr(value, "items"):
+      for name, child in value.items():
+        walk(collection, path + (name,), child)
+    else:
+      flat[f"{collection}:{'/'.join(path)}"] = value
+
+  for collection, tree in collections.items():
+    walk(collection, (), tree)
+  return flat
