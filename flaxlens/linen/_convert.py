@@ -98,7 +98,9 @@ def unflaxify_linen(
     )
 
   mutated = jax.eval_shape(trace, arrays)
-  return _build_tree(root, variables, mutated, capture_intermediates)
+  named = [mutable] if isinstance(mutable, str) else mutable
+  named = list(named) if isinstance(named, list | tuple) else []
+  return _build_tree(root, variables, mutated, capture_intermediates, named)
 
 
 def _any_mutable(mutable: Any, capture_intermediates: Any) -> bool:
@@ -110,6 +112,7 @@ def _build_tree(
   variables: Mapping[str, Any],
   mutated: Mapping[str, Any],
   capture_intermediates: Any,
+  named_mutable: list[str],
 ) -> InterceptedFlaxModuleMethod:
   given = flatten_collections(variables)
   created = flatten_collections(mutated)
@@ -119,6 +122,7 @@ def _build_tree(
       f"{type(root.module).__name__}: this call creates parameters (an `init` run"
       " through apply). Run module.init first and convert with its variables."
     )
+  mutable_collections.update(named_mutable)
   mutable_collections.discard("params")
 
   called_paths = {r.path for r in root.walk()}
@@ -154,6 +158,7 @@ def _build_tree(
       ),
       submodule_calls={key: build(child) for key, child in record.children},
       capture_intermediates=capture_intermediates,
+      mutable=tuple(sorted(mutable_collections)),
       lifted_by=record.extra.get("lifted_by", ()),
     )
 

@@ -87,6 +87,8 @@ class InterceptedFlaxModuleMethod(CallNode):
     scope_data: the module's own variables.
     submodule_calls: `{(call_index, "Child.method"): layer}` in call order.
     capture_intermediates: Flax's `capture_intermediates` option for this apply.
+    mutable: the collections the apply treats as mutable (besides those holding
+      state variables), from the `mutable=` given at conversion.
     lifted_by: the lifted transforms (`"scan"`, `"vmap"`, ...) the call runs inside.
   """
 
@@ -96,6 +98,7 @@ class InterceptedFlaxModuleMethod(CallNode):
   scope_data: InterceptedFlaxScopeData
   submodule_calls: dict[tuple[int, str], Any]
   capture_intermediates: Any = static_field(default=False)
+  mutable: tuple[str, ...] = static_field(default=())
   lifted_by: tuple[str, ...] = static_field(default=())
 
   def _module_type_name(self) -> str:
@@ -249,7 +252,7 @@ def _apply_tree(
         " belongs to (patches inside it apply at every iteration)."
     )
   gathered = _gather(root)
-  mutable = tuple(sorted({collection for collection, _ in gathered.state}))
+  mutable = tuple(sorted({c for c, _ in gathered.state}.union(root.mutable)))
   rngs = _resolve_rngs(random_streams, where)
   state = LinenInterceptor(side_inputs=side_inputs, building=False, prefix=root.path)
   method = root.method_name
