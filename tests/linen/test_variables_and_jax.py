@@ -80,7 +80,7 @@ def test_jit_does_not_recompile_when_only_parameter_values_change(cases):
   run(tree, *case.args)
   for scale in (2.0, 3.0, 4.0):
     for p in fl.variables_in(tree):
-      p.value = jax.tree_util.tree_map(lambda a: a * scale, p.value)
+      p.value = jax.tree_util.tree_map(lambda a, s=scale: a * s, p.value)
     run(tree, *case.args)
   assert len(traces) == 1
 
