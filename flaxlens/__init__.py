@@ -29,6 +29,7 @@ from flaxlens.linen._tree import (
   InterceptedFlaxScopeData,
   Uninitialized,
 )
+from flaxlens.tools._summary import summary
 
 __version__ = "0.1.0"
 
@@ -59,6 +60,7 @@ __all__ = [
   "freeze_variables",
   "select",
   "static_field",
+  "summary",
   "unbind_variables",
   "variable_jit",
   "variables_in",

@@ -247,9 +247,9 @@ def _apply_tree(
   batched = [t for t in root.lifted_by if t not in _SHAPE_PRESERVING_LIFTS]
   if batched:
     raise UnsupportedFlaxFeatureError(
-        f"{where}: this call runs inside nn.{batched[-1]}, where its variables are"
-        " sliced per iteration, so it cannot be called on its own. Call the tree it"
-        " belongs to (patches inside it apply at every iteration)."
+      f"{where}: this call runs inside nn.{batched[-1]}, where its variables are"
+      " sliced per iteration, so it cannot be called on its own. Call the tree it"
+      " belongs to (patches inside it apply at every iteration)."
     )
   gathered = _gather(root)
   mutable = tuple(sorted({c for c, _ in gathered.state}.union(root.mutable)))

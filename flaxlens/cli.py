@@ -1,0 +1,61 @@
+"""The `flaxlens` command line: `flaxlens demo` converts an embedded model and shows it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def demo() -> int:
+  """Converts a small Linen transformer, checks it against Flax, patches and edits it."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from rich.console import Console
+
+  import flaxlens as fl
+  from flaxlens._demo_model import TinyLM
+
+  console = Console()
+  model = TinyLM()
+  tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 32)
+  variables = model.init(jax.random.key(0), tokens)
+  tree = fl.unflaxify(model, variables, tokens)
+  console.print("[bold]flaxlens demo[/]: a 2-block Linen transformer, converted\n")
+  console.print(fl.summary(tree))
+
+  native = model.apply(variables, tokens)
+  ours = tree(fl.ArgsAndKwargs.capture(tokens))
+  exact = bool(np.array_equal(np.asarray(native), np.asarray(ours)))
+  console.print(f"\ntree(tokens) == model.apply(variables, tokens) bit for bit: {exact}")
+
+  class Zero(fl.Layer):
+    def __call__(self, argument, /, **side_inputs):
+      return jnp.zeros_like(argument.args[0])
+
+  patched = tree.select().at_path("Block_1/MultiHeadDotProductAttention_0").apply(lambda _: Zero())
+  change = float(jnp.abs(patched(fl.ArgsAndKwargs.capture(tokens)) - ours).max())
+  console.print(f"zeroing Block_1's attention changes the logits by up to {change:.4f}")
+
+  head = tree.select().at_path("head").get()
+  head.scope_data.parameters["bias"].value = head.scope_data.parameters["bias"].value + 1.0
+  shifted = tree(fl.ArgsAndKwargs.capture(tokens))
+  console.print(
+    "adding 1 to the head's bias shifts every logit by 1:"
+    f" {bool(np.allclose(np.asarray(shifted - ours), 1.0, atol=1e-5))}"
+  )
+  return 0 if exact else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="flaxlens", description=__doc__)
+  commands = parser.add_subparsers(dest="command", required=True)
+  commands.add_parser("demo", help="convert an embedded model, check it, patch and edit it")
+  args = parser.parse_args(argv)
+  if args.command == "demo":
+    return demo()
+  return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tools that work on converted trees: summaries (and, later, isolate, capture, export)."""

@@ -1,0 +1,88 @@
+"""Third-party Linen models (random weights): exact conversion, patching and editing."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flaxlens as fl
+
+pytestmark = pytest.mark.slow
+
+MODELS = ["griffin", "gpt2", "resnet18"]
+# One call deep inside each model, replaced by zeros in the patching test.
+PATCH_PATHS = {
+  "griffin": "blocks.1/mlp_block",
+  "gpt2": "transformer/h/1/attn",
+  "resnet18": "BasicBlock_3/Conv_1",
+}
+
+
+def _assert_equal(actual, expected):
+  leaves_a, def_a = jax.tree_util.tree_flatten(actual)
+  leaves_e, def_e = jax.tree_util.tree_flatten(expected)
+  assert def_a == def_e
+  for a, e in zip(leaves_a, leaves_e, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def _output(model, result):
+  return result[0] if model.mutable else result
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_converted_model_matches_apply_bit_for_bit(request, name):
+  model = request.getfixturevalue(name)
+  tree = model.convert()
+  _assert_equal(model.call(tree), _output(model, model.apply()))
+
+
+def test_resnet_batch_stats_update_like_apply(resnet18):
+  tree = resnet18.convert()
+  resnet18.call(tree)
+  _, updates = resnet18.apply()
+  (mean,) = [
+    v for v in fl.variables_in(tree) if v.label == "batch_stats:BasicBlock_7/BatchNorm_1/mean"
+  ]
+  _assert_equal(mean.value, updates["batch_stats"]["BasicBlock_7"]["BatchNorm_1"]["mean"])
+
+
+class Zeros(fl.Layer):
+  shape_dtype: object = fl.static_field()
+
+  def __call__(self, argument, /, **side_inputs):
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.shape_dtype)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_replacing_a_deep_call_matches_flax_with_that_call_replaced(request, name):
+  model = request.getfixturevalue(name)
+  path = tuple(PATCH_PATHS[name].split("/"))
+  outputs = {}
+
+  def zero_it(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    if context.method_name == "__call__" and context.module.path == path:
+      outputs["shape"] = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out
+      )
+      return jax.tree_util.tree_map(jnp.zeros_like, out)
+    return out
+
+  with nn.intercept_methods(zero_it):
+    expected = _output(model, model.apply())
+  tree = model.convert()
+  patched = tree.select().at_path(PATCH_PATHS[name]).apply(lambda _: Zeros(outputs["shape"]))
+  _assert_equal(model.call(patched), expected)
+
+
+def test_editing_a_griffin_parameter_matches_apply_with_the_edit(griffin):
+  tree = griffin.convert()
+  norm = tree.select().at_path("final_norm").get()
+  scale = norm.scope_data.parameters["scale"]
+  scale.value = scale.value + 0.5
+  edited = {"params": {**griffin.variables["params"], "final_norm": {"scale": scale.value}}}
+  _assert_equal(griffin.call(tree), griffin.apply(variables=edited))
