@@ -62,8 +62,9 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
 
   Args:
     fn: the function to jit; `variable_jit(**jit_kwargs)` returns a decorator.
-    **jit_kwargs: passed to `jax.jit` (for example `donate_argnums` is not supported,
-      but `device`/`backend` options are).
+    **jit_kwargs: passed to `jax.jit` (for example `device` or `backend`). Argument
+      selection options (`static_argnums`, `donate_argnums`, ...) are not accepted:
+      non-array leaves are static already, and arrays are always traced.
 
   Example:
     >>> import flaxlens as fl, jax.numpy as jnp
@@ -79,6 +80,12 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
   """
   if fn is None:
     return functools.partial(variable_jit, **jit_kwargs)
+  refused = sorted(k for k in jit_kwargs if k.startswith(("static_arg", "donate_arg")))
+  if refused:
+    raise TypeError(
+      f"variable_jit does not take {refused}: non-array leaves of the arguments are static"
+      " already and array leaves are always traced. Pass Python values for static inputs."
+    )
 
   def traced(static: _Static, treedef: Any, mask: tuple[bool, ...], arrays, values):
     arrays_iter, static_iter = iter(arrays), iter(static.values)

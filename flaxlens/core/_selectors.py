@@ -175,7 +175,9 @@ class Selection:
           )
       return paths
 
-    return self._narrow(find)
+    selection = self._narrow(find)
+    _check_disjoint(selection._paths)
+    return selection
 
   def at_instances_of(self, cls: type | tuple[type, ...], innermost: bool = False) -> Selection:
     """Selects the outermost (or innermost) subtrees that are instances of `cls`.
@@ -380,12 +382,15 @@ def _check_disjoint(paths: Sequence[KeyPath]) -> None:
         )
 
 
-_GLOB_REGEX = {"**": ".*", "*": "[^/]*", "?": "[^/]"}
+_GLOB_REGEX = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
 
 
 def _path_matches(pattern: str, path: str) -> bool:
-  """Glob match in which `**` spans path segments and `*` and `?` stay within one."""
-  tokens = re.split(r"(\*\*|\*|\?)", pattern)
+  """Glob match in which `**` spans path segments and `*` and `?` stay within one.
+
+  `**/` also matches no segment at all, so `**/Dense_0` matches a top-level `Dense_0`.
+  """
+  tokens = re.split(r"(\*\*/|\*\*|\*|\?)", pattern)
   regex = "".join(_GLOB_REGEX.get(token, re.escape(token)) for token in tokens)
   return re.fullmatch(regex, path) is not None
 

@@ -174,3 +174,8 @@ def test_accepts_frozen_values_as_ordinary_pytrees():
   value = fl.ParameterValue(value=jnp.array(2.0), label="w")
   out = fl.variable_jit(lambda v, x: v.value * x)(value, jnp.array(3.0))
   np.testing.assert_allclose(out, 6.0)
+
+
+def test_argument_selection_options_are_refused_with_a_reason():
+  with pytest.raises(TypeError, match="static already"):
+    fl.variable_jit(lambda x: x, static_argnums=(0,))

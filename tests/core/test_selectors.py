@@ -436,6 +436,11 @@ def test_at_path_double_star_matches_across_segments(calls):
   assert call_paths(fl.select(calls).at_path("**.attend")) == ["Block_1/Attention_0"]
 
 
+def test_at_path_double_star_slash_also_matches_no_segment():
+  tree = [Call(body=1, path="Dense_0"), Call(body=2, path="Block/Dense_0")]
+  assert call_paths(fl.select(tree).at_path("**/Dense_0")) == ["Dense_0", "Block/Dense_0"]
+
+
 def test_at_path_single_star_stays_within_a_segment_next_to_a_double_star():
   tree = [Call(body=Call(body=1, path="Outer/Dense_0/Inner"), path="Outer")]
   with pytest.raises(KeyError):
@@ -458,3 +463,9 @@ def test_at_path_selection_can_be_edited(calls):
   new = fl.select(calls).at_path("Head").apply(lambda call: call.body)
   assert new["head"] == 4
   assert type(calls["head"]) is Call
+
+
+def test_at_with_multiple_refuses_overlapping_parts():
+  tree = {"a": [1, 2]}
+  with pytest.raises(ValueError, match="overlap"):
+    fl.select(tree).at(lambda t: (t["a"], t["a"][0]), multiple=True)
