@@ -167,6 +167,18 @@ class Sower(nn.Module):
     return nn.Dense(2)(h)
 
 
+class Cached(nn.Module):
+  """Creates its cache on the first apply (as decoders do), then updates it."""
+
+  @nn.compact
+  def __call__(self, x):
+    is_new = not self.has_variable("cache", "total")
+    total = self.variable("cache", "total", lambda: jnp.zeros(x.shape[-1]))
+    if not is_new:
+      total.value = total.value + x.sum(axis=0)
+    return nn.Dense(4)(x) + total.value.sum()
+
+
 class Perturbed(nn.Module):
   @nn.compact
   def __call__(self, x):
@@ -260,6 +272,19 @@ def _case(name, module, *args, init_kwargs=None, **fields) -> Case:
   return Case(name, module, dict(variables), args, **fields)
 
 
+def _sow_existing() -> Case:
+  case = _case("sow_existing_collection", Sower(), X, mutable=["intermediates"])
+  _, sown = case.apply()
+  case.variables = {**case.variables, **sown}
+  return case
+
+
+def _created_during_apply() -> Case:
+  case = _case("created_during_apply", Cached(), X, mutable=["cache"])
+  case.variables = {"params": case.variables["params"]}
+  return case
+
+
 # Keyword arguments of further calls, other than at conversion, compared as well.
 CALL_KWARGS: dict[str, Sequence[dict[str, Any]]] = {
   "batchnorm_train": ({"train": False},),
@@ -299,9 +324,7 @@ def build() -> dict[str, Case]:
       X,
       rngs={"dropout": jax.random.key(7)},
     ),
-    lambda: _case(
-      "single_key_rngs", DropoutNet(), X, rngs=jax.random.key(7), kwargs={"train": False}
-    ),
+    lambda: _case("single_key_rngs", DropoutNet(), X, rngs=jax.random.key(7)),
     lambda: _case("method_encode", EncoderDecoder(), TOKENS, method="encode"),
     lambda: _case("self_method_calls", EncoderDecoder(), TOKENS),
     lambda: _case(
@@ -314,6 +337,8 @@ def build() -> dict[str, Case]:
     lambda: _case("sequential", nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)]), X),
     lambda: _case("branch", Branchy(), X, kwargs={"mode": "a"}),
     lambda: _case("sow_new_collection", Sower(), X, mutable=["intermediates"]),
+    _sow_existing,
+    _created_during_apply,
     lambda: _case("perturb", Perturbed(), X, mutable=["perturbations"]),
     lambda: _case("capture_intermediates", MLP(), X, capture_intermediates=True),
     lambda: _case("scan", Scanned(), X),
@@ -344,6 +369,8 @@ NAMES = [
   "sequential",
   "branch",
   "sow_new_collection",
+  "sow_existing_collection",
+  "created_during_apply",
   "perturb",
   "capture_intermediates",
   "scan",

@@ -41,11 +41,15 @@ def test_call_time_arguments_other_than_at_conversion_match_apply(cases, name):
     assert_trees_equal(tree_state(tree), flat_collections(expected_state))
 
 
-def test_second_call_continues_from_updated_state(cases):
-  case = cases["batchnorm_train"]
+@pytest.mark.parametrize(
+  "name", ["batchnorm_train", "created_during_apply", "sow_new_collection", "collections"]
+)
+def test_second_call_continues_from_updated_state(cases, name):
+  case = cases[name]
   tree = convert(case)
   call(tree, case)
-  call(tree, case)
+  out = call(tree, case)
   _, state1 = case.apply()
-  _, state2 = case.apply(variables={**case.variables, **state1})
+  expected_out, state2 = case.apply(variables={**case.variables, **state1})
+  assert_trees_equal(out, expected_out)
   assert_trees_equal(tree_state(tree), flat_collections(state2))
