@@ -29,6 +29,7 @@ from flaxlens.linen._tree import (
   InterceptedFlaxScopeData,
   Uninitialized,
 )
+from flaxlens.nnx._tree import InterceptedNNXModuleMethod, NNXVariableSpec
 from flaxlens.tools._summary import summary
 
 __version__ = "0.1.0"
@@ -39,6 +40,8 @@ __all__ = [
   "FlaxlensError",
   "InterceptedFlaxModuleMethod",
   "InterceptedFlaxScopeData",
+  "InterceptedNNXModuleMethod",
+  "NNXVariableSpec",
   "Uninitialized",
   "UnsupportedFlaxFeatureError",
   "unflaxify",

@@ -6,8 +6,11 @@ Checked against flax 0.12.8 (jax 0.10.2). Linen: the method-interceptor hook
 (`Module.clone(_deep_clone=..., _reset_names=...)`), the per-scope rng counters
 (`Scope.rng_counters`), the `TestScope` that Flax's setup check runs lifted modules on,
 and a copy of `Module.apply` that can set root `Scope.flags` (`flax.core.apply(flags=)`,
-`flax.linen.module._get_unbound_fn`, `_context.capture_stack`). A Flax upgrade that
-changes any of these should break here only.
+`flax.linen.module._get_unbound_fn`, `_context.capture_stack`). NNX: the private
+`_pytree__is_pytree` flag and the `PytreeMeta` class keywords needed to subclass a module
+class, swapping an instance's `__class__`, a `_pytree__`-prefixed instance attribute that
+rides in the `GraphDef` as static data, and the base classes whose methods are Flax's
+own. A Flax upgrade that changes any of these should break here only.
 """
 
 from __future__ import annotations
@@ -122,3 +125,82 @@ def apply_fresh(
   return flax_core.apply(scope_fn, mutable=mutable, flags=flags)(
     variables, *args, rngs=rngs, **kwargs
   )
+
+
+# --- NNX -------------------------------------------------------------------------------
+#
+# NNX has no interception hook (flax issue 4666). flaxlens swaps the class of every
+# module instance of a private copy of the model for a cached subclass whose methods
+# report to an interceptor. What makes that work in flax 0.12.8:
+# - `Pytree._graph_node_flatten` records `type(self)` as the node type, so `nnx.split`
+#   / `nnx.merge` inside `nnx.scan`, `nnx.vmap`, `nnx.remat` and `nnx.jit` re-create
+#   the instrumented subclass, and `GraphDef` equality (jit cache keys) follows it.
+# - Instance attributes that are not data ride in the `GraphDef` as static values, so a
+#   module re-created inside a transform still knows its path. The attribute name
+#   starts with `_pytree__`: NNX's reprs skip such names and `nnx.bridge.ToNNX` does
+#   not mistake it for a Linen collection.
+# - `nnx.jit` (through `jax.jit`) caches its trace on the `GraphDef`; a trace made in
+#   an earlier call would skip the interceptor. The site attribute carries a nonce that
+#   is new for every run, so each run traces afresh.
+# - `nnx.capture(method_outputs=...)` wraps only the methods found in `type(m).__dict__`
+#   (not inherited ones); the instrumented subclass keeps that set unchanged by
+#   defining wrappers of inherited methods on a plain mixin base instead.
+
+NNX_SITE_ATTRIBUTE = "_pytree__flaxlens_site"
+
+
+def nnx_flax_bases() -> tuple[type, ...]:
+  """Classes whose methods are NNX's own machinery (or container API), not layer calls."""
+  from flax import nnx
+  from flax.nnx import reprlib
+
+  return (
+    nnx.Module,
+    nnx.Pytree,
+    nnx.Object,
+    nnx.List,
+    nnx.Dict,
+    reprlib.Representable,
+    reprlib.SequenceReprMixin,
+    reprlib.MappingReprMixin,
+  )
+
+
+def nnx_subclass(cls: type, mixin_methods: dict[str, Any], namespace: dict[str, Any]) -> type:
+  """A subclass of the NNX module class `cls`, registered with NNX and JAX as `cls` is.
+
+  `mixin_methods` go on a mixin base placed before `cls` in the MRO. For an instance's
+  `__class__` to be swappable, CPython requires the mixin to have the instance layout
+  of `cls` and the same base as the class that introduced that layout (`nnx.Pytree`,
+  which adds `__dict__`/`__weakref__` to the slot-less `reprlib.Representable`).
+  """
+  bases: tuple[type, ...] = (cls,)
+  if mixin_methods:
+    layout = next(k for k in reversed(cls.__mro__) if k.__dictoffset__ != 0)
+    name = f"{cls.__name__}InheritedMethods"
+    bases = (type(name, (layout.__base__,), mixin_methods), cls)
+  return type(cls)(cls.__name__, bases, namespace, pytree=cls._pytree__is_pytree)
+
+
+def nnx_swap_class(module: Any, cls: type) -> None:
+  """Makes `module` an instance of `cls` (a subclass of its class, same layout)."""
+  object.__setattr__(module, "__class__", cls)
+
+
+def nnx_set_site(module: Any, site: Any) -> None:
+  """Stores `site` on `module` as a static attribute (it bypasses `Pytree.__setattr__`)."""
+  object.__setattr__(module, NNX_SITE_ATTRIBUTE, site)
+
+
+def nnx_site(module: Any) -> Any:
+  """The site stored by `nnx_set_site`, or None."""
+  return vars(module).get(NNX_SITE_ATTRIBUTE)
+
+
+def nnx_variable_mode(variable: Any) -> str | None:
+  """`"ref"` or `"hijax"` if the NNX variable lives in that mode, else None."""
+  metadata = variable.get_metadata()
+  for mode in ("ref", "hijax"):
+    if metadata.get(mode):
+      return mode
+  return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
+from flax import nnx
 
 
 def unflaxify(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -14,9 +15,15 @@ def unflaxify(model: Any, *args: Any, **kwargs: Any) -> Any:
   mutable=False, capture_intermediates=False, **example_kwargs)` returns an
   `InterceptedFlaxModuleMethod` whose call reproduces `module.apply` bit for bit.
 
+  NNX: `unflaxify(module, *example_args, method="__call__", **example_kwargs)` returns
+  an `InterceptedNNXModuleMethod` whose call reproduces `getattr(module, method)(...)`
+  bit for bit, state updates included, on a private copy: the module is never
+  modified. `method` may also be a function taking the module first.
+
   Args:
-    model: an unbound `flax.linen.Module`.
-    *args: for Linen, the variables then the example positional arguments.
+    model: an unbound `flax.linen.Module`, or a `flax.nnx.Module`.
+    *args: for Linen, the variables then the example positional arguments; for NNX,
+      the example positional arguments.
     **kwargs: conversion options and example keyword arguments.
 
   Returns:
@@ -30,6 +37,14 @@ def unflaxify(model: Any, *args: Any, **kwargs: Any) -> Any:
     >>> tree = fl.unflaxify(model, variables, x)
     >>> bool((tree(fl.ArgsAndKwargs.capture(x)) == model.apply(variables, x)).all())
     True
+
+    An NNX model converts from itself and its example arguments:
+
+    >>> from flax import nnx
+    >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    >>> tree = fl.unflaxify(model, x)
+    >>> bool((tree(fl.ArgsAndKwargs.capture(x)) == model(x)).all())
+    True
   """
   if isinstance(model, nn.Module):
     from flaxlens.linen._convert import unflaxify_linen
@@ -40,6 +55,10 @@ def unflaxify(model: Any, *args: Any, **kwargs: Any) -> Any:
         " second argument: fl.unflaxify(module, variables, *example_args)."
       )
     return unflaxify_linen(model, *args, **kwargs)
+  if isinstance(model, nnx.Module):
+    from flaxlens.nnx._convert import unflaxify_nnx
+
+    return unflaxify_nnx(model, *args, **kwargs)
   raise TypeError(
     f"unflaxify expects a flax.linen.Module (with its variables) or a flax.nnx.Module,"
     f" got {type(model).__name__}."

@@ -1,0 +1,194 @@
+"""Converting an NNX module into a tree of `InterceptedNNXModuleMethod` nodes.
+
+Conversion rebuilds a private, instrumented copy of the model inside `jax.eval_shape`
+and calls the method once while the `NNXInterceptor` records every reported call, so it
+costs no FLOPs, copies no buffers and does not grow with batch size. Every recorded call
+becomes a node; every NNX variable becomes a `Parameter` (`nnx.Param`) or a
+`StateVariable` (any other type) holding the user's own array, owned by the calls of
+its module, and variables the call creates start as `Uninitialized`. Flax internals
+used: see `flaxlens._flax_internals`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from flaxlens import _flax_internals as fi
+from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens.core._calls import CallRecord, Frame, Path
+from flaxlens.core._variables import Parameter, StateVariable
+from flaxlens.linen._convert import _split_static
+from flaxlens.linen._tree import Uninitialized
+from flaxlens.nnx._tree import (
+  InterceptedNNXModuleMethod,
+  NNXInterceptor,
+  NNXVariableSpec,
+  call_method,
+  leaf_paths,
+)
+
+
+def _readable(path: Path) -> str:
+  return "/".join(map(str, path))
+
+
+def unflaxify_nnx(
+  model: nnx.Module,
+  *example_args: Any,
+  method: str | Callable[..., Any] = "__call__",
+  **example_kwargs: Any,
+) -> InterceptedNNXModuleMethod:
+  """Converts an NNX module into a tree of its calls; see `flaxlens.unflaxify`."""
+  where = type(model).__name__
+  if inspect.ismethod(method) and method.__self__ is model:
+    method = method.__name__
+  if isinstance(method, str):
+    if not callable(getattr(model, method, None)):
+      raise FlaxlensError(f"{where}: the module has no method {method!r}.")
+  elif not callable(method):
+    raise TypeError(
+      f"{where}: method must be a method name or a function taking the module first,"
+      f" got {type(method).__name__}."
+    )
+
+  graphdef, state = nnx.split(model)
+  given = {tuple(p): v for p, v in nnx.to_flat_state(state)}
+  for path, variable in given.items():
+    mode = fi.nnx_variable_mode(variable)
+    if mode is not None:
+      raise UnsupportedFlaxFeatureError(
+        f"{where}: the variable {_readable(path)!r} is in {mode} mode, which flaxlens"
+        " does not support yet. Create the model with plain variables (the default)."
+      )
+  leaves = [given[p].get_raw_value() for p in leaf_paths(graphdef)]
+
+  root = CallRecord(type(model), (), method)
+  created: dict[Path, Any] = {}
+  arrays, rebuild = _split_static((leaves, example_args, example_kwargs))
+
+  def trace(arrays: list[Any]) -> None:
+    leaves, args, kwargs = rebuild(arrays)
+    interceptor = NNXInterceptor(side_inputs={}, building=True)
+    root.children.clear()
+    interceptor.frames[:] = [
+      Frame((), record=root, absorb=method if isinstance(method, str) else None)
+    ]
+    copy = nnx.merge(graphdef, list(leaves))
+    interceptor.instrument(copy, ())
+    statics = {p: _statics(m) for p, m in interceptor.by_path.items()}
+    with interceptor.active():
+      call_method(copy, method, args, kwargs)
+    _check_statics(where, interceptor.by_path, statics)
+    created.clear()
+    for path, variable in nnx.to_flat_state(nnx.state(copy)):
+      path = tuple(path)
+      if path not in given:
+        _check_created(where, path, variable, interceptor.by_path)
+        created[path] = variable
+
+  jax.eval_shape(trace, arrays)
+  return _build_tree(model, graphdef, root, given, created)
+
+
+def _statics(module: Any) -> dict[str, Any]:
+  return {
+    name: value
+    for name, value in vars(module).items()
+    if not name.startswith("_pytree__") and not nnx.is_data(value)
+  }
+
+
+def _same(a: Any, b: Any) -> bool:
+  if a is b:
+    return True
+  try:
+    return bool(a == b)
+  except Exception:
+    return False
+
+
+def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict]) -> None:
+  """Refuses calls that change a module's static (non-variable) attributes.
+
+  The tree starts every call from the static attributes seen at conversion; a model
+  that changed them while running would behave differently on its next call. A static
+  placeholder the call replaces with a variable (`cache_index = None` until
+  `init_cache`) is a created variable, not a change.
+  """
+  for path, module in modules.items():
+    old, new = before[path], _statics(module)
+    for name in sorted(set(old) | set(new)):
+      if name in old and name not in new and nnx.is_data(vars(module).get(name)):
+        continue
+      if name not in old or name not in new or not _same(old[name], new[name]):
+        raise UnsupportedFlaxFeatureError(
+          f"{where}: the call changes the static attribute {name!r} of the module at"
+          f" {_readable(path) or '<root>'!r}. flaxlens replays every call from the"
+          " static attributes seen at conversion; keep values that change while"
+          " running in an nnx.Variable, or set them before converting."
+        )
+
+
+def _check_created(where: str, path: Path, variable: Any, modules: dict[Path, Any]) -> None:
+  name = f"{type(variable).__name__} {_readable(path)!r}"
+  if isinstance(variable, nnx.Param):
+    raise UnsupportedFlaxFeatureError(
+      f"{where}: the call creates the parameter {name} (lazy initialization)."
+      " Initialize the model first (for nnx.bridge modules: nnx.bridge.lazy_init)."
+    )
+  if path[:-1] not in modules or not isinstance(path[-1], str):
+    raise UnsupportedFlaxFeatureError(
+      f"{where}: the call creates the variable {name} inside a new container; flaxlens"
+      " holds variables a call creates only as attributes of existing modules."
+    )
+
+
+def _build_tree(
+  model: nnx.Module,
+  graphdef: Any,
+  root: CallRecord,
+  given: dict[Path, Any],
+  created: dict[Path, Any],
+) -> InterceptedNNXModuleMethod:
+  called = {r.path for r in root.walk()}
+  modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
+  graphdefs = {p: graphdef if p == () else nnx.graphdef(modules[p]) for p in called}
+  owned: dict[Path, tuple[dict, dict, list]] = {p: ({}, {}, []) for p in called}
+  variables = [(p, v, False) for p, v in given.items()]
+  variables += [(p, v, True) for p, v in created.items()]
+  order = {p: i for i, p in enumerate(leaf_paths(graphdef))}
+  variables.sort(key=lambda item: (item[2], order.get(item[0], 0)))
+  for path, variable, is_new in variables:
+    owner = max((p for p in called if path[: len(p)] == p and len(p) < len(path)), key=len)
+    rel = path[len(owner) :]
+    name = _readable(rel)
+    label = f"{type(variable).__name__}:{_readable(path)}"
+    parameters, states, specs = owned[owner]
+    if isinstance(variable, nnx.Param):
+      parameters[name] = Parameter(variable.get_raw_value(), label=label)
+    else:
+      initial = Uninitialized() if is_new else variable.get_raw_value()
+      states[name] = StateVariable(initial, label=label)
+    metadata = tuple(variable.get_metadata().items())
+    specs.append(NNXVariableSpec(name, rel, type(variable), metadata, is_new))
+
+  def build(record: CallRecord) -> InterceptedNNXModuleMethod:
+    parameters, states, specs = owned[record.path]
+    return InterceptedNNXModuleMethod(
+      module_type=record.module,
+      method_name=record.method_name,
+      path=record.path,
+      parameters=dict(parameters),
+      variables=dict(states),
+      submodule_calls={key: build(child) for key, child in record.children},
+      graphdef=graphdefs[record.path],
+      specs=tuple(specs),
+      sliced=record.extra.get("sliced", False),
+    )
+
+  return build(root)

@@ -1,0 +1,554 @@
+"""The NNX call tree: one `InterceptedNNXModuleMethod` node per intercepted method call.
+
+Calling a node rebuilds a private copy of its module with `nnx.merge` (the node's
+`GraphDef` plus the tree's current variable values), swaps the class of every module of
+the copy for a cached subclass whose methods report to an `NNXInterceptor`, and calls
+the method natively: an unmodified child node lets its call continue natively (so rng
+streams, batch statistics, caches and NNX transforms are NNX's own, bit for bit), any
+other layer replaces the call. The copy's updated state is then written back into the
+tree's `StateVariable`s and the copy is dropped, so the user's model is never touched,
+even when a call raises. Flax internals used: see `flaxlens._flax_internals`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple, Self
+
+import jax
+from flax import nnx
+
+from flaxlens import _flax_internals as fi
+from flaxlens._errors import CallStructureError, FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._calls import (
+  CallInterceptor,
+  CallNode,
+  CallRecord,
+  Frame,
+  Path,
+  is_call_node,
+  iter_call_nodes,
+)
+from flaxlens.core._struct import static_field
+from flaxlens.core._variables import (
+  AbstractVariable,
+  AbstractVariableSlot,
+  AbstractVariableValue,
+)
+from flaxlens.linen._tree import Uninitialized
+
+
+class NNXVariableSpec(NamedTuple):
+  """What a node knows about one of its NNX variables, to rebuild it exactly.
+
+  Attributes:
+    name: its key in the node's `parameters` or `variables` (`"rngs/count"`).
+    path: its path from the node's module, as NNX spells it (`("rngs", "count")`).
+    type: the `nnx.Variable` subclass (`nnx.Param`, `nnx.BatchStat`, ...).
+    metadata: the variable's metadata, as `(name, value)` pairs.
+    created: whether the converted call itself created it (a `sow` outside
+      `nnx.capture`, a cache made by `init_cache`); such variables are not part of the
+      node's `GraphDef` and are added to the private copy once they hold a value.
+  """
+
+  name: str
+  path: Path
+  type: type
+  metadata: tuple[tuple[str, Any], ...]
+  created: bool = False
+
+
+class InterceptedNNXModuleMethod(CallNode):
+  """One call of a Flax NNX module method, with its submodule calls as children.
+
+  Call it as `node(fl.ArgsAndKwargs.capture(*args, **kwargs), **side_inputs)`; side
+  inputs are passed to replacement layers. NNX keeps random state in the model, so
+  dropout masks follow the tree's `RngKey`/`RngCount` state variables.
+
+  Attributes:
+    module_type: the module's class (the user's class, not an instrumented one).
+    method_name: the method called (a string, or the function given as `method=`).
+    path: the module's path in the converted model (`("blocks", 0, "linear")`).
+    parameters: the module's own `nnx.Param`s as `Parameter`s, by relative name; a
+      variable of a submodule that makes no call of its own is held by its nearest
+      calling ancestor (`"linear/kernel"`).
+    variables: the module's other NNX variables (`BatchStat`, `Cache`, `RngKey`,
+      `RngCount`, custom types) as `StateVariable`s, by relative name.
+    submodule_calls: `{(call_index, "child.method"): layer}` in call order.
+    graphdef: the module's `nnx.GraphDef` at conversion (static attributes such as
+      `deterministic` included); with the variables it rebuilds the module.
+    specs: one `NNXVariableSpec` per entry of `parameters` and `variables`.
+    sliced: whether the call runs inside an NNX transform that slices its variables
+      (`nnx.scan`, `nnx.vmap`); such a node runs only as part of its tree.
+  """
+
+  module_type: type = static_field()
+  method_name: Any = static_field()
+  path: Path = static_field()
+  parameters: dict[str, Any]
+  variables: dict[str, Any]
+  submodule_calls: dict[tuple[int, str], Any]
+  graphdef: Any = static_field()
+  specs: tuple[NNXVariableSpec, ...] = static_field(default=())
+  sliced: bool = static_field(default=False)
+
+  def _module_type_name(self) -> str:
+    return self.module_type.__name__
+
+  def _treescope_attributes(self) -> dict[str, Any]:
+    attrs = self.attributes_dict()
+    attrs["module_type"] = _Summary(self.module_type.__name__)
+    attrs["graphdef"] = _Summary(f"GraphDef({self.module_type.__name__})")
+    del attrs["specs"]
+    return attrs
+
+  def _run_root(
+    self, argument: ArgsAndKwargs, /, random_streams: Any = None, **side_inputs: Any
+  ) -> Any:
+    if random_streams is not None:
+      raise FlaxlensError(
+        f"{self._where()}: random_streams is for Linen trees. An NNX model keeps its"
+        " random state in the model (its RngKey/RngCount variables are state variables"
+        " of this tree); pass an nnx.Rngs as a call argument if the method takes one."
+      )
+    return _run(self, argument, side_inputs)
+
+  def set_attributes(
+    self, *filters: Any, raise_if_not_found: bool = True, **attributes: Any
+  ) -> Self:
+    """A copy of this tree whose calls run as after NNX's `module.set_attributes(...)`.
+
+    The tree is immutable: the change is made by NNX on a copy of the module and
+    recorded in the nodes' `GraphDef`s.
+
+    Example:
+      >>> import flaxlens as fl, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+      ...                        nnx.Dropout(0.5, rngs=nnx.Rngs(1)))
+      >>> x = jnp.ones((1, 2))
+      >>> tree = fl.unflaxify(model, x).set_attributes(deterministic=True)
+      >>> bool((tree(fl.ArgsAndKwargs.capture(x)) == model.layers[0](x)).all())
+      True
+    """
+    return _restatic(
+      self,
+      lambda m: m.set_attributes(*filters, raise_if_not_found=raise_if_not_found, **attributes),
+    )
+
+  def train(self, **attributes: Any) -> Self:
+    """A copy of this tree in training mode, as NNX's `module.train(**attributes)`.
+
+    Example:
+      >>> import flaxlens as fl, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> model = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+      >>> model.eval()
+      >>> x = jnp.ones((4,))
+      >>> tree = fl.unflaxify(model, x)
+      >>> model.train()
+      >>> expected = model(x)
+      >>> bool((tree.train()(fl.ArgsAndKwargs.capture(x)) == expected).all())
+      True
+    """
+    return _restatic(self, lambda m: m.train(**attributes))
+
+  def eval(self, **attributes: Any) -> Self:
+    """A copy of this tree in evaluation mode, as NNX's `module.eval(**attributes)`.
+
+    Example:
+      >>> import flaxlens as fl, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> model = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+      >>> x = jnp.ones((4,))
+      >>> tree = fl.unflaxify(model, x).eval()
+      >>> tree(fl.ArgsAndKwargs.capture(x))
+      Array([1., 1., 1., 1.], dtype=float32)
+    """
+    return _restatic(self, lambda m: m.eval(**attributes))
+
+  def view(self, *, only: Any = ..., raise_if_not_found: bool = True, **kwargs: Any) -> Self:
+    """A copy of this tree whose calls run as those of `nnx.view(module, **kwargs)`.
+
+    Example:
+      >>> import flaxlens as fl, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> model = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+      >>> x = jnp.ones((4,))
+      >>> tree = fl.unflaxify(model, x).view(deterministic=True)
+      >>> tree(fl.ArgsAndKwargs.capture(x))
+      Array([1., 1., 1., 1.], dtype=float32)
+    """
+    return _restatic(
+      self,
+      lambda m: nnx.view(m, only=only, raise_if_not_found=raise_if_not_found, **kwargs),
+    )
+
+
+class _Summary:
+  """A one-line stand-in for a bulky static value in treescope renderings."""
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def __repr__(self) -> str:
+    return self.text
+
+  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    from treescope import rendering_parts
+
+    return rendering_parts.text(self.text)
+
+
+# --- rebuilding a module from a tree ---------------------------------------------------
+
+
+class _Marker:
+  __slots__ = ("index",)
+
+  def __init__(self, index: int):
+    self.index = index
+
+
+@functools.lru_cache(maxsize=256)
+def leaf_paths(graphdef: Any) -> tuple[Path, ...]:
+  """The variable paths of `graphdef`, in the order `nnx.merge` takes a list of leaves."""
+  count = graphdef.num_leaves
+  probe = nnx.merge(graphdef, [_Marker(i) for i in range(count)])
+  paths: list[Path] = [()] * count
+  for path, variable in nnx.to_flat_state(nnx.state(probe)):
+    paths[variable.get_raw_value().index] = tuple(path)
+  return tuple(paths)
+
+
+def merge_values(graphdef: Any, values: dict[Path, Any], missing: Any = None) -> Any:
+  """`nnx.merge(graphdef, ...)` with the leaf at each path taken from `values`.
+
+  NNX creates fresh `Variable`s of the types and metadata the `GraphDef` records, so
+  nothing of the model the values came from is shared except the (immutable) arrays.
+  """
+  return nnx.merge(graphdef, [values.get(p, missing) for p in leaf_paths(graphdef)])
+
+
+def navigate(root: Any, path: Path) -> Any:
+  """The object at `path` (attribute names and list indices) inside an NNX graph."""
+  node = root
+  for key in path:
+    node = node[key] if isinstance(key, int) else getattr(node, key)
+  return node
+
+
+def _value_of(entry: Any, where: str) -> Any:
+  if isinstance(entry, AbstractVariable | AbstractVariableValue):
+    return entry.value
+  if isinstance(entry, AbstractVariableSlot):
+    raise FlaxlensError(
+      f"{where}: the variable {entry.label!r} is unbound (a slot). Bind it with"
+      " fl.bind_variables(tree, values), or call the tree through stateless_call."
+    )
+  return entry
+
+
+class _Gathered:
+  """The variables of one run, gathered from the nodes of a tree by path."""
+
+  def __init__(self, root: InterceptedNNXModuleMethod):
+    self.specs: dict[Path, NNXVariableSpec] = {}
+    self.entries: dict[Path, Any] = {}
+    prefix = root.path
+    for node in iter_call_nodes(root):
+      if node.path[: len(prefix)] != prefix:
+        raise UnsupportedFlaxFeatureError(
+          f"{root._where()}: this call uses the module at"
+          f" {'/'.join(map(str, node.path))!r}, which lives outside it; call the"
+          " enclosing tree instead."
+        )
+      base = node.path[len(prefix) :]
+      for spec in node.specs:
+        entry = node.parameters.get(spec.name, node.variables.get(spec.name, _ABSENT))
+        if entry is _ABSENT:
+          raise FlaxlensError(
+            f"{node._where()}: the node has no entry {spec.name!r} any more. Edit a"
+            " variable's .value instead of removing it from parameters/variables."
+          )
+        path = base + spec.path
+        seen = self.entries.get(path, _ABSENT)
+        if seen is not _ABSENT:
+          if seen is not entry:
+            raise FlaxlensError(
+              f"{node._where()}: two calls of the module hold different values for"
+              f" {'/'.join(map(str, path))!r}. Calls of one module share their"
+              " variables; edit the shared variable's .value instead of replacing it"
+              " in one call."
+            )
+          continue
+        self.specs[path] = spec
+        self.entries[path] = entry
+
+  def values(self, where: str) -> dict[Path, Any]:
+    """Current values of the variables the `GraphDef` has (not those made by the call)."""
+    return {p: _value_of(e, where) for p, e in self.entries.items() if not self.specs[p].created}
+
+  def created(self, where: str) -> dict[Path, Any]:
+    """Variables the converted call created and that hold a value by now, as NNX ones."""
+    made = {}
+    for path, entry in self.entries.items():
+      spec = self.specs[path]
+      if spec.created:
+        value = _value_of(entry, where)
+        if not isinstance(value, Uninitialized):
+          made[path] = spec.type.from_metadata(value, dict(spec.metadata))
+    return made
+
+
+_ABSENT = object()
+
+
+def private_copy(
+  graphdef: Any, values: dict[Path, Any], created: dict[Path, Any]
+) -> tuple[Any, set[Path]]:
+  """The module rebuilt from `values`, and the paths of its variables no node holds.
+
+  Variables no node holds belong to calls that were replaced; they are removed from
+  the copy (or left holding None where they cannot be removed), so that a transform
+  over the module's state still works and any use of them fails loudly.
+  """
+  model = merge_values(graphdef, values)
+  orphans = {p for p in leaf_paths(graphdef) if p not in values}
+  for path in orphans:
+    parent = navigate(model, path[:-1])
+    if isinstance(parent, nnx.Pytree) and isinstance(path[-1], str):
+      delattr(parent, path[-1])
+  for path, variable in created.items():
+    setattr(navigate(model, path[:-1]), path[-1], variable)
+  return model, orphans
+
+
+# --- running a tree --------------------------------------------------------------------
+
+
+def call_method(model: Any, method: Any, args: Any, kwargs: Any) -> Any:
+  if isinstance(method, str):
+    return getattr(model, method)(*args, **kwargs)
+  return method(model, *args, **kwargs)
+
+
+def _run(
+  root: InterceptedNNXModuleMethod, argument: ArgsAndKwargs, side_inputs: dict[str, Any]
+) -> Any:
+  where = root._where()
+  if root.sliced:
+    raise UnsupportedFlaxFeatureError(
+      f"{where}: this call runs inside an NNX transform (nnx.scan, nnx.vmap) that slices"
+      " its variables, so it cannot be called on its own. Call the tree it belongs to"
+      " (patches inside it apply at every iteration)."
+    )
+  gathered = _Gathered(root)
+  values = gathered.values(where)
+  model, orphans = private_copy(root.graphdef, values, gathered.created(where))
+  interceptor = NNXInterceptor(side_inputs=side_inputs, building=False)
+  interceptor.instrument(model, root.path)
+  method = root.method_name
+  interceptor.frames.append(
+    Frame(root.path, node=root, absorb=method if isinstance(method, str) else None)
+  )
+  with interceptor.active():
+    output = call_method(model, method, argument.args, argument.kwargs)
+  _write_back(root, gathered, values, orphans, model)
+  return output
+
+
+def _write_back(
+  root: InterceptedNNXModuleMethod,
+  gathered: _Gathered,
+  values: dict[Path, Any],
+  orphans: set[Path],
+  model: Any,
+) -> None:
+  updates = {tuple(p): v.get_raw_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+  unknown = [p for p in updates if p not in gathered.entries and p not in orphans]
+  if unknown:
+    names = ["/".join(map(str, p)) for p in unknown[:6]]
+    raise CallStructureError(
+      f"{root._where()}: this call created variables that did not exist at conversion:"
+      f" {names}. Convert with example arguments that create them (for example the"
+      " same flags), so the tree has state variables to hold them."
+    )
+  for path, value in updates.items():
+    entry = gathered.entries.get(path)
+    if not isinstance(entry, AbstractVariable):
+      continue
+    if gathered.specs[path].created or value is not values.get(path, _ABSENT):
+      entry.value = value
+
+
+def _restatic(
+  root: InterceptedNNXModuleMethod, change: Callable[[Any], Any]
+) -> InterceptedNNXModuleMethod:
+  """`root` with every node's `GraphDef` as NNX's `change(module)` leaves it."""
+  if root.sliced:
+    raise UnsupportedFlaxFeatureError(
+      f"{root._where()}: this call runs inside an NNX transform that slices its"
+      " variables; change the attributes of the tree it belongs to instead."
+    )
+  _Gathered(root)  # Checks that every node belongs under the root.
+  model = nnx.merge(root.graphdef, [None] * root.graphdef.num_leaves)
+  changed = change(model)
+  if isinstance(changed, nnx.Module):
+    model = changed
+  graphdefs: dict[Path, Any] = {}
+
+  def regraph(node: InterceptedNNXModuleMethod) -> InterceptedNNXModuleMethod:
+    rel = node.path[len(root.path) :]
+    if rel not in graphdefs:
+      graphdefs[rel] = nnx.graphdef(navigate(model, rel))
+    fields = node.attributes_dict()
+    fields["graphdef"] = graphdefs[rel]
+    fields["submodule_calls"] = {
+      key: jax.tree_util.tree_map(
+        lambda x: regraph(x) if is_call_node(x) else x, child, is_leaf=is_call_node
+      )
+      for key, child in node.submodule_calls.items()
+    }
+    return type(node).from_attributes(**fields)
+
+  return regraph(root)
+
+
+# --- instrumentation -------------------------------------------------------------------
+
+_nonces = itertools.count()
+_active: dict[int, NNXInterceptor] = {}
+_instrumented: dict[type, type | None] = {}
+_STDLIB_MODULES = ("builtins", "abc", "typing", "collections.abc")
+
+
+def original_class(cls: type) -> type:
+  """The user's class behind an instrumented class (or `cls` itself)."""
+  return cls.__dict__.get("__flaxlens_original__", cls)
+
+
+def _is_flax_base(cls: type) -> bool:
+  return cls in fi.nnx_flax_bases() or cls.__module__ in _STDLIB_MODULES
+
+
+def _is_method(attr: Any) -> bool:
+  if isinstance(attr, type | staticmethod | classmethod | property):
+    return False
+  return inspect.isfunction(attr) or (callable(attr) and hasattr(type(attr), "__get__"))
+
+
+def _report(name: str, method: Any) -> Callable[..., Any]:
+  """A method that reports its calls to the interceptor of the run its module is in."""
+
+  def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
+    bound = method.__get__(self, type(self))
+    site = fi.nnx_site(self)
+    interceptor = _active.get(site[1]) if site is not None else None
+    if interceptor is None or not interceptor.frames:
+      return bound(*args, **kwargs)
+    return interceptor.dispatch(self, site[0], name, bound, args, kwargs)
+
+  functools.update_wrapper(reporting, method, updated=())
+  return reporting
+
+
+def instrumented_class(cls: type) -> type | None:
+  """The cached subclass of `cls` whose methods report calls; None if it has none.
+
+  Reported are the public methods and `__call__` that the class and its bases define,
+  up to (not including) NNX's own base and container classes; inherited-only ones
+  too. Wrappers of methods the class defines itself live on the subclass, those of
+  inherited methods on a mixin base, so that `nnx.capture(method_outputs=...)` (which
+  wraps `type(m).__dict__`) sows exactly the methods it sows on the user's class.
+  """
+  if cls in _instrumented:
+    return _instrumented[cls]
+  names = {
+    name
+    for klass in cls.__mro__
+    if not _is_flax_base(klass)
+    for name in vars(klass)
+    if not name.startswith("_") or name == "__call__"
+  }
+  own: dict[str, Any] = {}
+  inherited: dict[str, Any] = {}
+  for name in sorted(names):
+    definer = next(klass for klass in cls.__mro__ if name in vars(klass))
+    attr = vars(definer)[name]
+    if _is_flax_base(definer) or not _is_method(attr):
+      continue
+    (own if definer is cls else inherited)[name] = _report(name, attr)
+  if not own and not inherited:
+    _instrumented[cls] = None
+    return None
+  namespace = {
+    **own,
+    "__module__": cls.__module__,
+    "__qualname__": cls.__qualname__,
+    "__doc__": cls.__doc__,
+    "__flaxlens_original__": cls,
+  }
+  try:
+    new = fi.nnx_subclass(cls, inherited, namespace)
+  except Exception as e:
+    raise UnsupportedFlaxFeatureError(
+      f"{cls.__qualname__}: flaxlens could not subclass this module class to observe"
+      f" its calls ({type(e).__name__}: {e})."
+    ) from e
+  _instrumented[cls] = new
+  return new
+
+
+def _variable_shapes(module: Any) -> tuple[Any, ...]:
+  return tuple(
+    (tuple(p), getattr(v.get_raw_value(), "shape", None))
+    for p, v in nnx.to_flat_state(nnx.state(module))
+  )
+
+
+class NNXInterceptor(CallInterceptor):
+  """Receives the calls reported by the instrumented modules of one private copy."""
+
+  def __init__(self, side_inputs: dict[str, Any], building: bool):
+    super().__init__(side_inputs, building)
+    self.nonce = next(_nonces)
+    self.modules: dict[int, Any] = {}  # id -> module, for the copy's own instances
+    self.by_path: dict[Path, Any] = {}
+
+  def instrument(self, model: Any, prefix: Path) -> None:
+    """Swaps the class of every module of `model` and records its path on it."""
+    for rel, module in nnx.iter_modules(model):
+      path = prefix + tuple(rel)
+      self.by_path[path] = module
+      cls = instrumented_class(type(module))
+      if cls is None:
+        continue
+      fi.nnx_swap_class(module, cls)
+      fi.nnx_set_site(module, (path, self.nonce))
+      self.modules[id(module)] = module
+
+  @contextmanager
+  def active(self) -> Iterator[None]:
+    _active[self.nonce] = self
+    try:
+      with super().active():
+        yield
+    finally:
+      del _active[self.nonce]
+
+  def new_record(self, module: Any, path: Path, name: str) -> CallRecord:
+    record = CallRecord(original_class(type(module)), path, name)
+    if id(module) not in self.modules:
+      # A transform re-created the module inside its trace; it slices the variables
+      # (nnx.scan, nnx.vmap) when their shapes differ from the model's own.
+      record.extra["sliced"] = _variable_shapes(module) != _variable_shapes(self.by_path[path])
+    return record
+
+  def same_module(self, node: CallNode, module: Any) -> bool:
+    return node.module_type is original_class(type(module))
