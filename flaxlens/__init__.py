@@ -27,9 +27,17 @@ from flaxlens.core._variables import (
 from flaxlens.linen._tree import (
   InterceptedFlaxModuleMethod,
   InterceptedFlaxScopeData,
+  RngSnapshot,
   Uninitialized,
 )
 from flaxlens.nnx._tree import InterceptedNNXModuleMethod, NNXVariableSpec
+from flaxlens.tools._isolate import (
+  IsolatedSubmodel,
+  ReplayReport,
+  isolate,
+  isolate_calls,
+  isolate_submodel,
+)
 from flaxlens.tools._summary import summary
 
 __version__ = "0.1.0"
@@ -40,6 +48,9 @@ __all__ = [
   "FlaxlensError",
   "InterceptedFlaxModuleMethod",
   "InterceptedFlaxScopeData",
+  "IsolatedSubmodel",
+  "ReplayReport",
+  "RngSnapshot",
   "InterceptedNNXModuleMethod",
   "NNXVariableSpec",
   "Uninitialized",
@@ -61,6 +72,9 @@ __all__ = [
   "VariableError",
   "bind_variables",
   "freeze_variables",
+  "isolate",
+  "isolate_calls",
+  "isolate_submodel",
   "select",
   "static_field",
   "summary",

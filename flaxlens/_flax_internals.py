@@ -15,6 +15,7 @@ own. A Flax upgrade that changes any of these should break here only.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -58,12 +59,41 @@ def unbound_clone(module: nn.Module) -> nn.Module:
   return module.clone(parent=None, _deep_clone=True, _reset_names=True, name=module.name)
 
 
-def rng_counts(module: nn.Module) -> dict[str, int]:
-  """How many keys the module's scope has drawn from each rng stream so far.
+def rng_snapshot(module: nn.Module) -> tuple[dict[str, Any], dict[str, tuple], dict]:
+  """The rng state of a bound module's scope: `(keys, suffixes, counters)`.
 
-  Lifted transforms also keep nested counter dicts in `rng_counters`; those are skipped.
+  A scope holds one `LazyRng` per stream (a key plus a static suffix of names folded in
+  lazily) and `rng_counters`: how many keys it has drawn per stream, plus the counter
+  dicts of the child scopes it has pushed (keyed `(child_rng_token, name)`, reused when
+  a child is pushed again). Restoring all three reproduces `make_rng` exactly.
   """
-  return {k: v for k, v in module.scope.rng_counters.items() if isinstance(v, int)}
+  keys, suffixes = {}, {}
+  for name, rng in module.scope.rngs.items():
+    keys[name] = rng.rng if isinstance(rng, flax_scope.LazyRng) else rng
+    suffixes[name] = tuple(rng.suffix) if isinstance(rng, flax_scope.LazyRng) else ()
+  return keys, suffixes, _copy_counters(module.scope.rng_counters)
+
+
+def module_variables(module: nn.Module) -> dict[str, Any]:
+  """A snapshot of the variables a bound module sees (its own and its children's).
+
+  Inside a lifted transform these are the per-iteration (or per-member) values.
+  """
+  from flax.core import unfreeze
+
+  return unfreeze(module.variables)
+
+
+def capture_filter(capture_intermediates: Any) -> Callable[[nn.Module, str], bool] | None:
+  """The filter Flax applies for `capture_intermediates=` (None when off)."""
+  if capture_intermediates is True:
+    return linen_module.capture_call_intermediates
+  return capture_intermediates or None
+
+
+def _copy_counters(counters: dict) -> dict:
+  token = flax_scope.child_rng_token
+  return copy.deepcopy(counters, memo={id(token): token})
 
 
 intercept_methods = nn.intercept_methods
@@ -86,9 +116,14 @@ def apply_fresh(
   method: str | Callable[..., Any] | None = None,
   mutable: Any = False,
   capture_intermediates: bool | Callable[..., bool] = False,
+  rng_snapshot: tuple[dict[str, Any], dict[str, tuple], dict] | None = None,
   **kwargs: Any,
 ) -> Any:
   """`module.apply(...)` whose lifted-transform caches cannot skip the interceptor.
+
+  With `rng_snapshot` (from `rng_snapshot()` of a module inside a larger apply), the
+  root scope starts from that rng state instead of `rngs`, so the module draws exactly
+  the keys it drew inside the larger model.
 
   `nn.jit` caches its trace on a fingerprint of the module that includes the root
   scope's `flags`; a module-level `nn.jit` class would otherwise reuse a trace made
@@ -97,6 +132,10 @@ def apply_fresh(
   Everything else mirrors `Module.apply` in flax 0.12.8.
   """
   linen_module.Module._module_checks(module)
+  counters = None
+  if rng_snapshot is not None:
+    keys, suffixes, counters = rng_snapshot
+    rngs = {n: flax_scope.LazyRng(keys[n], tuple(suffixes[n])) for n in keys}
   if rngs is not None and not isinstance(rngs, dict):
     if not flax_scope._is_valid_rng(rngs):
       raise TypeError(f"rngs must be a dict of JAX keys or one key, got {rngs!r}.")
@@ -115,6 +154,8 @@ def apply_fresh(
     mutable = flax_scope.union_filters(mutable, "intermediates")
 
   def scope_fn(scope: Any, *a: Any, **k: Any) -> Any:
+    if counters is not None:
+      scope.rng_counters = _copy_counters(counters)
     linen_module._context.capture_stack.append(capture_intermediates)
     try:
       return method(module.clone(parent=scope, _deep_clone=True), *a, **k)

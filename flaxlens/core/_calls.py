@@ -126,12 +126,13 @@ class Frame:
 class Pending:
   """A replaced call whose replacement may continue the original natively."""
 
-  __slots__ = ("path", "method_name", "next_fun")
+  __slots__ = ("path", "method_name", "next_fun", "module")
 
-  def __init__(self, path: Path, method_name: str, next_fun: Callable[..., Any]):
+  def __init__(self, path: Path, method_name: str, next_fun: Callable[..., Any], module: Any):
     self.path = path
     self.method_name = method_name
     self.next_fun = next_fun
+    self.module = module
 
   def matches(self, node: CallNode) -> bool:
     return node.path == self.path and node.method_name == self.method_name
@@ -185,11 +186,17 @@ class CallInterceptor:
   def continue_pending(self, node: CallNode, argument: ArgsAndKwargs) -> Any:
     pending = self.pending.pop()
     try:
-      return self.run_frame(
-        Frame(node.path, node=node), pending.next_fun, argument.args, argument.kwargs
+      return self.run_node(
+        node, pending.module, pending.next_fun, tuple(argument.args), dict(argument.kwargs)
       )
     finally:
       self.pending.append(pending)
+
+  def run_node(
+    self, node: CallNode, module: Any, next_fun: Callable[..., Any], args: Any, kwargs: Any
+  ) -> Any:
+    """Runs the call of `node` natively; subclasses may observe it."""
+    return self.run_frame(Frame(node.path, node=node), next_fun, args, kwargs)
 
   def record_call(self, record: CallRecord, module: Any, run: Callable[[], Any]) -> Any:
     """Runs a call being recorded; subclasses add what they learn from it."""
@@ -228,11 +235,11 @@ class CallInterceptor:
       return self.run_frame(Frame(path), next_fun, args, kwargs)
     child = frame.node.submodule_calls.get(key)
     if is_call_node(child) and child.path == path and self.same_module(child, module):
-      return self.run_frame(Frame(path, node=child), next_fun, args, kwargs)
+      return self.run_node(child, module, next_fun, args, kwargs)
     if child is None or is_call_node(child):
       self._diverged(frame, key)
       return self.run_frame(Frame(path), next_fun, args, kwargs)
-    self.pending.append(Pending(path, name, next_fun))
+    self.pending.append(Pending(path, name, next_fun, module))
     try:
       return child(ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs)), **self.side_inputs)
     finally:

@@ -50,8 +50,10 @@ class _Static:
     return hash(self.values)
 
   def __eq__(self, other: object) -> bool:
-    return isinstance(other, _Static) and all(
-      type(a) is type(b) and a == b for a, b in zip(self.values, other.values, strict=True)
+    return (
+      isinstance(other, _Static)
+      and len(self.values) == len(other.values)
+      and all(type(a) is type(b) and a == b for a, b in zip(self.values, other.values, strict=True))
     )
 
 

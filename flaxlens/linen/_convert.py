@@ -25,6 +25,7 @@ from flaxlens.linen._tree import (
   InterceptedFlaxModuleMethod,
   InterceptedFlaxScopeData,
   LinenInterceptor,
+  RngSnapshot,
   Uninitialized,
   flatten_collections,
 )
@@ -80,6 +81,8 @@ def unflaxify_linen(
     ]
     root.children.clear()
     vs, args, kwargs, keys = rebuild(arrays)
+    snapshot = keys.as_flax() if isinstance(keys, RngSnapshot) else None
+    keys = None if snapshot is not None else keys
     with state.active():
       result = fi.apply_fresh(
         module,
@@ -87,6 +90,7 @@ def unflaxify_linen(
         *args,
         method=method,
         rngs=keys,
+        rng_snapshot=snapshot,
         mutable=mutable,
         capture_intermediates=capture_intermediates,
         **kwargs,
@@ -100,7 +104,15 @@ def unflaxify_linen(
   mutated = jax.eval_shape(trace, arrays)
   named = [mutable] if isinstance(mutable, str) else mutable
   named = list(named) if isinstance(named, list | tuple) else []
-  return _build_tree(root, variables, mutated, capture_intermediates, named)
+  tree = _build_tree(root, variables, mutated, capture_intermediates, named)
+  if isinstance(rngs, RngSnapshot):
+    data = tree.scope_data
+    tree = (
+      tree.select()
+      .at(lambda t: t.scope_data)
+      .set(InterceptedFlaxScopeData.from_attributes(**{**data.attributes_dict(), "rngs": rngs}))
+    )
+  return tree
 
 
 def _any_mutable(mutable: Any, capture_intermediates: Any) -> bool:
@@ -154,7 +166,6 @@ def _build_tree(
         parameters=dict(data.parameters),
         variables={c: dict(v) for c, v in data.variables.items()},
         immutable_variables={c: dict(v) for c, v in data.immutable_variables.items()},
-        rngs=record.extra.get("rngs", ()),
       ),
       submodule_calls={key: build(child) for key, child in record.children},
       capture_intermediates=capture_intermediates,

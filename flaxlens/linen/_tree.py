@@ -63,13 +63,32 @@ class InterceptedFlaxScopeData(Struct):
     parameters: the `params` collection, as `Parameter`s.
     variables: mutable collections, `{collection: {name: StateVariable}}`.
     immutable_variables: other collections, `{collection: {name: value}}`.
-    rngs: rng streams the module drew keys from at conversion.
+    rngs: None when the call takes its keys from the enclosing call (as every call of a
+      converted tree does); an `RngSnapshot` when it was cut out of a larger model, so
+      that on its own it draws the keys it drew there.
   """
 
   parameters: dict[str, Any]
   variables: dict[str, dict[str, Any]]
   immutable_variables: dict[str, dict[str, Any]]
-  rngs: tuple[str, ...] = static_field(default=())
+  rngs: Any = None
+
+
+class RngSnapshot(Struct):
+  """The rng state a Flax scope had when a call started: keys, suffixes and counters.
+
+  Attributes:
+    keys: the stream keys, `{stream: key}`.
+    suffixes: per stream, the names Flax folds into its key lazily.
+    counters: the scope's draw counters, including those of child scopes.
+  """
+
+  keys: dict[str, Any]
+  suffixes: tuple[tuple[str, tuple[Any, ...]], ...] = static_field()
+  counters: Any = static_field()
+
+  def as_flax(self) -> tuple[dict[str, Any], dict[str, tuple], dict]:
+    return dict(self.keys), dict(self.suffixes), self.counters
 
 
 class InterceptedFlaxModuleMethod(CallNode):
@@ -112,7 +131,7 @@ class InterceptedFlaxModuleMethod(CallNode):
   def _run_root(
     self, argument: ArgsAndKwargs, /, random_streams: Any = None, **side_inputs: Any
   ) -> Any:
-    return _apply_tree(self, argument, random_streams, side_inputs)
+    return apply_tree(self, argument, random_streams, side_inputs)
 
 
 class _ModuleSummary:
@@ -237,12 +256,14 @@ def _resolve_rngs(random_streams: Any, where: str) -> Any:
   return keys
 
 
-def _apply_tree(
+def apply_tree(
   root: InterceptedFlaxModuleMethod,
   argument: ArgsAndKwargs,
   random_streams: Any,
   side_inputs: dict[str, Any],
+  interceptor: LinenInterceptor | None = None,
 ) -> Any:
+  """Runs `root` natively under `interceptor` (a plain `LinenInterceptor` if None)."""
   where = root._where()
   batched = [t for t in root.lifted_by if t not in _SHAPE_PRESERVING_LIFTS]
   if batched:
@@ -254,7 +275,9 @@ def _apply_tree(
   gathered = _gather(root)
   mutable = tuple(sorted({c for c, _ in gathered.state}.union(root.mutable)))
   rngs = _resolve_rngs(random_streams, where)
-  state = LinenInterceptor(side_inputs=side_inputs, building=False, prefix=root.path)
+  snapshot = root.scope_data.rngs if random_streams is None else None
+  state = interceptor or LinenInterceptor(side_inputs, building=False, prefix=root.path)
+  state.mutable = mutable
   method = root.method_name
   state.frames.append(
     Frame(path=root.path, node=root, absorb=method if isinstance(method, str) else None)
@@ -268,6 +291,7 @@ def _apply_tree(
       rngs=rngs,
       mutable=list(mutable) if mutable else False,
       capture_intermediates=root.capture_intermediates,
+      rng_snapshot=snapshot.as_flax() if snapshot is not None else None,
       **argument.kwargs,
     )
   if not mutable:
@@ -299,6 +323,8 @@ def _write_back(
 class LinenInterceptor(CallInterceptor):
   """Receives Linen's method-interceptor callbacks for one `apply`."""
 
+  mutable: tuple[str, ...] = ()
+
   def intercept(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
     if current_interceptor() is not self or context.method_name == "setup":
       return next_fun(*args, **kwargs)
@@ -322,9 +348,4 @@ class LinenInterceptor(CallInterceptor):
 
   def record_call(self, record: CallRecord, module: Any, run: Callable[[], Any]) -> Any:
     record.extra["lifted_by"] = fi.lifting_transforms(module)
-    before = fi.rng_counts(module)
-    try:
-      return run()
-    finally:
-      after = fi.rng_counts(module)
-      record.extra["rngs"] = tuple(sorted(k for k, v in after.items() if v > before.get(k, 0)))
+    return run()
