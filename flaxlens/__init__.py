@@ -31,6 +31,8 @@ from flaxlens.linen._tree import (
   Uninitialized,
 )
 from flaxlens.nnx._tree import InterceptedNNXModuleMethod, NNXVariableSpec
+from flaxlens.tools._artifact import load_isolated, save_isolated
+from flaxlens.tools._codec import ArtifactError
 from flaxlens.tools._isolate import (
   IsolatedSubmodel,
   ReplayReport,
@@ -43,6 +45,9 @@ from flaxlens.tools._summary import summary
 __version__ = "0.1.0"
 
 __all__ = [
+  "ArtifactError",
+  "load_isolated",
+  "save_isolated",
   "ArgsAndKwargs",
   "CallStructureError",
   "FlaxlensError",

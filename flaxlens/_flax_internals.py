@@ -91,6 +91,28 @@ def capture_filter(capture_intermediates: Any) -> Callable[[nn.Module, str], boo
   return capture_intermediates or None
 
 
+def counters_to_data(counters: dict) -> list:
+  """Scope rng counters as JSON-able data: `[[name, count] | ["child", name, [...]]]`."""
+  data = []
+  for key, value in counters.items():
+    if isinstance(key, tuple) and key and key[0] is flax_scope.child_rng_token:
+      data.append(["child", key[1], counters_to_data(value)])
+    else:
+      data.append([key, value])
+  return data
+
+
+def counters_from_data(data: list) -> dict:
+  """Inverse of `counters_to_data`."""
+  counters: dict = {}
+  for entry in data:
+    if entry[0] == "child" and len(entry) == 3:
+      counters[(flax_scope.child_rng_token, entry[1])] = counters_from_data(entry[2])
+    else:
+      counters[entry[0]] = entry[1]
+  return counters
+
+
 def _copy_counters(counters: dict) -> dict:
   token = flax_scope.child_rng_token
   return copy.deepcopy(counters, memo={id(token): token})

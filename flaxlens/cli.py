@@ -1,4 +1,9 @@
-"""The `flaxlens` command line: `flaxlens demo` converts an embedded model and shows it."""
+"""The `flaxlens` command line.
+
+`flaxlens demo` converts an embedded model, checks it against Flax, patches and edits
+it; `flaxlens replay PATH` re-runs a saved isolated call and compares it with what was
+saved (exit status 0 only on an exact match).
+"""
 
 from __future__ import annotations
 
@@ -47,13 +52,40 @@ def demo() -> int:
   return 0 if exact else 1
 
 
+def replay(path: str, jit: bool) -> int:
+  """Loads an isolated-call artifact, replays it and prints the per-leaf comparison."""
+  from rich.console import Console
+
+  import flaxlens as fl
+
+  console = Console()
+  try:
+    isolated = fl.load_isolated(path)
+  except fl.ArtifactError as e:
+    print(f"flaxlens replay: {e}", file=sys.stderr)
+    return 2
+  report = isolated.replay(jit=jit)
+  for leaf, diff in report.max_abs_diff.items():
+    verdict = "[green]match[/]" if diff == 0.0 else f"[red]max diff {diff:.3g}[/]"
+    console.print(f"{leaf}  {verdict}", highlight=False)
+  console.print("[bold green]exact replay[/]" if report.exact else "[bold red]replay differs[/]")
+  return 0 if report.exact else 1
+
+
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="flaxlens", description=__doc__)
+  parser = argparse.ArgumentParser(
+    prog="flaxlens", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   commands = parser.add_subparsers(dest="command", required=True)
   commands.add_parser("demo", help="convert an embedded model, check it, patch and edit it")
+  replay_parser = commands.add_parser("replay", help="re-run a saved isolated call")
+  replay_parser.add_argument("path", help="artifact directory written by fl.save_isolated")
+  replay_parser.add_argument("--jit", action="store_true", help="replay under jax.jit")
   args = parser.parse_args(argv)
   if args.command == "demo":
     return demo()
+  if args.command == "replay":
+    return replay(args.path, args.jit)
   return 2
 
 

@@ -410,29 +410,20 @@ def _isolated(
   side_inputs: dict[str, Any],
   number: int,
 ) -> IsolatedSubmodel:
-  from flaxlens.linen._convert import unflaxify_linen
-
   snapshot = RngSnapshot(
     keys=execution.keys,
     suffixes=tuple(sorted(execution.suffixes.items())),
     counters=execution.counters,
   )
-  tree = unflaxify_linen(
+  submodel, state = linen_submodel(
     execution.module,
+    execution.method,
     execution.before,
-    *execution.args,
-    method=execution.method,
-    rngs=snapshot,
-    mutable=[c for c in mutable if c in execution.after or c in execution.before],
-    capture_intermediates=capture_intermediates,
-    **execution.kwargs,
+    ArgsAndKwargs(args=execution.args, kwargs=execution.kwargs),
+    snapshot,
+    [c for c in mutable if c in execution.after or c in execution.before],
+    capture_intermediates,
   )
-  frozen = jax.tree_util.tree_map(
-    lambda v: v.freeze() if isinstance(v, Parameter) else v,
-    tree,
-    is_leaf=lambda x: isinstance(x, AbstractVariable),
-  )
-  submodel, state = unbind_variables(frozen, freeze=True)
   after = flatten_collections(execution.after)
   final = tuple(
     type(v)(value=after.get(_label_key(v.label), Uninitialized()), label=v.label) for v in state
@@ -446,6 +437,40 @@ def _isolated(
     final_var_values=final,
     call_number=number,
   )
+
+
+def linen_submodel(
+  module: Any,
+  method: Any,
+  variables: dict[str, Any],
+  argument: ArgsAndKwargs,
+  rngs: Any,
+  mutable: list[str],
+  capture_intermediates: Any,
+) -> tuple[InterceptedFlaxModuleMethod, tuple[Any, ...]]:
+  """A Linen call as a submodel: converted on its own, parameters frozen, state unbound.
+
+  `rngs` is the call's `RngSnapshot` (or, for a whole model, its `random_streams`).
+  Returns the submodel and its state variables' initial values.
+  """
+  from flaxlens.linen._convert import unflaxify_linen
+
+  tree = unflaxify_linen(
+    module,
+    variables,
+    *argument.args,
+    method=method,
+    rngs=rngs,
+    mutable=mutable,
+    capture_intermediates=capture_intermediates,
+    **argument.kwargs,
+  )
+  frozen = jax.tree_util.tree_map(
+    lambda v: v.freeze() if isinstance(v, Parameter) else v,
+    tree,
+    is_leaf=lambda x: isinstance(x, AbstractVariable),
+  )
+  return unbind_variables(frozen, freeze=True)
 
 
 def _label_key(label: str) -> tuple[str, tuple[str, ...]]:
