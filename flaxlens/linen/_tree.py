@@ -128,6 +128,22 @@ class InterceptedFlaxModuleMethod(CallNode):
     attrs["module"] = _ModuleSummary(self.module)
     return attrs
 
+  def flax_variables(self) -> dict[str, Any]:
+    """The variables of this call's module as a Flax variables dict, edits included.
+
+    `node.module.apply(node.flax_variables(), ...)` runs the module natively with the
+    tree's current parameters and state (variables not created yet are left out).
+
+    Example:
+      >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+      >>> model, x = nn.Dense(2), jnp.ones((1, 3))
+      >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+      >>> tree.scope_data.parameters["bias"].value += 1.0
+      >>> tree.flax_variables()["params"]["bias"]
+      Array([1., 1.], dtype=float32)
+    """
+    return _gather(self).variables
+
   def _run_root(
     self, argument: ArgsAndKwargs, /, random_streams: Any = None, **side_inputs: Any
   ) -> Any:

@@ -151,3 +151,18 @@ def test_conversion_is_abstract_and_accepts_shape_only_inputs(cases, batch):
   tokens = jax.ShapeDtypeStruct((batch, case.args[0].shape[1]), jnp.int32)
   tree = fl.unflaxify(case.module, case.variables, tokens)
   assert list(tree.submodule_calls) == list(convert(case).submodule_calls)
+
+
+@pytest.mark.parametrize("name", ["batchnorm_train", "transformer", "scan", "passed_attribute"])
+def test_edited_variables_export_back_to_flax(cases, name):
+  case = cases[name]
+  tree = convert(case)
+  for p in fl.variables_in(tree):
+    if isinstance(p, fl.Parameter):
+      p.value = jax.tree_util.tree_map(lambda a: a * 1.5, p.value)
+  exported = tree.flax_variables()
+  result = case.module.apply(
+    exported, *case.args, rngs=case.rngs, mutable=case.mutable, **case.kwargs
+  )
+  expected = result[0] if case.mutable else result
+  assert_trees_equal(call(tree, case), expected)
