@@ -28,6 +28,7 @@ from flaxlens.nnx._tree import (
   InterceptedNNXModuleMethod,
   NNXInterceptor,
   NNXVariableSpec,
+  abstract,
   call_method,
   leaf_paths,
 )
@@ -148,6 +149,11 @@ def _check_created(where: str, path: Path, variable: Any, modules: dict[Path, An
     )
 
 
+def _abstract_leaves(graphdef: Any, module: nnx.Module) -> tuple[Any, ...]:
+  values = {tuple(p): v.get_raw_value() for p, v in nnx.to_flat_state(nnx.state(module))}
+  return tuple(abstract(values[p]) for p in leaf_paths(graphdef))
+
+
 def _build_tree(
   model: nnx.Module,
   graphdef: Any,
@@ -158,6 +164,7 @@ def _build_tree(
   called = {r.path for r in root.walk()}
   modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
   graphdefs = {p: graphdef if p == () else nnx.graphdef(modules[p]) for p in called}
+  abstract_leaves = {p: _abstract_leaves(graphdefs[p], modules[p]) for p in called}
   owned: dict[Path, tuple[dict, dict, list]] = {p: ({}, {}, []) for p in called}
   variables = [(p, v, False) for p, v in given.items()]
   variables += [(p, v, True) for p, v in created.items()]
@@ -187,6 +194,7 @@ def _build_tree(
       variables=dict(states),
       submodule_calls={key: build(child) for key, child in record.children},
       graphdef=graphdefs[record.path],
+      abstract_leaves=abstract_leaves[record.path],
       specs=tuple(specs),
       sliced=record.extra.get("sliced", False),
     )

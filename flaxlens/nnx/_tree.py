@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple, Self
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from flaxlens import _flax_internals as fi
@@ -82,6 +83,9 @@ class InterceptedNNXModuleMethod(CallNode):
     submodule_calls: `{(call_index, "child.method"): layer}` in call order.
     graphdef: the module's `nnx.GraphDef` at conversion (static attributes such as
       `deterministic` included); with the variables it rebuilds the module.
+    abstract_leaves: shape and dtype (`jax.ShapeDtypeStruct`s) of every variable of
+      `graphdef`, in the order `nnx.merge` takes them; zeros of these stand in for
+      the variables of replaced calls, which are no longer in the tree.
     specs: one `NNXVariableSpec` per entry of `parameters` and `variables`.
     sliced: whether the call runs inside an NNX transform that slices its variables
       (`nnx.scan`, `nnx.vmap`); such a node runs only as part of its tree.
@@ -94,6 +98,7 @@ class InterceptedNNXModuleMethod(CallNode):
   variables: dict[str, Any]
   submodule_calls: dict[tuple[int, str], Any]
   graphdef: Any = static_field()
+  abstract_leaves: tuple[Any, ...] = static_field()
   specs: tuple[NNXVariableSpec, ...] = static_field(default=())
   sliced: bool = static_field(default=False)
 
@@ -104,7 +109,7 @@ class InterceptedNNXModuleMethod(CallNode):
     attrs = self.attributes_dict()
     attrs["module_type"] = _Summary(self.module_type.__name__)
     attrs["graphdef"] = _Summary(f"GraphDef({self.module_type.__name__})")
-    del attrs["specs"]
+    del attrs["specs"], attrs["abstract_leaves"]
     return attrs
 
   def _run_root(
@@ -226,15 +231,6 @@ def leaf_paths(graphdef: Any) -> tuple[Path, ...]:
   return tuple(paths)
 
 
-def merge_values(graphdef: Any, values: dict[Path, Any], missing: Any = None) -> Any:
-  """`nnx.merge(graphdef, ...)` with the leaf at each path taken from `values`.
-
-  NNX creates fresh `Variable`s of the types and metadata the `GraphDef` records, so
-  nothing of the model the values came from is shared except the (immutable) arrays.
-  """
-  return nnx.merge(graphdef, [values.get(p, missing) for p in leaf_paths(graphdef)])
-
-
 def navigate(root: Any, path: Path) -> Any:
   """The object at `path` (attribute names and list indices) inside an NNX graph."""
   node = root
@@ -309,24 +305,39 @@ class _Gathered:
 _ABSENT = object()
 
 
+def abstract(value: Any) -> Any:
+  """`value` with every array replaced by its `jax.ShapeDtypeStruct`."""
+  return jax.tree_util.tree_map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, value
+  )
+
+
 def private_copy(
-  graphdef: Any, values: dict[Path, Any], created: dict[Path, Any]
+  graphdef: Any, abstract_leaves: tuple[Any, ...], values: dict[Path, Any], created: dict
 ) -> tuple[Any, set[Path]]:
   """The module rebuilt from `values`, and the paths of its variables no node holds.
 
-  Variables no node holds belong to calls that were replaced; they are removed from
-  the copy (or left holding None where they cannot be removed), so that a transform
-  over the module's state still works and any use of them fails loudly.
+  `nnx.merge` creates fresh `Variable`s of the types and metadata the `GraphDef`
+  records, so nothing is shared with the model the values came from but immutable
+  arrays. Variables no node holds belong to calls that were replaced: they stand in as
+  zeros of their shape, so that transforms over the module's state (`nnx.vmap`,
+  `nnx.scan`) still see the shapes they need.
   """
-  model = merge_values(graphdef, values)
-  orphans = {p for p in leaf_paths(graphdef) if p not in values}
-  for path in orphans:
-    parent = navigate(model, path[:-1])
-    if isinstance(parent, nnx.Pytree) and isinstance(path[-1], str):
-      delattr(parent, path[-1])
+  paths = leaf_paths(graphdef)
+  leaves = [
+    values[p] if p in values else jax.tree_util.tree_map(_zeros, a)
+    for p, a in zip(paths, abstract_leaves, strict=True)
+  ]
+  model = nnx.merge(graphdef, leaves)
   for path, variable in created.items():
     setattr(navigate(model, path[:-1]), path[-1], variable)
-  return model, orphans
+  return model, {p for p in paths if p not in values}
+
+
+def _zeros(leaf: Any) -> Any:
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return jnp.zeros(leaf.shape, leaf.dtype)
+  return leaf
 
 
 # --- running a tree --------------------------------------------------------------------
@@ -350,7 +361,9 @@ def _run(
     )
   gathered = _Gathered(root)
   values = gathered.values(where)
-  model, orphans = private_copy(root.graphdef, values, gathered.created(where))
+  model, orphans = private_copy(
+    root.graphdef, root.abstract_leaves, values, gathered.created(where)
+  )
   interceptor = NNXInterceptor(side_inputs=side_inputs, building=False)
   interceptor.instrument(model, root.path)
   method = root.method_name
