@@ -191,7 +191,9 @@ class _Gathered:
     key = (collection, path)
     seen = self._sources.get(key)
     if seen is not None:
-      if seen is not entry:
+      traced = isinstance(seen, jax.core.Tracer) or isinstance(entry, jax.core.Tracer)
+      # Under a transformation a value shared by two calls arrives as two tracers.
+      if seen is not entry and not traced:
         raise FlaxlensError(
           f"{where}: two calls of the module hold different values for"
           f" {collection}:{'/'.join(path)}. Calls of one module share their variables;"

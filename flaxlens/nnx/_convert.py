@@ -27,6 +27,7 @@ from flaxlens.linen._tree import Uninitialized
 from flaxlens.nnx._tree import (
   InterceptedNNXModuleMethod,
   NNXInterceptor,
+  NNXModuleDef,
   NNXVariableSpec,
   abstract,
   call_method,
@@ -66,7 +67,9 @@ def unflaxify_nnx(
         f"{where}: the variable {_readable(path)!r} is in {mode} mode, which flaxlens"
         " does not support yet. Create the model with plain variables (the default)."
       )
-  leaves = [given[p].get_raw_value() for p in leaf_paths(graphdef)]
+  paths = leaf_paths(graphdef)
+  leaves = [given[p].get_raw_value() for p in paths]
+  definition = NNXModuleDef(graphdef, tuple(abstract(x) for x in leaves), paths)
 
   root = CallRecord(type(model), (), method)
   created: dict[Path, Any] = {}
@@ -93,7 +96,7 @@ def unflaxify_nnx(
         created[path] = variable
 
   jax.eval_shape(trace, arrays)
-  return _build_tree(model, graphdef, root, given, created)
+  return _build_tree(model, definition, root, given, created)
 
 
 def _statics(module: Any) -> dict[str, Any]:
@@ -149,27 +152,26 @@ def _check_created(where: str, path: Path, variable: Any, modules: dict[Path, An
     )
 
 
-def _abstract_leaves(graphdef: Any, module: nnx.Module) -> tuple[Any, ...]:
-  values = {tuple(p): v.get_raw_value() for p, v in nnx.to_flat_state(nnx.state(module))}
-  return tuple(abstract(values[p]) for p in leaf_paths(graphdef))
+def _definition(module: nnx.Module) -> NNXModuleDef:
+  graphdef, state = nnx.split(module)
+  values = {tuple(p): v.get_raw_value() for p, v in nnx.to_flat_state(state)}
+  paths = leaf_paths(graphdef)
+  return NNXModuleDef(graphdef, tuple(abstract(values[p]) for p in paths), paths)
 
 
 def _build_tree(
   model: nnx.Module,
-  graphdef: Any,
+  definition: NNXModuleDef,
   root: CallRecord,
   given: dict[Path, Any],
   created: dict[Path, Any],
 ) -> InterceptedNNXModuleMethod:
   called = {r.path for r in root.walk()}
   modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
-  graphdefs = {p: graphdef if p == () else nnx.graphdef(modules[p]) for p in called}
-  abstract_leaves = {p: _abstract_leaves(graphdefs[p], modules[p]) for p in called}
+  definitions = {p: definition if p == () else _definition(modules[p]) for p in called}
   owned: dict[Path, tuple[dict, dict, list]] = {p: ({}, {}, []) for p in called}
   variables = [(p, v, False) for p, v in given.items()]
   variables += [(p, v, True) for p, v in created.items()]
-  order = {p: i for i, p in enumerate(leaf_paths(graphdef))}
-  variables.sort(key=lambda item: (item[2], order.get(item[0], 0)))
   for path, variable, is_new in variables:
     owner = max((p for p in called if path[: len(p)] == p and len(p) < len(path)), key=len)
     rel = path[len(owner) :]
@@ -193,8 +195,7 @@ def _build_tree(
       parameters=dict(parameters),
       variables=dict(states),
       submodule_calls={key: build(child) for key, child in record.children},
-      graphdef=graphdefs[record.path],
-      abstract_leaves=abstract_leaves[record.path],
+      definition=definitions[record.path],
       specs=tuple(specs),
       sliced=record.extra.get("sliced", False),
     )

@@ -81,11 +81,8 @@ class InterceptedNNXModuleMethod(CallNode):
     variables: the module's other NNX variables (`BatchStat`, `Cache`, `RngKey`,
       `RngCount`, custom types) as `StateVariable`s, by relative name.
     submodule_calls: `{(call_index, "child.method"): layer}` in call order.
-    graphdef: the module's `nnx.GraphDef` at conversion (static attributes such as
-      `deterministic` included); with the variables it rebuilds the module.
-    abstract_leaves: shape and dtype (`jax.ShapeDtypeStruct`s) of every variable of
-      `graphdef`, in the order `nnx.merge` takes them; zeros of these stand in for
-      the variables of replaced calls, which are no longer in the tree.
+    definition: the module's static definition (its `nnx.GraphDef`); with the
+      variables it rebuilds the module.
     specs: one `NNXVariableSpec` per entry of `parameters` and `variables`.
     sliced: whether the call runs inside an NNX transform that slices its variables
       (`nnx.scan`, `nnx.vmap`); such a node runs only as part of its tree.
@@ -97,8 +94,7 @@ class InterceptedNNXModuleMethod(CallNode):
   parameters: dict[str, Any]
   variables: dict[str, Any]
   submodule_calls: dict[tuple[int, str], Any]
-  graphdef: Any = static_field()
-  abstract_leaves: tuple[Any, ...] = static_field()
+  definition: NNXModuleDef = static_field()
   specs: tuple[NNXVariableSpec, ...] = static_field(default=())
   sliced: bool = static_field(default=False)
 
@@ -108,8 +104,7 @@ class InterceptedNNXModuleMethod(CallNode):
   def _treescope_attributes(self) -> dict[str, Any]:
     attrs = self.attributes_dict()
     attrs["module_type"] = _Summary(self.module_type.__name__)
-    attrs["graphdef"] = _Summary(f"GraphDef({self.module_type.__name__})")
-    del attrs["specs"], attrs["abstract_leaves"]
+    del attrs["specs"]
     return attrs
 
   def _run_root(
@@ -122,6 +117,39 @@ class InterceptedNNXModuleMethod(CallNode):
         " of this tree); pass an nnx.Rngs as a call argument if the method takes one."
       )
     return _run(self, argument, side_inputs)
+
+  def nnx_module(self) -> nnx.Module:
+    """A new NNX module: this call's module with the tree's current variables.
+
+    Edits made in the tree are included, and so are variables the converted call
+    created once they hold a value. The module is plain NNX (no flaxlens classes) and
+    shares nothing with the tree or the converted model but immutable arrays.
+
+    Raises:
+      FlaxlensError: if the tree no longer holds some of the module's variables
+        (their calls were replaced), or the call runs inside `nnx.scan`/`nnx.vmap`.
+
+    Example:
+      >>> import flaxlens as fl, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> tree = fl.unflaxify(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), jnp.ones((1, 3)))
+      >>> tree.parameters["bias"].value += 1.0
+      >>> tree.nnx_module().bias[...]
+      Array([1., 1.], dtype=float32)
+    """
+    where = self._where()
+    _check_whole(self, "be exported on its own; export the tree it belongs to")
+    gathered = _Gathered(self)
+    values = gathered.values(where)
+    missing = ["/".join(map(str, p)) for p in self.definition.leaf_paths if p not in values]
+    if missing:
+      raise FlaxlensError(
+        f"{where}: the tree no longer holds the variables {missing[:6]}: their calls were"
+        " replaced. Export before replacing them, or keep the replaced node inside the"
+        " replacement layer."
+      )
+    model, _ = self.definition.rebuild(values, gathered.created(where))
+    return model
 
   def set_attributes(
     self, *filters: Any, raise_if_not_found: bool = True, **attributes: Any
@@ -220,7 +248,6 @@ class _Marker:
     self.index = index
 
 
-@functools.lru_cache(maxsize=256)
 def leaf_paths(graphdef: Any) -> tuple[Path, ...]:
   """The variable paths of `graphdef`, in the order `nnx.merge` takes a list of leaves."""
   count = graphdef.num_leaves
@@ -231,12 +258,101 @@ def leaf_paths(graphdef: Any) -> tuple[Path, ...]:
   return tuple(paths)
 
 
+def abstract(value: Any) -> Any:
+  """`value` with every array replaced by its `jax.ShapeDtypeStruct`."""
+  return jax.tree_util.tree_map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, value
+  )
+
+
+class NNXModuleDef:
+  """The static definition of a converted module: its `GraphDef` and variable shapes.
+
+  Attributes:
+    graphdef: the module's `nnx.GraphDef` (static attributes such as `deterministic`
+      included, and the type and metadata of every variable).
+    abstract_leaves: shape and dtype (`jax.ShapeDtypeStruct`s) of every variable of
+      `graphdef`, in the order `nnx.merge` takes them.
+    leaf_paths: the paths of those variables, in the same order.
+
+  Its hash is computed once: hashing a `GraphDef` walks all of it, and jit looks up its
+  cache by the static fields of a tree on every call.
+  """
+
+  __slots__ = ("graphdef", "abstract_leaves", "leaf_paths", "_hash")
+
+  def __init__(
+    self,
+    graphdef: Any,
+    abstract_leaves: tuple[Any, ...],
+    paths: tuple[Path, ...] | None = None,
+  ):
+    self.graphdef = graphdef
+    self.abstract_leaves = abstract_leaves
+    self.leaf_paths = leaf_paths(graphdef) if paths is None else paths
+    try:
+      self._hash = hash((graphdef, abstract_leaves))
+    except TypeError:  # A variable holding a dict: hash the structure alone.
+      self._hash = hash(graphdef)
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: object) -> bool:
+    return self is other or (
+      type(other) is NNXModuleDef
+      and self._hash == other._hash
+      and self.graphdef == other.graphdef
+      and self.abstract_leaves == other.abstract_leaves
+    )
+
+  def __repr__(self) -> str:
+    return f"NNXModuleDef(<GraphDef>, {len(self.leaf_paths)} variables)"
+
+  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    from treescope import rendering_parts
+
+    return rendering_parts.text(repr(self))
+
+  def with_graphdef(self, graphdef: Any) -> NNXModuleDef:
+    """The same module with other static attributes (same variables)."""
+    return NNXModuleDef(graphdef, self.abstract_leaves, self.leaf_paths)
+
+  def rebuild(self, values: dict[Path, Any], created: dict[Path, Any]) -> tuple[Any, set[Path]]:
+    """The module rebuilt from `values`, and the paths of its variables no node holds.
+
+    `nnx.merge` creates fresh `Variable`s of the types and metadata the `GraphDef`
+    records, so nothing is shared with the model the values came from but immutable
+    arrays. Variables no node holds belong to calls that were replaced: they stand in
+    as zeros of their shape, so that transforms over the module's state (`nnx.vmap`,
+    `nnx.scan`) still see the shapes they need. `created` variables (made by the
+    converted call) are set as attributes of their modules.
+    """
+    leaves = [
+      values[p] if p in values else jax.tree_util.tree_map(_zeros, a)
+      for p, a in zip(self.leaf_paths, self.abstract_leaves, strict=True)
+    ]
+    model = nnx.merge(self.graphdef, leaves)
+    for path, variable in created.items():
+      setattr(navigate(model, path[:-1]), path[-1], variable)
+    return model, {p for p in self.leaf_paths if p not in values}
+
+
+def _zeros(leaf: Any) -> Any:
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return jnp.zeros(leaf.shape, leaf.dtype)
+  return leaf
+
+
 def navigate(root: Any, path: Path) -> Any:
   """The object at `path` (attribute names and list indices) inside an NNX graph."""
   node = root
   for key in path:
     node = node[key] if isinstance(key, int) else getattr(node, key)
   return node
+
+
+_ABSENT = object()
 
 
 def _value_of(entry: Any, where: str) -> Any:
@@ -302,45 +418,15 @@ class _Gathered:
     return made
 
 
-_ABSENT = object()
-
-
-def abstract(value: Any) -> Any:
-  """`value` with every array replaced by its `jax.ShapeDtypeStruct`."""
-  return jax.tree_util.tree_map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, value
-  )
-
-
-def private_copy(
-  graphdef: Any, abstract_leaves: tuple[Any, ...], values: dict[Path, Any], created: dict
-) -> tuple[Any, set[Path]]:
-  """The module rebuilt from `values`, and the paths of its variables no node holds.
-
-  `nnx.merge` creates fresh `Variable`s of the types and metadata the `GraphDef`
-  records, so nothing is shared with the model the values came from but immutable
-  arrays. Variables no node holds belong to calls that were replaced: they stand in as
-  zeros of their shape, so that transforms over the module's state (`nnx.vmap`,
-  `nnx.scan`) still see the shapes they need.
-  """
-  paths = leaf_paths(graphdef)
-  leaves = [
-    values[p] if p in values else jax.tree_util.tree_map(_zeros, a)
-    for p, a in zip(paths, abstract_leaves, strict=True)
-  ]
-  model = nnx.merge(graphdef, leaves)
-  for path, variable in created.items():
-    setattr(navigate(model, path[:-1]), path[-1], variable)
-  return model, {p for p in paths if p not in values}
-
-
-def _zeros(leaf: Any) -> Any:
-  if isinstance(leaf, jax.ShapeDtypeStruct):
-    return jnp.zeros(leaf.shape, leaf.dtype)
-  return leaf
-
-
 # --- running a tree --------------------------------------------------------------------
+
+
+def _check_whole(node: InterceptedNNXModuleMethod, cannot: str) -> None:
+  if node.sliced:
+    raise UnsupportedFlaxFeatureError(
+      f"{node._where()}: this call runs inside an NNX transform (nnx.scan, nnx.vmap)"
+      f" that slices its variables, so it cannot {cannot}."
+    )
 
 
 def call_method(model: Any, method: Any, args: Any, kwargs: Any) -> Any:
@@ -353,17 +439,10 @@ def _run(
   root: InterceptedNNXModuleMethod, argument: ArgsAndKwargs, side_inputs: dict[str, Any]
 ) -> Any:
   where = root._where()
-  if root.sliced:
-    raise UnsupportedFlaxFeatureError(
-      f"{where}: this call runs inside an NNX transform (nnx.scan, nnx.vmap) that slices"
-      " its variables, so it cannot be called on its own. Call the tree it belongs to"
-      " (patches inside it apply at every iteration)."
-    )
+  _check_whole(root, "be called on its own. Call the tree it belongs to (patches apply inside)")
   gathered = _Gathered(root)
   values = gathered.values(where)
-  model, orphans = private_copy(
-    root.graphdef, root.abstract_leaves, values, gathered.created(where)
-  )
+  model, orphans = root.definition.rebuild(values, gathered.created(where))
   interceptor = NNXInterceptor(side_inputs=side_inputs, building=False)
   interceptor.instrument(model, root.path)
   method = root.method_name
@@ -394,9 +473,7 @@ def _write_back(
     )
   for path, value in updates.items():
     entry = gathered.entries.get(path)
-    if not isinstance(entry, AbstractVariable):
-      continue
-    if gathered.specs[path].created or value is not values.get(path, _ABSENT):
+    if isinstance(entry, AbstractVariable) and value is not values.get(path, _ABSENT):
       entry.value = value
 
 
@@ -404,13 +481,10 @@ def _restatic(
   root: InterceptedNNXModuleMethod, change: Callable[[Any], Any]
 ) -> InterceptedNNXModuleMethod:
   """`root` with every node's `GraphDef` as NNX's `change(module)` leaves it."""
-  if root.sliced:
-    raise UnsupportedFlaxFeatureError(
-      f"{root._where()}: this call runs inside an NNX transform that slices its"
-      " variables; change the attributes of the tree it belongs to instead."
-    )
+  _check_whole(root, "change its attributes on its own; change those of the tree it belongs to")
   _Gathered(root)  # Checks that every node belongs under the root.
-  model = nnx.merge(root.graphdef, [None] * root.graphdef.num_leaves)
+  graphdef = root.definition.graphdef
+  model = nnx.merge(graphdef, [None] * graphdef.num_leaves)
   changed = change(model)
   if isinstance(changed, nnx.Module):
     model = changed
@@ -421,7 +495,7 @@ def _restatic(
     if rel not in graphdefs:
       graphdefs[rel] = nnx.graphdef(navigate(model, rel))
     fields = node.attributes_dict()
-    fields["graphdef"] = graphdefs[rel]
+    fields["definition"] = node.definition.with_graphdef(graphdefs[rel])
     fields["submodule_calls"] = {
       key: jax.tree_util.tree_map(
         lambda x: regraph(x) if is_call_node(x) else x, child, is_leaf=is_call_node

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,3 +167,40 @@ def test_edited_variables_export_back_to_flax(cases, name):
   )
   expected = result[0] if case.mutable else result
   assert_trees_equal(call(tree, case), expected)
+
+
+class ScaledTwice(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    scaled = Scaler(name="scaler")
+    return scaled(scaled(x))
+
+
+class Scaler(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x * self.variable("constants", "scale", lambda: jnp.full((), 3.0)).value
+
+
+def test_an_immutable_value_shared_by_two_calls_works_under_jit():
+  module, x = ScaledTwice(), jnp.ones((2,))
+  variables = module.init(jax.random.key(0), x)
+  tree = fl.unflaxify(module, variables, x)
+  out = fl.variable_jit(lambda t, x: t(fl.ArgsAndKwargs.capture(x)))(tree, x)
+  assert_trees_equal(out, module.apply(variables, x))
+
+
+def test_replacing_an_immutable_value_in_one_of_two_calls_is_an_error():
+  module, x = ScaledTwice(), jnp.ones((2,))
+  tree = fl.unflaxify(module, module.init(jax.random.key(0), x), x)
+  edited = (
+    tree.select()
+    .at(
+      lambda t: t.submodule_calls[(0, "scaler.__call__")].scope_data.immutable_variables[
+        "constants"
+      ]["scale"]
+    )
+    .set(jnp.full((), 5.0))
+  )
+  with pytest.raises(fl.FlaxlensError, match="constants:scaler/scale"):
+    edited(fl.ArgsAndKwargs.capture(x))

@@ -253,6 +253,18 @@ class Jitted(nnx.Module):
     return self.out(_jitted_block(self.block, x))
 
 
+class JitMethod(nnx.Module):
+  """`__call__` decorated with `nnx.jit`: the whole call is one jitted trace."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.block = Block(rngs)
+    self.out = nnx.Linear(4, 2, rngs=rngs)
+
+  @nnx.jit
+  def __call__(self, x):
+    return self.out(self.block(x))
+
+
 class Bridged(nnx.Module):
   """Linen modules inside an NNX model through `nnx.bridge.ToNNX`."""
 
@@ -339,6 +351,7 @@ def build() -> dict[str, Case]:
     lambda: Case("vmap_ensemble", Ensemble(RNGS()), (X,)),
     lambda: Case("remat", Rematted(RNGS()), (X,)),
     lambda: Case("nnx_jit_inside", Jitted(RNGS()), (X,)),
+    lambda: Case("jit_method", JitMethod(RNGS()), (X,)),
     lambda: Case("linen_bridge", Bridged(RNGS()), (X,)),
     lambda: Case("iter_modules", ByModules(RNGS()), (X,)),
     lambda: Case("view", nnx.view(ConvNet(RNGS()), deterministic=True), (IMG,)),
@@ -374,6 +387,7 @@ NAMES = [
   "vmap_ensemble",
   "remat",
   "nnx_jit_inside",
+  "jit_method",
   "linen_bridge",
   "iter_modules",
   "view",

@@ -1,9 +1,10 @@
-"""Finding calls by readable path, calling a subtree on its own, and clear errors."""
+"""Finding calls by readable path, rendering, calling a subtree on its own, and clear errors."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
+import treescope
 from flax import nnx
 
 import flaxlens as fl
@@ -39,6 +40,12 @@ def test_a_shared_module_is_named_by_its_first_path_from_the_other_parent(cases)
   tree = convert(cases["shared_submodule"])
   second = tree.submodule_calls[(1, "second.__call__")]
   assert list(second.submodule_calls) == [(0, "/first/inner.__call__")]
+
+
+def test_a_tree_renders_with_treescope_in_one_line_per_module(cases):
+  text = treescope.render_to_text(convert(cases["scan"]))
+  assert "InterceptedNNXModuleMethod" in text and "NNXModuleDef(<GraphDef>, 4 variables)" in text
+  assert "Param:blocks/linear/kernel" in text
 
 
 def test_an_unknown_path_lists_known_ones(cases):

@@ -47,8 +47,8 @@ def test_switching_mode_returns_a_new_tree_and_keeps_the_old_one(cases):
   evaluated = tree.eval()
   assert evaluated is not tree
   assert (
-    tree.select().at_path("drop").get().graphdef
-    != evaluated.select().at_path("drop").get().graphdef
+    tree.select().at_path("drop").get().definition.graphdef
+    != evaluated.select().at_path("drop").get().definition.graphdef
   )
   assert_trees_equal(call(tree, case), case.native(nnx.clone(case.model)))
 

@@ -152,3 +152,32 @@ def test_conversion_is_abstract_and_accepts_shape_only_inputs(cases, batch):
     n.readable_path() for n in convert(case).select().at_path("**").get_sequence()
   ]
   assert_trees_equal(call(tree, case), case.native(nnx.clone(case.model)))
+
+
+def test_the_tree_exports_a_plain_nnx_module_with_its_current_variables(cases):
+  case = cases["convnet_train"]
+  tree = convert(case)
+  call(tree, case)
+  tree.select().at_path("head").get().parameters["bias"].value += 1.0
+  exported = tree.nnx_module()
+  assert [type(m) for _, m in nnx.iter_modules(exported)] == [
+    type(m) for _, m in nnx.iter_modules(case.model)
+  ]
+  assert_trees_equal(model_state(exported), tree_state(tree))
+  assert_trees_equal(case.native(exported), call(tree, case))
+  assert_trees_equal(model_state(exported), tree_state(tree))
+
+
+def test_an_exported_module_includes_variables_the_call_created(cases):
+  case = cases["sow_outside_capture"]
+  tree = convert(case)
+  assert not hasattr(tree.nnx_module(), "hidden")
+  call(tree, case)
+  assert_trees_equal(model_state(tree.nnx_module()), tree_state(tree))
+
+
+def test_export_refuses_a_tree_whose_variables_left_with_a_replaced_call(cases):
+  case = cases["mlp"]
+  patched = convert(case).select().at_path("hidden").apply(lambda _: fl.ArgsAndKwargs)
+  with pytest.raises(fl.FlaxlensError, match=r"MLP.__call__: .*'hidden/bias'"):
+    patched.nnx_module()
