@@ -207,7 +207,9 @@ def apply_fresh(
 #   is new for every run, so each run traces afresh.
 # - `nnx.capture(method_outputs=...)` wraps only the methods found in `type(m).__dict__`
 #   (not inherited ones); the instrumented subclass keeps that set unchanged by
-#   defining wrappers of inherited methods on a plain mixin base instead.
+#   defining wrappers of inherited methods on a mixin base instead (`nnx_subclass`).
+# - Attributes whose names start with `_pytree__` are NNX's bookkeeping, not the
+#   module's settings; the conversion's check for changed static attributes skips them.
 
 NNX_SITE_ATTRIBUTE = "_pytree__flaxlens_site"
 
@@ -258,6 +260,22 @@ def nnx_set_site(module: Any, site: Any) -> None:
 def nnx_site(module: Any) -> Any:
   """The site stored by `nnx_set_site`, or None."""
   return vars(module).get(NNX_SITE_ATTRIBUTE)
+
+
+def nnx_static_attributes(module: Any) -> dict[str, Any]:
+  """The module's own static (non-data) attributes, NNX's `_pytree__` bookkeeping left out."""
+  from flax import nnx
+
+  return {
+    name: value
+    for name, value in vars(module).items()
+    if not name.startswith("_pytree__") and not nnx.is_data(value)
+  }
+
+
+def nnx_leaf_count(graphdef: Any) -> int:
+  """How many variables `nnx.merge(graphdef, leaves)` takes (`GraphDef.num_leaves`)."""
+  return graphdef.num_leaves
 
 
 def nnx_variable_mode(variable: Any) -> str | None:

@@ -84,7 +84,7 @@ def unflaxify_nnx(
     ]
     copy = nnx.merge(graphdef, list(leaves))
     interceptor.instrument(copy, ())
-    statics = {p: _statics(m) for p, m in interceptor.by_path.items()}
+    statics = {p: fi.nnx_static_attributes(m) for p, m in interceptor.by_path.items()}
     with interceptor.active():
       call_method(copy, method, args, kwargs)
     _check_statics(where, interceptor.by_path, statics)
@@ -97,14 +97,6 @@ def unflaxify_nnx(
 
   jax.eval_shape(trace, arrays)
   return _build_tree(model, definition, root, given, created)
-
-
-def _statics(module: Any) -> dict[str, Any]:
-  return {
-    name: value
-    for name, value in vars(module).items()
-    if not name.startswith("_pytree__") and not nnx.is_data(value)
-  }
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -125,7 +117,7 @@ def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict
   `init_cache`) is a created variable, not a change.
   """
   for path, module in modules.items():
-    old, new = before[path], _statics(module)
+    old, new = before[path], fi.nnx_static_attributes(module)
     for name in sorted(set(old) | set(new)):
       if name in old and name not in new and nnx.is_data(vars(module).get(name)):
         continue

@@ -250,7 +250,7 @@ class _Marker:
 
 def leaf_paths(graphdef: Any) -> tuple[Path, ...]:
   """The variable paths of `graphdef`, in the order `nnx.merge` takes a list of leaves."""
-  count = graphdef.num_leaves
+  count = fi.nnx_leaf_count(graphdef)
   probe = nnx.merge(graphdef, [_Marker(i) for i in range(count)])
   paths: list[Path] = [()] * count
   for path, variable in nnx.to_flat_state(nnx.state(probe)):
@@ -483,8 +483,8 @@ def _restatic(
   """`root` with every node's `GraphDef` as NNX's `change(module)` leaves it."""
   _check_whole(root, "change its attributes on its own; change those of the tree it belongs to")
   _Gathered(root)  # Checks that every node belongs under the root.
-  graphdef = root.definition.graphdef
-  model = nnx.merge(graphdef, [None] * graphdef.num_leaves)
+  definition = root.definition
+  model = nnx.merge(definition.graphdef, [None] * len(definition.leaf_paths))
   changed = change(model)
   if isinstance(changed, nnx.Module):
     model = changed

@@ -181,3 +181,24 @@ def test_export_refuses_a_tree_whose_variables_left_with_a_replaced_call(cases):
   patched = convert(case).select().at_path("hidden").apply(lambda _: fl.ArgsAndKwargs)
   with pytest.raises(fl.FlaxlensError, match=r"MLP.__call__: .*'hidden/bias'"):
     patched.nnx_module()
+
+
+def test_perturbation_gradients_match_nnx(cases):
+  """The `nnx.capture(init=perturbations)` + grad workflow, through the tree."""
+  case = cases["capture_sow_perturb"]
+  x = case.args[0]
+
+  def forward(model, x, perturbations):
+    out, _ = nnx.capture(model, nnx.Intermediate, init=perturbations)(x)
+    return out
+
+  _, perturbations = nnx.capture(nnx.clone(case.model), nnx.Perturbation)(x)
+  tree = fl.unflaxify(case.model, x, perturbations, method=forward)
+
+  def loss_tree(perturbations):
+    return tree(fl.ArgsAndKwargs.capture(x, perturbations)).sum()
+
+  def loss_nnx(perturbations):
+    return forward(nnx.clone(case.model), x, perturbations).sum()
+
+  assert_trees_equal(jax.grad(loss_tree)(perturbations), jax.grad(loss_nnx)(perturbations))
