@@ -9,8 +9,9 @@ and a copy of `Module.apply` that can set root `Scope.flags` (`flax.core.apply(f
 `flax.linen.module._get_unbound_fn`, `_context.capture_stack`). NNX: the private
 `_pytree__is_pytree` flag and the `PytreeMeta` class keywords needed to subclass a module
 class, swapping an instance's `__class__`, a `_pytree__`-prefixed instance attribute that
-rides in the `GraphDef` as static data, and the base classes whose methods are Flax's
-own. A Flax upgrade that changes any of these should break here only.
+rides in the `GraphDef` as static data, `GraphDef.num_leaves`, and the base classes
+whose methods are Flax's own (see the NNX section below). A Flax upgrade that changes
+any of these should break here only.
 """
 
 from __future__ import annotations
