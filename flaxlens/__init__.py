@@ -30,7 +30,7 @@ from flaxlens.linen._tree import (
   RngSnapshot,
   Uninitialized,
 )
-from flaxlens.nnx._tree import InterceptedNNXModuleMethod, NNXVariableSpec
+from flaxlens.nnx._tree import InterceptedNNXModuleMethod, NNXModuleDef, NNXVariableSpec
 from flaxlens.tools._artifact import load_isolated, save_isolated
 from flaxlens.tools._codec import ArtifactError
 from flaxlens.tools._isolate import (
@@ -57,6 +57,7 @@ __all__ = [
   "ReplayReport",
   "RngSnapshot",
   "InterceptedNNXModuleMethod",
+  "NNXModuleDef",
   "NNXVariableSpec",
   "Uninitialized",
   "UnsupportedFlaxFeatureError",

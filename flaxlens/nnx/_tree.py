@@ -1,13 +1,16 @@
 """The NNX call tree: one `InterceptedNNXModuleMethod` node per intercepted method call.
 
-Calling a node rebuilds a private copy of its module with `nnx.merge` (the node's
-`GraphDef` plus the tree's current variable values), swaps the class of every module of
-the copy for a cached subclass whose methods report to an `NNXInterceptor`, and calls
-the method natively: an unmodified child node lets its call continue natively (so rng
-streams, batch statistics, caches and NNX transforms are NNX's own, bit for bit), any
-other layer replaces the call. The copy's updated state is then written back into the
-tree's `StateVariable`s and the copy is dropped, so the user's model is never touched,
-even when a call raises. Flax internals used: see `flaxlens._flax_internals`.
+Calling a node rebuilds a private copy of its module with `nnx.merge` (its `GraphDef`
+plus the tree's current variable values) and swaps the class of each of the copy's
+modules for a cached subclass whose methods report to an `NNXInterceptor`. The method
+then runs natively: an unmodified child node lets its call continue (so rng streams,
+batch statistics, caches and NNX transforms are NNX's own, bit for bit) and any other
+layer replaces the call. The copy's updated state is written back into the tree's
+`StateVariable`s and the copy is dropped. Instrumenting a private copy, rather than
+patching the user's classes as `nnx.capture` and `nnx.tabulate` do, leaves the user's
+model and classes untouched even when a call raises, sees inherited methods, and
+survives `nnx.split`/`nnx.merge` inside transforms. Flax internals used: see
+`flaxlens._flax_internals`.
 """
 
 from __future__ import annotations
