@@ -18,6 +18,7 @@ from flaxlens.core._variables import (
   StateVariable,
   StateVariableSlot,
   StateVariableValue,
+  Uninitialized,
   VariableError,
   bind_variables,
   freeze_variables,
@@ -28,7 +29,6 @@ from flaxlens.linen._tree import (
   InterceptedFlaxModuleMethod,
   InterceptedFlaxScopeData,
   RngSnapshot,
-  Uninitialized,
 )
 from flaxlens.nnx._tree import InterceptedNNXModuleMethod, NNXModuleDef, NNXVariableSpec
 from flaxlens.tools._artifact import load_isolated, save_isolated

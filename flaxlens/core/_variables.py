@@ -296,3 +296,29 @@ def freeze_variables(tree: Any) -> Any:
   return jax.tree_util.tree_map(
     lambda x: x.freeze() if isinstance(x, AbstractVariable) else x, tree, is_leaf=_is_variable
   )
+
+
+class Uninitialized(Struct):
+  """Value of a state variable that the model creates during its first call.
+
+  It has no pytree leaves; the node's call creates the variable as Flax would and
+  writes the new value into the `StateVariable`.
+  """
+
+
+def value_of(entry: Any, where: str) -> Any:
+  """The value held by a variable, a frozen value or a plain value.
+
+  Raises:
+    FlaxlensError: for a slot, naming `where` and how to bind it.
+  """
+  from flaxlens._errors import FlaxlensError
+
+  if isinstance(entry, AbstractVariable | AbstractVariableValue):
+    return entry.value
+  if isinstance(entry, AbstractVariableSlot):
+    raise FlaxlensError(
+      f"{where}: the variable {entry.label!r} is unbound (a slot). Bind it with"
+      " fl.bind_variables(tree, values), or call the tree through stateless_call."
+    )
+  return entry

@@ -15,34 +15,19 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import numpy as np
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._calls import CallRecord, Frame, Path
-from flaxlens.core._variables import Parameter, StateVariable
+from flaxlens.core._jit import split_static
+from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.linen._tree import (
   InterceptedFlaxModuleMethod,
   InterceptedFlaxScopeData,
   LinenInterceptor,
   RngSnapshot,
-  Uninitialized,
   flatten_collections,
 )
-
-
-def _split_static(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-  """Array leaves of `tree`, and a function rebuilding `tree` from new array leaves."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  mask = [isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct) for x in leaves]
-
-  def rebuild(arrays: list[Any]) -> Any:
-    it = iter(arrays)
-    return jax.tree_util.tree_unflatten(
-      treedef, [next(it) if m else leaf for leaf, m in zip(leaves, mask, strict=True)]
-    )
-
-  return [x for x, m in zip(leaves, mask, strict=True) if m], rebuild
 
 
 def unflaxify_linen(
@@ -73,7 +58,7 @@ def unflaxify_linen(
 
   state = LinenInterceptor(side_inputs={}, building=True)
   root = CallRecord(module, (), method_name)
-  arrays, rebuild = _split_static((variables, example_args, example_kwargs, rngs))
+  arrays, rebuild = split_static((variables, example_args, example_kwargs, rngs))
 
   def trace(arrays: list[Any]) -> Any:
     state.frames[:] = [

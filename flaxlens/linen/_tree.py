@@ -36,20 +36,7 @@ from flaxlens.core._calls import (
 )
 from flaxlens.core._random import RandomStream
 from flaxlens.core._struct import Struct, static_field
-from flaxlens.core._variables import (
-  AbstractVariable,
-  AbstractVariableSlot,
-  AbstractVariableValue,
-  StateVariable,
-)
-
-
-class Uninitialized(Struct):
-  """Value of a state variable that the model creates during its first call.
-
-  It has no pytree leaves; the node's call creates the variable as Flax would and
-  writes the new value into the `StateVariable`.
-  """
+from flaxlens.core._variables import StateVariable, Uninitialized, value_of
 
 
 class InterceptedFlaxScopeData(Struct):
@@ -168,17 +155,6 @@ class _ModuleSummary:
 # --- gathering variables from a tree ---------------------------------------------------
 
 
-def _value_of(entry: Any, where: str) -> Any:
-  if isinstance(entry, AbstractVariable | AbstractVariableValue):
-    return entry.value
-  if isinstance(entry, AbstractVariableSlot):
-    raise FlaxlensError(
-      f"{where}: the variable {entry.label!r} is unbound (a slot). Bind it with"
-      " fl.bind_variables(tree, values), or call the tree through stateless_call."
-    )
-  return entry
-
-
 class _Gathered:
   """The variables dict for one apply, and where each mutable entry writes back."""
 
@@ -203,7 +179,7 @@ class _Gathered:
     self._sources[key] = entry
     if isinstance(entry, StateVariable):
       self.state[key] = entry
-    value = _value_of(entry, where)
+    value = value_of(entry, where)
     if isinstance(value, Uninitialized):
       return
     target = self.variables.setdefault(collection, {})

@@ -21,9 +21,8 @@ from flax import nnx
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._calls import CallRecord, Frame, Path
-from flaxlens.core._variables import Parameter, StateVariable
-from flaxlens.linen._convert import _split_static
-from flaxlens.linen._tree import Uninitialized
+from flaxlens.core._jit import split_static
+from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.nnx._tree import (
   InterceptedNNXModuleMethod,
   NNXInterceptor,
@@ -73,7 +72,7 @@ def unflaxify_nnx(
 
   root = CallRecord(type(model), (), method)
   created: dict[Path, Any] = {}
-  arrays, rebuild = _split_static((leaves, example_args, example_kwargs))
+  arrays, rebuild = split_static((leaves, example_args, example_kwargs))
 
   def trace(arrays: list[Any]) -> None:
     leaves, args, kwargs = rebuild(arrays)

@@ -39,12 +39,7 @@ from flaxlens.core._calls import (
   iter_call_nodes,
 )
 from flaxlens.core._struct import static_field
-from flaxlens.core._variables import (
-  AbstractVariable,
-  AbstractVariableSlot,
-  AbstractVariableValue,
-)
-from flaxlens.linen._tree import Uninitialized
+from flaxlens.core._variables import AbstractVariable, Uninitialized, value_of
 
 
 class NNXVariableSpec(NamedTuple):
@@ -358,17 +353,6 @@ def navigate(root: Any, path: Path) -> Any:
 _ABSENT = object()
 
 
-def _value_of(entry: Any, where: str) -> Any:
-  if isinstance(entry, AbstractVariable | AbstractVariableValue):
-    return entry.value
-  if isinstance(entry, AbstractVariableSlot):
-    raise FlaxlensError(
-      f"{where}: the variable {entry.label!r} is unbound (a slot). Bind it with"
-      " fl.bind_variables(tree, values), or call the tree through stateless_call."
-    )
-  return entry
-
-
 class _Gathered:
   """The variables of one run, gathered from the nodes of a tree by path."""
 
@@ -407,7 +391,7 @@ class _Gathered:
 
   def values(self, where: str) -> dict[Path, Any]:
     """Current values of the variables the `GraphDef` has (not those made by the call)."""
-    return {p: _value_of(e, where) for p, e in self.entries.items() if not self.specs[p].created}
+    return {p: value_of(e, where) for p, e in self.entries.items() if not self.specs[p].created}
 
   def created(self, where: str) -> dict[Path, Any]:
     """Variables the converted call created and that hold a value by now, as NNX ones."""
@@ -415,7 +399,7 @@ class _Gathered:
     for path, entry in self.entries.items():
       spec = self.specs[path]
       if spec.created:
-        value = _value_of(entry, where)
+        value = value_of(entry, where)
         if not isinstance(value, Uninitialized):
           made[path] = spec.type.from_metadata(value, dict(spec.metadata))
     return made

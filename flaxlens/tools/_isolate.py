@@ -31,6 +31,7 @@ from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._variables import (
   AbstractVariable,
   Parameter,
+  Uninitialized,
   bind_variables,
   unbind_variables,
 )
@@ -38,7 +39,6 @@ from flaxlens.linen._tree import (
   InterceptedFlaxModuleMethod,
   LinenInterceptor,
   RngSnapshot,
-  Uninitialized,
   apply_tree,
   flatten_collections,
 )
