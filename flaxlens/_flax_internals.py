@@ -258,6 +258,11 @@ def nnx_set_site(module: Any, site: Any) -> None:
   object.__setattr__(module, NNX_SITE_ATTRIBUTE, site)
 
 
+def nnx_clear_site(module: Any) -> None:
+  """Removes the site stored by `nnx_set_site`, if any."""
+  vars(module).pop(NNX_SITE_ATTRIBUTE, None)
+
+
 def nnx_site(module: Any) -> Any:
   """The site stored by `nnx_set_site`, or None."""
   return vars(module).get(NNX_SITE_ATTRIBUTE)

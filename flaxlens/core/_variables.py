@@ -285,17 +285,30 @@ def bind_variables(
   return new_tree
 
 
-def freeze_variables(tree: Any) -> Any:
-  """Replaces every bound variable in `tree` by its frozen value.
+def freeze_variables(tree: Any, predicate: Callable[[AbstractVariable], bool] | None = None) -> Any:
+  """Replaces bound variables in `tree` by their frozen values.
+
+  A variable reachable twice becomes one frozen value reachable twice.
+
+  Args:
+    tree: a pytree holding variables.
+    predicate: if given, only variables for which it returns True are frozen.
 
   Example:
     >>> import flaxlens as fl
     >>> fl.freeze_variables([fl.StateVariable(1, label="s")])
     [StateVariableValue(value=1, label='s')]
   """
-  return jax.tree_util.tree_map(
-    lambda x: x.freeze() if isinstance(x, AbstractVariable) else x, tree, is_leaf=_is_variable
-  )
+  frozen: dict[int, AbstractVariableValue] = {}
+
+  def freeze(x: Any) -> Any:
+    if not isinstance(x, AbstractVariable) or (predicate is not None and not predicate(x)):
+      return x
+    if id(x) not in frozen:
+      frozen[id(x)] = x.freeze()
+    return frozen[id(x)]
+
+  return jax.tree_util.tree_map(freeze, tree, is_leaf=_is_variable)
 
 
 class Uninitialized(Struct):
@@ -322,3 +335,27 @@ def value_of(entry: Any, where: str) -> Any:
       " fl.bind_variables(tree, values), or call the tree through stateless_call."
     )
   return entry
+
+
+def same_entry(a: Any, b: Any) -> bool:
+  """Whether two entries found for one variable in two calls of its module agree.
+
+  Bound variables must be the same object. Frozen or plain values agree when they are
+  the same value; under a JAX transformation one shared value arrives as two tracers,
+  which cannot be told apart, so tracers agree.
+  """
+  if a is b:
+    return True
+  if isinstance(a, AbstractVariable) or isinstance(b, AbstractVariable):
+    return False
+  if isinstance(a, AbstractVariableValue) or isinstance(b, AbstractVariableValue):
+    if not (isinstance(a, AbstractVariableValue) and isinstance(b, AbstractVariableValue)):
+      return False
+    if a.label != b.label:
+      return False
+    a, b = a.value, b.value
+  leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  return len(leaves_a) == len(leaves_b) and all(
+    x is y or isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer)
+    for x, y in zip(leaves_a, leaves_b, strict=True)
+  )

@@ -36,7 +36,7 @@ from flaxlens.core._calls import (
 )
 from flaxlens.core._random import RandomStream
 from flaxlens.core._struct import Struct, static_field
-from flaxlens.core._variables import StateVariable, Uninitialized, value_of
+from flaxlens.core._variables import StateVariable, Uninitialized, same_entry, value_of
 
 
 class InterceptedFlaxScopeData(Struct):
@@ -167,9 +167,7 @@ class _Gathered:
     key = (collection, path)
     seen = self._sources.get(key)
     if seen is not None:
-      traced = isinstance(seen, jax.core.Tracer) or isinstance(entry, jax.core.Tracer)
-      # Under a transformation a value shared by two calls arrives as two tracers.
-      if seen is not entry and not traced:
+      if not same_entry(seen, entry):
         raise FlaxlensError(
           f"{where}: two calls of the module hold different values for"
           f" {collection}:{'/'.join(path)}. Calls of one module share their variables;"

@@ -39,7 +39,7 @@ from flaxlens.core._calls import (
   iter_call_nodes,
 )
 from flaxlens.core._struct import static_field
-from flaxlens.core._variables import AbstractVariable, Uninitialized, value_of
+from flaxlens.core._variables import AbstractVariable, Uninitialized, same_entry, value_of
 
 
 class NNXVariableSpec(NamedTuple):
@@ -378,7 +378,7 @@ class _Gathered:
         path = base + spec.path
         seen = self.entries.get(path, _ABSENT)
         if seen is not _ABSENT:
-          if seen is not entry:
+          if not same_entry(seen, entry):
             raise FlaxlensError(
               f"{node._where()}: two calls of the module hold different values for"
               f" {'/'.join(map(str, path))!r}. Calls of one module share their"
@@ -423,14 +423,17 @@ def call_method(model: Any, method: Any, args: Any, kwargs: Any) -> Any:
 
 
 def _run(
-  root: InterceptedNNXModuleMethod, argument: ArgsAndKwargs, side_inputs: dict[str, Any]
+  root: InterceptedNNXModuleMethod,
+  argument: ArgsAndKwargs,
+  side_inputs: dict[str, Any],
+  interceptor: NNXInterceptor | None = None,
 ) -> Any:
   where = root._where()
   _check_whole(root, "be called on its own. Call the tree it belongs to (patches apply inside)")
   gathered = _Gathered(root)
   values = gathered.values(where)
   model, orphans = root.definition.rebuild(values, gathered.created(where))
-  interceptor = NNXInterceptor(side_inputs=side_inputs, building=False)
+  interceptor = interceptor or NNXInterceptor(side_inputs=side_inputs, building=False)
   interceptor.instrument(model, root.path)
   method = root.method_name
   interceptor.frames.append(
@@ -500,6 +503,22 @@ _nonces = itertools.count()
 _active: dict[int, NNXInterceptor] = {}
 _instrumented: dict[type, type | None] = {}
 _STDLIB_MODULES = ("builtins", "abc", "typing", "collections.abc")
+
+
+def plain_module(graphdef: Any, leaves: list[Any]) -> Any:
+  """A plain NNX module (user classes, no run site) from a split of an instrumented one."""
+  module = nnx.merge(graphdef, leaves)
+  for _, sub in nnx.iter_modules(module):
+    fi.nnx_swap_class(sub, original_class(type(sub)))
+    fi.nnx_clear_site(sub)
+  return module
+
+
+def split_leaves(module: Any) -> tuple[Any, list[Any]]:
+  """`(graphdef, leaves)` of `module`, leaves in the order `nnx.merge` takes them."""
+  graphdef, state = nnx.split(module)
+  flat = {tuple(p): v for p, v in nnx.to_flat_state(state)}
+  return graphdef, [flat[p].get_raw_value() for p in leaf_paths(graphdef)]
 
 
 def original_class(cls: type) -> type:

@@ -29,10 +29,10 @@ from flaxlens.core._jit import variable_jit
 from flaxlens.core._selectors import Selection, select
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._variables import (
-  AbstractVariable,
   Parameter,
   Uninitialized,
   bind_variables,
+  freeze_variables,
   unbind_variables,
 )
 from flaxlens.linen._tree import (
@@ -78,15 +78,17 @@ class IsolatedSubmodel(Struct):
       A `ReplayReport`; it is truthy only when every output and state leaf matches bit
       for bit.
     """
+    # A copy, so stateful objects among the arguments (an nnx.Rngs) start as saved.
+    saved_arg = jax.tree_util.tree_map(lambda x: x, self.saved_arg)
     if jit:
       bound = bind_variables(self.submodel, self.initial_var_values)
       run = variable_jit(lambda layer, arg, side: layer(arg, **side))
-      output = run(bound, self.saved_arg, self.saved_side_inputs)
+      output = run(bound, saved_arg, self.saved_side_inputs)
       _, state = unbind_variables(bound, freeze=True)
       state = tuple(v for v in state if v.label in {f.label for f in self.final_var_values})
     else:
       output, state = self.submodel.stateless_call(
-        self.initial_var_values, self.saved_arg, **self.saved_side_inputs
+        self.initial_var_values, saved_arg, **self.saved_side_inputs
       )
     expected = {"output": self.saved_output, "state": _by_label(self.final_var_values)}
     return ReplayReport.compare({"output": output, "state": _by_label(state)}, expected)
@@ -290,9 +292,11 @@ def isolate_calls(
   Returns:
     One `IsolatedSubmodel` per execution, in execution order (empty if never called).
   """
+  from flaxlens.nnx._tree import InterceptedNNXModuleMethod
+
   node, keypath = _selected_call(selection)
   root = selection.deselect()
-  if not isinstance(root, InterceptedFlaxModuleMethod):
+  if not isinstance(root, InterceptedFlaxModuleMethod | InterceptedNNXModuleMethod):
     raise UnsupportedFlaxFeatureError(
       f"isolate_submodel works on a tree from fl.unflaxify; the selection's root is a"
       f" {type(root).__name__}."
@@ -302,11 +306,17 @@ def isolate_calls(
       f"{node._where()}: calls inside it are replaced; isolate it before patching it."
     )
   random_streams = _concrete_streams(side_inputs.pop("random_streams", None))
+  # Stateful objects among the arguments (an nnx.Rngs) advance in a run: use a copy.
+  argument = jax.tree_util.tree_map(lambda x: x, argument)
   unbound, values = unbind_variables(root, freeze=True)
   copy = bind_variables(unbound, values)
   target = select(copy).at_keypaths([keypath]).get()
   if target is copy:
     return (_isolate_root(copy, argument, random_streams, side_inputs),)
+  if isinstance(copy, InterceptedNNXModuleMethod):
+    from flaxlens.tools._isolate_nnx import isolate_nnx_calls
+
+    return isolate_nnx_calls(copy, target, argument, side_inputs)
   observer = _Observing(
     target,
     copy.capture_intermediates,
@@ -366,17 +376,12 @@ def isolate_submodel(
   return found[0]
 
 
-def isolate(
-  module: Any,
-  variables: Any,
-  *args: Any,
-  at: str,
-  method: Any = None,
-  rngs: Any = None,
-  mutable: Any = False,
-  **kwargs: Any,
-) -> IsolatedSubmodel:
-  """Isolates the call at path `at` of a plain Linen module, converting it first.
+def isolate(model: Any, *args: Any, at: str, **kwargs: Any) -> IsolatedSubmodel:
+  """Isolates the call at path `at` of a plain Flax model, converting it first.
+
+  Linen: `isolate(module, variables, *args, at=..., method=None, rngs=None,
+  mutable=False, **kwargs)`. NNX: `isolate(model, *args, at=..., method="__call__",
+  **kwargs)`. The model is not modified.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
@@ -386,13 +391,15 @@ def isolate(
     >>> isolated.saved_arg.args[0].shape
     (1, 4)
   """
-  from flaxlens.linen._convert import unflaxify_linen
+  from flaxlens._unflaxify import unflaxify
 
-  tree = unflaxify_linen(
-    module, variables, *args, method=method, rngs=rngs, mutable=mutable, **kwargs
-  )
+  options = {k: kwargs.pop(k) for k in ("method", "rngs", "mutable") if k in kwargs}
+  tree = unflaxify(model, *args, **options, **kwargs)
+  if isinstance(tree, InterceptedFlaxModuleMethod):
+    args = args[1:]  # The variables.
+  side = {"random_streams": options["rngs"]} if options.get("rngs") is not None else {}
   return isolate_submodel(
-    tree.select().at_path(at), ArgsAndKwargs(args=args, kwargs=kwargs), random_streams=rngs
+    tree.select().at_path(at), ArgsAndKwargs(args=args, kwargs=kwargs), **side
   )
 
 
@@ -465,11 +472,7 @@ def linen_submodel(
     capture_intermediates=capture_intermediates,
     **argument.kwargs,
   )
-  frozen = jax.tree_util.tree_map(
-    lambda v: v.freeze() if isinstance(v, Parameter) else v,
-    tree,
-    is_leaf=lambda x: isinstance(x, AbstractVariable),
-  )
+  frozen = freeze_variables(tree, lambda v: isinstance(v, Parameter))
   return unbind_variables(frozen, freeze=True)
 
 
@@ -484,19 +487,17 @@ def _isolate_root(
   random_streams: Any,
   side_inputs: dict[str, Any],
 ) -> IsolatedSubmodel:
-  frozen = jax.tree_util.tree_map(
-    lambda v: v.freeze() if isinstance(v, Parameter) else v,
-    root,
-    is_leaf=lambda x: isinstance(x, AbstractVariable),
-  )
+  frozen = freeze_variables(root, lambda v: isinstance(v, Parameter))
   submodel, state = unbind_variables(frozen, freeze=True)
   saved_side_inputs = dict(side_inputs)
   if random_streams is not None:
     saved_side_inputs["random_streams"] = random_streams
+  saved_arg = jax.tree_util.tree_map(lambda x: x, argument)  # before it advances
   output, final = submodel.stateless_call(state, argument, **saved_side_inputs)
+  jax.effects_barrier()
   return IsolatedSubmodel(
     submodel=submodel,
-    saved_arg=argument,
+    saved_arg=saved_arg,
     saved_side_inputs=saved_side_inputs,
     saved_output=output,
     initial_var_values=state,
