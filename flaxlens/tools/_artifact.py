@@ -1,8 +1,10 @@
 """Saving an isolated call as a self-contained directory, and loading it elsewhere.
 
 An artifact is a directory with `manifest.json` (format version, library versions, the
-recipe of the call: module class by import reference and its settings, method, rng
-state, arguments, saved results; shapes, dtypes and a SHA-256 per array) and
+recipe of the call: for Linen the module class by import reference and its settings,
+the variables and the rng state; for NNX the module's `GraphDef`, whose classes are
+import references too, and its variables; then the method, arguments and saved
+results, and shapes, dtypes and a SHA-256 per array) and
 `arrays.npz` (each array as raw bytes; loaded with `allow_pickle=False`). Loading
 verifies every checksum and imports only the classes and functions the manifest names,
 then rebuilds the submodel exactly as isolation built it. Writes go to a temporary
@@ -47,7 +49,7 @@ def save_isolated(
   """Writes `isolated` to the directory `path`, atomically.
 
   Args:
-    isolated: from `fl.isolate_submodel` (Linen calls).
+    isolated: from `fl.isolate_submodel` (Linen or NNX calls).
     path: the artifact directory to create.
     overwrite: replace an existing artifact at `path`.
 
@@ -65,32 +67,22 @@ def save_isolated(
     >>> bool(fl.load_isolated(path).replay())
     True
   """
+  from flaxlens.nnx._tree import InterceptedNNXModuleMethod
+
   target = pathlib.Path(path)
   if target.exists() and not overwrite:
     raise ArtifactError(f"{target} exists; pass overwrite=True to replace it.")
   submodel = isolated.submodel
-  if not isinstance(submodel, InterceptedFlaxModuleMethod):
-    raise ArtifactError(
-      f"save_isolated supports isolated Linen calls; this submodel is a {type(submodel).__name__}."
-    )
   encoder = Encoder()
-  snapshot = submodel.scope_data.rngs
-  variables = _gather(bind_variables(submodel, isolated.initial_var_values)).variables
-  recipe = {
-    "kind": "linen",
-    "module": encoder.encode(submodel.module, "module"),
-    "method": encoder.encode(submodel.method_name, "method"),
-    "variables": encoder.encode(variables, "variables"),
-    "rngs": None
-    if snapshot is None
-    else {
-      "keys": encoder.encode(dict(snapshot.keys), "rng keys"),
-      "suffixes": encoder.encode(dict(snapshot.suffixes), "rng suffixes"),
-      "counters": fi.counters_to_data(snapshot.counters),
-    },
-    "mutable": list(submodel.mutable),
-    "capture_intermediates": encoder.encode(submodel.capture_intermediates, "capture"),
-  }
+  if isinstance(submodel, InterceptedFlaxModuleMethod):
+    recipe = _linen_recipe(encoder, submodel, isolated.initial_var_values)
+  elif isinstance(submodel, InterceptedNNXModuleMethod):
+    recipe = _nnx_recipe(encoder, submodel, isolated.initial_var_values)
+  else:
+    raise ArtifactError(
+      f"save_isolated saves isolated Linen and NNX calls; this submodel is a"
+      f" {type(submodel).__name__}."
+    )
   saved = {
     "args": encoder.encode(tuple(isolated.saved_arg.args), "saved_arg.args"),
     "kwargs": encoder.encode(dict(isolated.saved_arg.kwargs), "saved_arg.kwargs"),
@@ -124,6 +116,41 @@ def save_isolated(
     },
   }
   _write_atomically(target, manifest, encoder.arrays, overwrite)
+
+
+def _linen_recipe(encoder: Encoder, submodel: Any, initial: tuple[Any, ...]) -> dict:
+  snapshot = submodel.scope_data.rngs
+  variables = _gather(bind_variables(submodel, initial)).variables
+  return {
+    "kind": "linen",
+    "module": encoder.encode(submodel.module, "module"),
+    "method": encoder.encode(submodel.method_name, "method"),
+    "variables": encoder.encode(variables, "variables"),
+    "rngs": None
+    if snapshot is None
+    else {
+      "keys": encoder.encode(dict(snapshot.keys), "rng keys"),
+      "suffixes": encoder.encode(dict(snapshot.suffixes), "rng suffixes"),
+      "counters": fi.counters_to_data(snapshot.counters),
+    },
+    "mutable": list(submodel.mutable),
+    "capture_intermediates": encoder.encode(submodel.capture_intermediates, "capture"),
+  }
+
+
+def _nnx_recipe(encoder: Encoder, submodel: Any, initial: tuple[Any, ...]) -> dict:
+  """An NNX call by its module's `GraphDef` and variable values (merge order)."""
+  from flaxlens.nnx._tree import _Gathered
+
+  bound = bind_variables(submodel, initial)
+  values = _Gathered(bound).values(submodel._where())
+  definition = submodel.definition
+  return {
+    "kind": "nnx",
+    "graphdef": encoder.encode(definition.graphdef, "graphdef"),
+    "leaves": encoder.encode([values[p] for p in definition.leaf_paths], "variables"),
+    "method": encoder.encode(submodel.method_name, "method"),
+  }
 
 
 def _encode_values(encoder: Encoder, values: tuple[Any, ...], where: str) -> list:
@@ -172,32 +199,17 @@ def load_isolated(path: str | os.PathLike) -> IsolatedSubmodel:
   arrays = _read_arrays(source, manifest)
   decoder = Decoder(arrays)
   recipe, saved = manifest["recipe"], manifest["saved"]
-  if recipe.get("kind") != "linen":
-    raise ArtifactError(f"{source}: unknown artifact kind {recipe.get('kind')!r}.")
-  module = decoder.decode(recipe["module"])
-  if not isinstance(module, flax.linen.Module):
-    raise ArtifactError(f"{source}: the recipe's module is not a flax.linen.Module.")
-  rngs = recipe["rngs"]
-  snapshot = None
-  if rngs is not None:
-    snapshot = RngSnapshot(
-      keys=decoder.decode(rngs["keys"]),
-      suffixes=tuple(sorted(decoder.decode(rngs["suffixes"]).items())),
-      counters=fi.counters_from_data(rngs["counters"]),
-    )
   argument = ArgsAndKwargs(
     args=decoder.decode(saved["args"]), kwargs=decoder.decode(saved["kwargs"])
   )
   side_inputs = decoder.decode(saved["side_inputs"])
-  submodel, initial = linen_submodel(
-    module,
-    decoder.decode(recipe["method"]),
-    decoder.decode(recipe["variables"]),
-    argument,
-    snapshot if snapshot is not None else side_inputs.get("random_streams"),
-    list(recipe["mutable"]),
-    decoder.decode(recipe["capture_intermediates"]),
-  )
+  kind = recipe.get("kind")
+  if kind == "linen":
+    submodel, initial = _linen_submodel(source, decoder, recipe, argument, side_inputs)
+  elif kind == "nnx":
+    submodel, initial = _nnx_submodel(source, decoder, recipe, argument)
+  else:
+    raise ArtifactError(f"{source}: unknown artifact kind {kind!r}.")
   saved_initial = _decode_values(decoder, saved["initial"])
   if [v.label for v in initial] != [v.label for v in saved_initial]:
     raise ArtifactError(
@@ -212,6 +224,46 @@ def load_isolated(path: str | os.PathLike) -> IsolatedSubmodel:
     initial_var_values=saved_initial,
     final_var_values=_decode_values(decoder, saved["final"]),
     call_number=manifest.get("call_number", 0),
+  )
+
+
+def _nnx_submodel(source, decoder, recipe, argument):
+  from flax import nnx
+
+  from flaxlens.tools._isolate_nnx import nnx_submodel
+
+  graphdef = decoder.decode(recipe["graphdef"])
+  if not isinstance(graphdef, nnx.graph.GraphDef):
+    raise ArtifactError(f"{source}: the recipe's graphdef is not an NNX GraphDef.")
+  try:
+    module = nnx.merge(graphdef, list(decoder.decode(recipe["leaves"])))
+  except Exception as e:
+    raise ArtifactError(f"{source}: the NNX module cannot be rebuilt ({e}).") from None
+  if not isinstance(module, nnx.Module):
+    raise ArtifactError(f"{source}: the recipe does not describe an nnx.Module.")
+  return nnx_submodel(module, decoder.decode(recipe["method"]), argument)
+
+
+def _linen_submodel(source, decoder, recipe, argument, side_inputs):
+  module = decoder.decode(recipe["module"])
+  if not isinstance(module, flax.linen.Module):
+    raise ArtifactError(f"{source}: the recipe's module is not a flax.linen.Module.")
+  rngs = recipe["rngs"]
+  snapshot = None
+  if rngs is not None:
+    snapshot = RngSnapshot(
+      keys=decoder.decode(rngs["keys"]),
+      suffixes=tuple(sorted(decoder.decode(rngs["suffixes"]).items())),
+      counters=fi.counters_from_data(rngs["counters"]),
+    )
+  return linen_submodel(
+    module,
+    decoder.decode(recipe["method"]),
+    decoder.decode(recipe["variables"]),
+    argument,
+    snapshot if snapshot is not None else side_inputs.get("random_streams"),
+    list(recipe["mutable"]),
+    decoder.decode(recipe["capture_intermediates"]),
   )
 
 

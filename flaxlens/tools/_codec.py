@@ -92,14 +92,25 @@ class Encoder:
       return {"dtype": value.name}
     if isinstance(value, tuple | list):
       items = [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
-      return {"tuple": items} if isinstance(value, tuple) else {"list": items}
+      if type(value) in (tuple, list):
+        return {"tuple": items} if isinstance(value, tuple) else {"list": items}
+      if hasattr(type(value), "_fields"):  # A NamedTuple.
+        return {"namedtuple": self._ref(type(value), where), "tuple": items}
+      raise ArtifactError(f"Cannot save {where}: a {type(value).__name__} sequence.")
     if isinstance(value, Mapping):
-      return {
+      encoded = {
         "dict": [
           [self.encode(k, f"{where} key"), self.encode(v, f"{where}[{k!r}]")]
           for k, v in value.items()
         ]
       }
+      if type(value) is not dict:  # FrozenDict, NNX's HashableMapping, ...
+        encoded["mapping"] = self._ref(type(value), where)
+      return encoded
+    if isinstance(value, jax.tree_util.PyTreeDef):
+      return {"treedef": self._treedef(value, where)}
+    if value is type(None):
+      return {"none_type": True}
     if isinstance(value, functools.partial):
       return {
         "partial": self.encode(value.func, where),
@@ -114,6 +125,18 @@ class Encoder:
       f"Cannot save {where or 'a value'}: a {type(value).__name__} is neither data, an"
       " array, nor importable code."
     )
+
+  def _treedef(self, treedef: Any, where: str) -> Any:
+    """A PyTreeDef as its node type, auxiliary data and children (None for a leaf)."""
+    data = treedef.node_data()
+    if data is None:
+      return None
+    node_type, aux = data
+    return {
+      "type": self.encode(node_type, where),
+      "aux": self.encode(aux, where),
+      "children": [self._treedef(c, where) for c in treedef.children()],
+    }
 
   def _ref(self, obj: Any, where: str) -> str:
     ref = reference(obj)
@@ -181,12 +204,23 @@ class Decoder:
       return jnp.asarray(self._array(data["array"]))
     if "key" in data:
       return jax.random.wrap_key_data(jnp.asarray(self._array(data["key"])), impl=data["impl"])
+    if "namedtuple" in data:
+      cls = resolve(data["namedtuple"])
+      if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
+        raise ArtifactError(f"{data['namedtuple']!r} named as a NamedTuple is not one.")
+      return cls(*(self.decode(v) for v in data["tuple"]))
     if "tuple" in data:
       return tuple(self.decode(v) for v in data["tuple"])
     if "list" in data:
       return [self.decode(v) for v in data["list"]]
     if "dict" in data:
-      return {_hashable(self.decode(k)): self.decode(v) for k, v in data["dict"]}
+      items = {_hashable(self.decode(k)): self.decode(v) for k, v in data["dict"]}
+      if "mapping" in data:
+        cls = resolve(data["mapping"])
+        if not (isinstance(cls, type) and issubclass(cls, Mapping)):
+          raise ArtifactError(f"{data['mapping']!r} named as a mapping is not one.")
+        return cls(items)
+      return items
     if "float" in data:
       return float(data["float"])
     if "dtype" in data:
@@ -196,6 +230,10 @@ class Decoder:
       if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
         raise ArtifactError(f"{data['enum']!r} named as an enum is not one.")
       return cls[data["name"]]
+    if "treedef" in data:
+      return self._treedef(data["treedef"])
+    if "none_type" in data:
+      return type(None)
     if "partial" in data:
       return functools.partial(
         self.decode(data["partial"]), *self.decode(data["args"]), **self.decode(data["kwargs"])
@@ -211,6 +249,15 @@ class Decoder:
         raise ArtifactError(f"{data['dataclass']!r} named as a dataclass is not one.")
       return cls(**{k: self.decode(v) for k, v in data["fields"].items()})
     raise ArtifactError(f"Malformed artifact: unknown value tag {tag!r}.")
+
+  def _treedef(self, data: Any) -> Any:
+    if data is None:
+      return jax.tree_util.tree_structure(0)
+    children = [self._treedef(c) for c in data["children"]]
+    node = (self.decode(data["type"]), self.decode(data["aux"]))
+    return jax.tree_util.PyTreeDef.from_node_data_and_children(
+      jax.tree_util.default_registry, node, children
+    )
 
 
 def _hashable(key: Any) -> Any:

@@ -93,21 +93,31 @@ def _labels(graphdef: Any, leaves: list[Any]) -> dict[str, Any]:
   }
 
 
-def _isolated(execution: tuple[Any, ...], side_inputs: dict[str, Any], number: int):
+def nnx_submodel(
+  module: nnx.Module, method: Any, argument: ArgsAndKwargs
+) -> tuple[InterceptedNNXModuleMethod, tuple[Any, ...]]:
+  """An NNX call as a submodel: converted on its own, parameters frozen, state unbound.
+
+  Returns the submodel and its state variables' initial values.
+  """
   from flaxlens.nnx._convert import unflaxify_nnx
 
-  graphdef, after_graphdef, method, args, kwargs, before, output, after = execution
-  module = plain_module(graphdef, before)
-  tree = unflaxify_nnx(module, *args, method=method, **kwargs)
+  tree = unflaxify_nnx(module, *argument.args, method=method, **argument.kwargs)
   frozen = freeze_variables(tree, lambda v: isinstance(v, Parameter))
-  submodel, state = unbind_variables(frozen, freeze=True)
+  return unbind_variables(frozen, freeze=True)
+
+
+def _isolated(execution: tuple[Any, ...], side_inputs: dict[str, Any], number: int):
+  graphdef, after_graphdef, method, args, kwargs, before, output, after = execution
+  argument = ArgsAndKwargs(args=args, kwargs=kwargs)
+  submodel, state = nnx_submodel(plain_module(graphdef, before), method, argument)
   final_values = _labels(after_graphdef, after)
   final = tuple(
     type(v)(value=final_values.get(v.label, Uninitialized()), label=v.label) for v in state
   )
   return IsolatedSubmodel(
     submodel=submodel,
-    saved_arg=ArgsAndKwargs(args=args, kwargs=kwargs),
+    saved_arg=argument,
     saved_side_inputs=dict(side_inputs),
     saved_output=output,
     initial_var_values=state,
