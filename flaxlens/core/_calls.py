@@ -138,6 +138,18 @@ class Pending:
     return node.path == self.path and node.method_name == self.method_name
 
 
+def owner_of(path: Path, called: set[Path] | frozenset[Path]) -> Path:
+  """The longest called module path that is a proper prefix of a variable's `path`.
+
+  A variable belongs to its module's calls, or, if that module makes no call of its
+  own, to the calls of its nearest calling ancestor (the root always calls).
+  """
+  for end in range(len(path) - 1, 0, -1):
+    if path[:end] in called:
+      return path[:end]
+  return ()
+
+
 def relative_name(frame_path: Path, path: Path) -> str:
   """How a caller at `frame_path` names the module at `path` in call keys."""
   if path == frame_path:

@@ -19,12 +19,17 @@ import numpy as np
 
 from flaxlens.core._variables import (
   AbstractVariable,
+  AbstractVariableSlot,
+  Parameter,
+  StateVariable,
   VariableError,
-  bind_variables,
-  slots_in,
-  unbind_variables,
-  variables_in,
 )
+
+_ARRAY, _STATIC = -1, -2  # Leaf kinds besides variable indices.
+
+
+def _is_variable_or_slot(x: Any) -> bool:
+  return isinstance(x, AbstractVariable | AbstractVariableSlot)
 
 
 def _is_traced(leaf: Any) -> bool:
@@ -89,43 +94,68 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
       " already and array leaves are always traced. Pass Python values for static inputs."
     )
 
-  def traced(static: _Static, treedef: Any, mask: tuple[bool, ...], arrays, values):
+  name = getattr(fn, "__name__", "function")
+
+  def traced(static: _Static, treedef: Any, kinds: tuple[int, ...], specs, arrays, values):
+    fresh = [
+      (StateVariable if is_state else Parameter)(value, label=label)
+      for (label, is_state), value in zip(specs, values, strict=True)
+    ]
     arrays_iter, static_iter = iter(arrays), iter(static.values)
-    leaves = [next(arrays_iter) if m else next(static_iter) for m in mask]
-    args, kwargs = bind_variables(jax.tree_util.tree_unflatten(treedef, leaves), values)
-    originals = {v.label: v.value for v in variables_in((args, kwargs))}
+    leaves = [
+      fresh[k] if k >= 0 else next(arrays_iter) if k == _ARRAY else next(static_iter) for k in kinds
+    ]
+    args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
     out = fn(*args, **kwargs)
     if any(isinstance(x, AbstractVariable) for x in jax.tree_util.tree_leaves(out)):
       raise VariableError(
-        f"{getattr(fn, '__name__', 'function')} under variable_jit returned a bound"
-        " variable; return its .value (or unbind_variables(...)) instead."
+        f"{name} under variable_jit returned a bound variable; return its .value (or"
+        " unbind_variables(...)) instead."
       )
-    changed = {
-      v.label: v.value for v in variables_in((args, kwargs)) if v.value is not originals[v.label]
-    }
+    changed = {i: v.value for i, v in enumerate(fresh) if v.value is not values[i]}
     return out, changed
 
-  jitted = jax.jit(traced, static_argnums=(0, 1, 2), **jit_kwargs)
+  jitted = jax.jit(traced, static_argnums=(0, 1, 2, 3), **jit_kwargs)
 
   @functools.wraps(fn)
   def wrapper(*args: Any, **kwargs: Any) -> Any:
-    missing = slots_in((args, kwargs))
+    # One walk over the arguments: variables become indices into one list of values.
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_variable_or_slot)
+    kinds, arrays, static = [], [], []
+    variables: list[AbstractVariable] = []
+    index: dict[int, int] = {}
+    labels: dict[str, AbstractVariable] = {}
+    missing = []
+    for leaf in leaves:
+      if isinstance(leaf, AbstractVariable):
+        k = index.get(id(leaf))
+        if k is None:
+          if labels.setdefault(leaf.label, leaf) is not leaf:
+            raise VariableError(
+              f"Two different variables share the label {leaf.label!r}; labels identify"
+              " variables, so each must be unique."
+            )
+          k = index[id(leaf)] = len(variables)
+          variables.append(leaf)
+        kinds.append(k)
+      elif isinstance(leaf, AbstractVariableSlot):
+        missing.append(leaf.label)
+      elif _is_traced(leaf):
+        kinds.append(_ARRAY)
+        arrays.append(leaf)
+      else:
+        kinds.append(_STATIC)
+        static.append(leaf)
     if missing:
       raise VariableError(
-        f"{getattr(fn, '__name__', 'function')} under variable_jit got a tree with"
-        f" unbound slots {[s.label for s in missing]}; bind them first with"
-        " fl.bind_variables(tree, values)."
+        f"{name} under variable_jit got a tree with unbound slots {missing}; bind them"
+        " first with fl.bind_variables(tree, values)."
       )
-    unbound, variables = unbind_variables((args, kwargs))
-    leaves, treedef = jax.tree_util.tree_flatten(unbound)
-    mask = tuple(_is_traced(leaf) for leaf in leaves)
-    arrays = [leaf for leaf, m in zip(leaves, mask, strict=True) if m]
-    static = _Static(tuple(leaf for leaf, m in zip(leaves, mask, strict=True) if not m))
-    values = tuple(v.freeze() for v in variables)
-    out, changed = jitted(static, treedef, mask, arrays, values)
-    by_label = {v.label: v for v in variables}
-    for label, value in changed.items():
-      by_label[label].value = value
+    specs = tuple((v.label, isinstance(v, StateVariable)) for v in variables)
+    values = tuple(v.value for v in variables)
+    out, changed = jitted(_Static(tuple(static)), treedef, tuple(kinds), specs, arrays, values)
+    for i, value in changed.items():
+      variables[i].value = value
     return out
 
   return wrapper

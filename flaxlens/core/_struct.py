@@ -110,17 +110,25 @@ class Struct:
     return keyed, self._static_aux(static)
 
   def _static_aux(self, names: tuple[str, ...]) -> tuple[Any, ...]:
-    return tuple(_hashable(getattr(self, n)) for n in names)
+    # Static fields never change, so their treedef entries (and hashes) are made once
+    # per instance: jit hashes every treedef on every call.
+    aux = self.__dict__.get("_flaxlens_aux")
+    if aux is None:
+      aux = tuple(_static_entry(getattr(self, n)) for n in names)
+      object.__setattr__(self, "_flaxlens_aux", aux)
+    return aux
 
   @classmethod
   def tree_unflatten(cls, aux_data: tuple[Any, ...], children: Any) -> Self:
     child_names, static_names = cls._field_split()
     values = dict(zip(child_names, children, strict=True))
     values.update(
-      (n, v.value if type(v) is _ByIdentity else v)
+      (n, v.value if type(v) is _StaticEntry else v)
       for n, v in zip(static_names, aux_data, strict=True)
     )
-    return cls.from_attributes(**values)
+    obj = cls.from_attributes(**values)
+    object.__setattr__(obj, "_flaxlens_aux", aux_data)
+    return obj
 
   def treescope_color(self) -> str | None:
     """The background color treescope uses for this node (None: no color)."""
@@ -140,28 +148,43 @@ class Struct:
     )
 
 
-class _ByIdentity:
-  """Treedef entry for an unhashable static value (a Flax module holding a list, say):
-  equal only to itself, so jit caches on the object rather than failing."""
+class _StaticEntry:
+  """Treedef entry for a static value, with its hash computed once.
 
-  __slots__ = ("value",)
+  A hashable value compares by equality; an unhashable one (a Flax module holding a
+  list, say) only to itself, so jit caches on the object rather than failing.
+  """
+
+  __slots__ = ("value", "_hash", "_hashable")
 
   def __init__(self, value: Any):
     self.value = value
+    try:
+      self._hash, self._hashable = hash(value), True
+    except TypeError:
+      self._hash, self._hashable = id(value), False
 
   def __hash__(self) -> int:
-    return id(self.value)
+    return self._hash
 
   def __eq__(self, other: object) -> bool:
-    return type(other) is _ByIdentity and other.value is self.value
+    if type(other) is not _StaticEntry:
+      return False
+    if other.value is self.value:
+      return True
+    if not (self._hashable and other._hashable) or self._hash != other._hash:
+      return False
+    try:
+      return bool(self.value == other.value)
+    except Exception:
+      return False
 
 
-def _hashable(value: Any) -> Any:
-  try:
-    hash(value)
-  except TypeError:
-    return _ByIdentity(value)
-  return value
+_PLAIN_STATIC = (str, int, float, bool, type(None))
+
+
+def _static_entry(value: Any) -> Any:
+  return value if type(value) in _PLAIN_STATIC else _StaticEntry(value)
 
 
 def color_for(name: str) -> str:

@@ -18,7 +18,7 @@ import jax
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.core._calls import CallRecord, Frame, Path
+from flaxlens.core._calls import CallRecord, Frame, Path, owner_of
 from flaxlens.core._jit import split_static
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.linen._tree import (
@@ -129,7 +129,7 @@ def _build_tree(
     for path in called_paths
   }
   for (collection, vpath), value in {**{k: None for k in created}, **given}.items():
-    owner = max((p for p in called_paths if vpath[: len(p)] == p and len(p) < len(vpath)), key=len)
+    owner = owner_of(vpath, called_paths)
     name = "/".join(vpath[len(owner) :])
     label = f"{collection}:{'/'.join(vpath)}"
     data = scopes[owner]

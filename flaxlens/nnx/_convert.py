@@ -20,7 +20,7 @@ from flax import nnx
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.core._calls import CallRecord, Frame, Path
+from flaxlens.core._calls import CallRecord, Frame, Path, owner_of
 from flaxlens.core._jit import split_static
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.nnx._tree import (
@@ -164,7 +164,7 @@ def _build_tree(
   variables = [(p, v, False) for p, v in given.items()]
   variables += [(p, v, True) for p, v in created.items()]
   for path, variable, is_new in variables:
-    owner = max((p for p in called if path[: len(p)] == p and len(p) < len(path)), key=len)
+    owner = owner_of(path, called)
     rel = path[len(owner) :]
     name = _readable(rel)
     label = f"{type(variable).__name__}:{_readable(path)}"
