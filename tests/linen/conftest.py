@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import jax
-import numpy as np
 import pytest
+from comparisons import assert_trees_equal  # noqa: F401 (re-exported to the tests)
 
 import flaxlens as fl
 
@@ -31,15 +30,6 @@ def call(tree, case: corpus.Case, **kwargs):
   return tree(
     fl.ArgsAndKwargs.capture(*case.args, **{**case.kwargs, **kwargs}), random_streams=case.rngs
   )
-
-
-def assert_trees_equal(actual, expected) -> None:
-  """Same structure and bit-identical leaves."""
-  leaves_a, def_a = jax.tree_util.tree_flatten(actual)
-  leaves_e, def_e = jax.tree_util.tree_flatten(expected)
-  assert def_a == def_e, f"structure differs:\n{def_a}\n{def_e}"
-  for a, e in zip(leaves_a, leaves_e, strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 
 
 def tree_state(tree) -> dict[str, object]:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import jax
-import numpy as np
 import pytest
+from comparisons import assert_trees_equal  # noqa: F401 (re-exported to the tests)
 from flax import nnx
 
 import flaxlens as fl
@@ -24,17 +23,6 @@ def convert(case: corpus.Case) -> fl.InterceptedNNXModuleMethod:
 def call(tree, case: corpus.Case, **kwargs):
   args, kwargs = case.fresh_arguments(**kwargs)
   return tree(fl.ArgsAndKwargs.capture(*args, **kwargs))
-
-
-def assert_trees_equal(actual, expected) -> None:
-  """Same structure and bit-identical leaves."""
-  leaves_a, def_a = jax.tree_util.tree_flatten(actual)
-  leaves_e, def_e = jax.tree_util.tree_flatten(expected)
-  assert def_a == def_e, f"structure differs:\n{def_a}\n{def_e}"
-  for a, e in zip(leaves_a, leaves_e, strict=True):
-    if jax.dtypes.issubdtype(getattr(a, "dtype", None), jax.dtypes.prng_key):
-      a, e = jax.random.key_data(a), jax.random.key_data(e)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
 
 
 def tree_state(tree) -> dict[str, object]:

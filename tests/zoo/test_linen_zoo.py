@@ -5,8 +5,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from comparisons import assert_trees_equal
 
 import flaxlens as fl
 
@@ -21,14 +21,6 @@ PATCH_PATHS = {
 }
 
 
-def _assert_equal(actual, expected):
-  leaves_a, def_a = jax.tree_util.tree_flatten(actual)
-  leaves_e, def_e = jax.tree_util.tree_flatten(expected)
-  assert def_a == def_e
-  for a, e in zip(leaves_a, leaves_e, strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
-
-
 def _output(model, result):
   return result[0] if model.mutable else result
 
@@ -37,7 +29,7 @@ def _output(model, result):
 def test_converted_model_matches_apply_bit_for_bit(request, name):
   model = request.getfixturevalue(name)
   tree = model.convert()
-  _assert_equal(model.call(tree), _output(model, model.apply()))
+  assert_trees_equal(model.call(tree), _output(model, model.apply()))
 
 
 def test_resnet_batch_stats_update_like_apply(resnet18):
@@ -47,7 +39,7 @@ def test_resnet_batch_stats_update_like_apply(resnet18):
   (mean,) = [
     v for v in fl.variables_in(tree) if v.label == "batch_stats:BasicBlock_7/BatchNorm_1/mean"
   ]
-  _assert_equal(mean.value, updates["batch_stats"]["BasicBlock_7"]["BatchNorm_1"]["mean"])
+  assert_trees_equal(mean.value, updates["batch_stats"]["BasicBlock_7"]["BatchNorm_1"]["mean"])
 
 
 class Zeros(fl.Layer):
@@ -76,7 +68,7 @@ def test_replacing_a_deep_call_matches_flax_with_that_call_replaced(request, nam
     expected = _output(model, model.apply())
   tree = model.convert()
   patched = tree.select().at_path(PATCH_PATHS[name]).apply(lambda _: Zeros(outputs["shape"]))
-  _assert_equal(model.call(patched), expected)
+  assert_trees_equal(model.call(patched), expected)
 
 
 def test_editing_a_griffin_parameter_matches_apply_with_the_edit(griffin):
@@ -85,4 +77,4 @@ def test_editing_a_griffin_parameter_matches_apply_with_the_edit(griffin):
   scale = norm.scope_data.parameters["scale"]
   scale.value = scale.value + 0.5
   edited = {"params": {**griffin.variables["params"], "final_norm": {"scale": scale.value}}}
-  _assert_equal(griffin.call(tree), griffin.apply(variables=edited))
+  assert_trees_equal(griffin.call(tree), griffin.apply(variables=edited))

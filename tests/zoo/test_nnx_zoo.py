@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from comparisons import assert_trees_equal
 from flax import nnx
 
 import flaxlens as fl
@@ -52,19 +52,11 @@ def _build():
   return model, (tokens, positions, None, mask)
 
 
-def _assert_equal(actual, expected):
-  leaves_a, def_a = jax.tree_util.tree_flatten(actual)
-  leaves_e, def_e = jax.tree_util.tree_flatten(expected)
-  assert def_a == def_e
-  for a, e in zip(leaves_a, leaves_e, strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
-
-
 def test_converted_llama3_matches_the_model_bit_for_bit(llama):
   model, args = llama
   before = jax.tree_util.tree_leaves(nnx.state(model))
   tree = fl.unflaxify(model, *args)
-  _assert_equal(tree(fl.ArgsAndKwargs.capture(*args)), model(*args))
+  assert_trees_equal(tree(fl.ArgsAndKwargs.capture(*args)), model(*args))
   assert all(
     a is b for a, b in zip(before, jax.tree_util.tree_leaves(nnx.state(model)), strict=True)
   )
@@ -82,7 +74,7 @@ def test_replacing_one_layers_mlp_matches_the_model_with_that_mlp_replaced(llama
   patched = tree.select().at_path("layers/1/mlp").set(Zero())
   reference = nnx.clone(model)
   reference.layers[1].mlp = _ZeroMLP()
-  _assert_equal(patched(fl.ArgsAndKwargs.capture(*args)), reference(*args))
+  assert_trees_equal(patched(fl.ArgsAndKwargs.capture(*args)), reference(*args))
   assert mlp.readable_path() == ("layers/1/mlp", "__call__")
 
 
