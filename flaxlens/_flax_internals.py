@@ -1,9 +1,9 @@
 """Every use of Flax internals in flaxlens, in one place.
 
 Checked against flax 0.12.8 (jax 0.10.2). Linen: the method-interceptor hook
-(`flax.linen.module.intercept_methods`, public but thin), collection filters
-(`flax.core.scope.in_filter`), module paths (`Module.scope.path`), unbound clones
-(`Module.clone(_deep_clone=..., _reset_names=...)`), the per-scope rng counters
+(`flax.linen.module.intercept_methods`, public but thin), module paths
+(`Module.scope.path`), unbound clones (`Module.clone(_deep_clone=..., _reset_names=...)`),
+the per-scope rng counters
 (`Scope.rng_counters`), the `TestScope` that Flax's setup check runs lifted modules on,
 and a copy of `Module.apply` that can set root `Scope.flags` (`flax.core.apply(flags=)`,
 `flax.linen.module._get_unbound_fn`, `_context.capture_stack`). NNX: the private
@@ -27,11 +27,6 @@ from flax.core import scope as flax_scope
 from flax.linen import module as linen_module
 
 _apply_nonce = itertools.count()
-
-
-def in_collection_filter(filter_like: Any, collection: str) -> bool:
-  """Whether `collection` is selected by a Flax `mutable=`-style filter."""
-  return flax_scope.in_filter(filter_like, collection)
 
 
 def module_path(module: nn.Module) -> tuple[str, ...]:

@@ -187,6 +187,23 @@ def _static_entry(value: Any) -> Any:
   return value if type(value) in _PLAIN_STATIC else _StaticEntry(value)
 
 
+class ShortRepr:
+  """A one-line stand-in for a bulky value (a Flax module, a GraphDef) in renderings."""
+
+  __slots__ = ("text",)
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def __repr__(self) -> str:
+    return self.text
+
+  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    from treescope import rendering_parts
+
+    return rendering_parts.text(self.text)
+
+
 def color_for(name: str) -> str:
   """A stable treescope background color derived from a string."""
   return formatting_util.color_from_string(name)

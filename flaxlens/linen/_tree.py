@@ -35,7 +35,7 @@ from flaxlens.core._calls import (
   iter_call_nodes,
 )
 from flaxlens.core._random import RandomStream
-from flaxlens.core._struct import Struct, static_field
+from flaxlens.core._struct import ShortRepr, Struct, static_field
 from flaxlens.core._variables import StateVariable, Uninitialized, same_entry, value_of
 
 
@@ -112,7 +112,7 @@ class InterceptedFlaxModuleMethod(CallNode):
 
   def _treescope_attributes(self) -> dict[str, Any]:
     attrs = self.attributes_dict()
-    attrs["module"] = _ModuleSummary(self.module)
+    attrs["module"] = ShortRepr(f"{type(self.module).__name__}(name={self.module.name!r})")
     return attrs
 
   def flax_variables(self) -> dict[str, Any]:
@@ -135,21 +135,6 @@ class InterceptedFlaxModuleMethod(CallNode):
     self, argument: ArgsAndKwargs, /, random_streams: Any = None, **side_inputs: Any
   ) -> Any:
     return apply_tree(self, argument, random_streams, side_inputs)
-
-
-class _ModuleSummary:
-  """A one-line stand-in for a Flax module in treescope renderings."""
-
-  def __init__(self, module: Any):
-    self.module = module
-
-  def __repr__(self) -> str:
-    return f"{type(self.module).__name__}(name={self.module.name!r})"
-
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-    from treescope import rendering_parts
-
-    return rendering_parts.text(repr(self))
 
 
 # --- gathering variables from a tree ---------------------------------------------------

@@ -38,7 +38,7 @@ from flaxlens.core._calls import (
   is_call_node,
   iter_call_nodes,
 )
-from flaxlens.core._struct import static_field
+from flaxlens.core._struct import ShortRepr, static_field
 from flaxlens.core._variables import AbstractVariable, Uninitialized, same_entry, value_of
 
 
@@ -101,7 +101,7 @@ class InterceptedNNXModuleMethod(CallNode):
 
   def _treescope_attributes(self) -> dict[str, Any]:
     attrs = self.attributes_dict()
-    attrs["module_type"] = _Summary(self.module_type.__name__)
+    attrs["module_type"] = ShortRepr(self.module_type.__name__)
     del attrs["specs"]
     return attrs
 
@@ -219,21 +219,6 @@ class InterceptedNNXModuleMethod(CallNode):
       self,
       lambda m: nnx.view(m, only=only, raise_if_not_found=raise_if_not_found, **kwargs),
     )
-
-
-class _Summary:
-  """A one-line stand-in for a bulky static value in treescope renderings."""
-
-  def __init__(self, text: str):
-    self.text = text
-
-  def __repr__(self) -> str:
-    return self.text
-
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-    from treescope import rendering_parts
-
-    return rendering_parts.text(self.text)
 
 
 # --- rebuilding a module from a tree ---------------------------------------------------

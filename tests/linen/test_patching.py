@@ -5,6 +5,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 import pytest
+from replacements import PlusOne, Recorder
 
 import flaxlens as fl
 
@@ -29,25 +30,6 @@ def _replace_native(predicate, new_output):
     return new_output(out) if predicate(context) else out
 
   return interceptor
-
-
-class PlusOne(fl.Layer):
-  """Wraps a call: runs the original node, then adds one."""
-
-  inner: object
-
-  def __call__(self, argument, /, **side_inputs):
-    return self.inner(argument, **side_inputs) + 1.0
-
-
-class Recorder(fl.Layer):
-  """Replacement that remembers what it received."""
-
-  seen: list
-
-  def __call__(self, argument, /, **side_inputs):
-    self.seen.append((argument, side_inputs))
-    return argument.args[0]
 
 
 def _patch(tree, path, fn):

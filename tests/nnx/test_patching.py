@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from replacements import PlusOne, Recorder
 
 import flaxlens as fl
 
@@ -20,25 +21,6 @@ class Zeros(fl.Layer):
   def __call__(self, argument, /, **side_inputs):
     x = argument.args[0]
     return jnp.zeros(x.shape[:-1] + (self.features,), x.dtype)
-
-
-class PlusOne(fl.Layer):
-  """Wraps a call: runs the original node, then adds one."""
-
-  inner: object
-
-  def __call__(self, argument, /, **side_inputs):
-    return self.inner(argument, **side_inputs) + 1.0
-
-
-class Recorder(fl.Layer):
-  """Replacement that remembers what it received and passes its input through."""
-
-  seen: list
-
-  def __call__(self, argument, /, **side_inputs):
-    self.seen.append((argument, side_inputs))
-    return argument.args[0]
 
 
 def _patch(tree, path, fn):
