@@ -204,11 +204,12 @@ def test_two_instances_of_one_nn_jit_class_are_two_calls_with_their_own_paramete
   assert paths == [("JitLinenBlock_1",), ("JitLinenBlock_0",)]
   assert tree.scope_data.parameters == {}
   inner = tree.select().at_path("JitLinenBlock_0/Dense_0").get()
-  assert inner.scope_data.parameters["kernel"].value is (
-    variables["params"]["JitLinenBlock_0"]["Dense_0"]["kernel"]
+  assert (
+    inner.scope_data.parameters["kernel"].value
+    is (variables["params"]["JitLinenBlock_0"]["Dense_0"]["kernel"])
   )
-  patched = tree.select().at_path("JitLinenBlock_0/Dense_0").apply(
-    lambda n: AddArray(n, jnp.ones(8))
+  patched = (
+    tree.select().at_path("JitLinenBlock_0/Dense_0").apply(lambda n: AddArray(n, jnp.ones(8)))
   )
   params = variables["params"]
   hidden = JitLinenBlock().apply({"params": params["JitLinenBlock_1"]}, X)
@@ -226,9 +227,7 @@ class TiedBody(nn.Module):
 class ScanOfTied(nn.Module):
   @nn.compact
   def __call__(self, x):
-    scan = nn.scan(
-      TiedBody, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
-    )
+    scan = nn.scan(TiedBody, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
     return scan()(x, None)[0]
 
 
