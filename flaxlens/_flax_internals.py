@@ -5,28 +5,30 @@ Checked against flax 0.12.8 (jax 0.10.2). Linen: the method-interceptor hook
 (`Module.scope.path`), unbound clones (`Module.clone(_deep_clone=..., _reset_names=...)`),
 the per-scope rng counters
 (`Scope.rng_counters`), the `TestScope` that Flax's setup check runs lifted modules on,
-and a copy of `Module.apply` that can set root `Scope.flags` (`flax.core.apply(flags=)`,
-`flax.linen.module._get_unbound_fn`, `_context.capture_stack`). NNX: the private
-`_pytree__is_pytree` flag and the `PytreeMeta` class keywords needed to subclass a module
-class, swapping an instance's `__class__`, a `_pytree__`-prefixed instance attribute that
-rides in the `GraphDef` as static data, `GraphDef.num_leaves`, and the base classes
-whose methods are Flax's own (see the NNX section below). A Flax upgrade that changes
+a copy of `Module.apply` (`flax.linen.module._get_unbound_fn`, `_context.capture_stack`),
+and `nn.jit`'s cache key (`flax.linen.transforms._HashableProxy`,
+`flax.core.lift._restore_rng_counters`). NNX: a `_pytree__`-prefixed instance attribute
+that rides in the `GraphDef` as static data, `nnx.jit`'s wrapper classes
+(`JitWrapped`, `SimpleJitWrapped`), `GraphDef.num_leaves`, and the base classes whose
+methods are Flax's own (see the NNX section below). Methods of Flax and user classes
+are wrapped in place only while a run is active (`patched`). A Flax upgrade that changes
 any of these should break here only.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import flax.linen as nn
 from flax import core as flax_core
+from flax.core import lift as core_lift
 from flax.core import scope as flax_scope
 from flax.linen import module as linen_module
-
-_apply_nonce = itertools.count()
+from flax.linen import transforms as linen_transforms
 
 
 def module_path(module: nn.Module) -> tuple[str, ...]:
@@ -143,11 +145,9 @@ def apply_fresh(
   root scope starts from that rng state instead of `rngs`, so the module draws exactly
   the keys it drew inside the larger model.
 
-  `nn.jit` caches its trace on a fingerprint of the module that includes the root
-  scope's `flags`; a module-level `nn.jit` class would otherwise reuse a trace made
-  without (or with another) interceptor and skip every call inside it. A fresh flag
-  per apply forces a new trace; flags are read by Flax only for `initializing`.
-  Everything else mirrors `Module.apply` in flax 0.12.8.
+  Inside a flaxlens run, `nn.jit` keys its traces on the run (see `linen_jit_keys`),
+  not on a per-apply flag, so unchanged trees reuse their traces. Everything else
+  mirrors `Module.apply` in flax 0.12.8.
   """
   linen_module.Module._module_checks(module)
   counters = None
@@ -180,30 +180,136 @@ def apply_fresh(
     finally:
       linen_module._context.capture_stack.pop()
 
-  flags = {"flaxlens_apply": next(_apply_nonce)}
-  return flax_core.apply(scope_fn, mutable=mutable, flags=flags)(
-    variables, *args, rngs=rngs, **kwargs
-  )
+  return flax_core.apply(scope_fn, mutable=mutable)(variables, *args, rngs=rngs, **kwargs)
+
+
+# --- patching Flax and user classes while a run is active ------------------------------
+
+_patch_lock = threading.Lock()
+_patches: dict[tuple[int, str], list[Any]] = {}  # (id(owner), name) -> [original, count]
+
+
+@contextmanager
+def patched(replacements: Mapping[tuple[Any, str], Callable[[Any], Any]]) -> Iterator[None]:
+  """Sets `owner.name = make(original)` for each `(owner, name): make` while active.
+
+  Reference-counted across nested and concurrent runs (the first wrapper installed
+  stays until the last user leaves), and restored to the very object that was in
+  `vars(owner)` in `finally`. The wrappers must fall through to the original for
+  calls that are not part of a run of this thread.
+  """
+  done: list[tuple[Any, str]] = []
+  try:
+    with _patch_lock:
+      for (owner, name), make in replacements.items():
+        entry = _patches.get((id(owner), name))
+        if entry is None:
+          original = vars(owner)[name]
+          entry = _patches[(id(owner), name)] = [original, 0]
+          setattr(owner, name, make(original))
+        entry[1] += 1
+        done.append((owner, name))
+    yield
+  finally:
+    with _patch_lock:
+      for owner, name in reversed(done):
+        entry = _patches[(id(owner), name)]
+        entry[1] -= 1
+        if entry[1] == 0:
+          setattr(owner, name, entry[0])
+          del _patches[(id(owner), name)]
+
+
+def current_trace() -> Any:
+  """The JAX trace calls are made in now (equal for two calls in the same trace)."""
+  import jax.extend
+
+  return jax.extend.core.get_opaque_trace_state(convention="flax")
+
+
+# --- Linen: keying nn.jit traces on the run ----------------------------------------------
+#
+# `nn.jit` (flax 0.12.8, `flax.linen.transforms`) keys its `jax.jit` cache on a
+# `_HashableProxy` of the module, made by `_HashableProxy.from_module(self)` right before
+# the lifted call, and `flax.core.lift.jit` calls `_restore_rng_counters(scopes,
+# fingerprint, ...)` right after it, with the proxy as `fingerprint[1]`. Both are looked
+# up as module globals at call time; while a Linen run is active they are replaced by
+# versions that add the run's key to the proxy and report the end of the call.
+
+_linen_local = threading.local()
+_HashableProxy = linen_transforms._HashableProxy
+
+
+class _KeyedProxy(_HashableProxy):
+  """Flax's module proxy, with flaxlens's key (None outside runs) in hash and equality."""
+
+  @classmethod
+  def from_module(cls, module: Any) -> Any:
+    base = _HashableProxy.from_module(module)
+    proxy = cls(base.module_ref, base.hash_key)
+    handlers = getattr(_linen_local, "handlers", None)
+    key = handlers[-1][0]() if handlers else None
+    object.__setattr__(proxy, "flaxlens_key", key)
+    return proxy
+
+  def __hash__(self) -> int:
+    return hash((self.hash_key, getattr(self, "flaxlens_key", None)))
+
+  def __eq__(self, other: object) -> bool:
+    return (
+      isinstance(other, _HashableProxy)
+      and self.hash_key == other.hash_key
+      and getattr(self, "flaxlens_key", None) == getattr(other, "flaxlens_key", None)
+    )
+
+
+def _restore_rng_counters(original: Callable[..., Any]) -> Callable[..., Any]:
+  def restore(scopes: Any, fingerprint: Any, capture_old_counts: Any) -> Any:
+    result = original(scopes, fingerprint, capture_old_counts)
+    if getattr(fingerprint[1], "flaxlens_key", None) is not None:
+      _linen_local.handlers[-1][1]()
+    return result
+
+  return restore
+
+
+@contextmanager
+def linen_jit_keys(start: Callable[[], Any], finish: Callable[[], None]) -> Iterator[None]:
+  """While active in this thread, `nn.jit` calls add `start()` to their cache key.
+
+  `finish()` is called when such a call returns (not when it raises).
+  """
+  replacements = {
+    (linen_transforms, "_HashableProxy"): lambda _: _KeyedProxy,
+    (core_lift, "_restore_rng_counters"): _restore_rng_counters,
+  }
+  if not hasattr(_linen_local, "handlers"):
+    _linen_local.handlers = []
+  _linen_local.handlers.append((start, finish))
+  try:
+    with patched(replacements):
+      yield
+  finally:
+    _linen_local.handlers.pop()
 
 
 # --- NNX -------------------------------------------------------------------------------
 #
-# NNX has no interception hook (flax issue 4666). flaxlens swaps the class of every
-# module instance of a private copy of the model for a cached subclass whose methods
-# report to an interceptor. What makes that work in flax 0.12.8:
-# - `Pytree._graph_node_flatten` records `type(self)` as the node type, so `nnx.split`
-#   / `nnx.merge` inside `nnx.scan`, `nnx.vmap`, `nnx.remat` and `nnx.jit` re-create
-#   the instrumented subclass, and `GraphDef` equality (jit cache keys) follows it.
+# NNX has no interception hook (flax issue 4666). While a tree runs, flaxlens wraps, in
+# place, the methods of the model's classes (in the `__dict__` of the class that defines
+# each one, see `patched`); a wrapper reports a call only for module instances of a
+# private copy of the model, which carry a site attribute. What makes that work in
+# flax 0.12.8:
 # - Instance attributes that are not data ride in the `GraphDef` as static values, so a
-#   module re-created inside a transform still knows its path. The attribute name
-#   starts with `_pytree__`: NNX's reprs skip such names and `nnx.bridge.ToNNX` does
-#   not mistake it for a Linen collection.
-# - `nnx.jit` (through `jax.jit`) caches its trace on the `GraphDef`; a trace made in
-#   an earlier call would skip the interceptor. The site attribute carries a nonce that
-#   is new for every run, so each run traces afresh.
-# - `nnx.capture(method_outputs=...)` wraps only the methods found in `type(m).__dict__`
-#   (not inherited ones); the instrumented subclass keeps that set unchanged by
-#   defining wrappers of inherited methods on a mixin base instead (`nnx_subclass`).
+#   module re-created inside `nnx.scan`, `nnx.vmap`, `nnx.remat` or `nnx.jit` still
+#   knows its path and run. The attribute name starts with `_pytree__`: NNX's reprs
+#   skip such names and `nnx.bridge.ToNNX` does not mistake it for a Linen collection.
+# - `nnx.jit` (`JitWrapped`, and `SimpleJitWrapped` for `graph=False` or
+#   `graph_updates=False`) caches its trace on the `GraphDef`s of its arguments. While a
+#   run is active their `__call__` is wrapped so that the run can put the jitted call's
+#   key into the site attributes of the modules passed (see `nnx_jit_keys`).
+# - `nnx.capture(method_outputs=...)` wraps the methods found in `type(m).__dict__`;
+#   wrapping in place keeps that set unchanged.
 # - Attributes whose names start with `_pytree__` are NNX's bookkeeping, not the
 #   module's settings; the conversion's check for changed static attributes skips them.
 
@@ -227,27 +333,6 @@ def nnx_flax_bases() -> tuple[type, ...]:
   )
 
 
-def nnx_subclass(cls: type, mixin_methods: dict[str, Any], namespace: dict[str, Any]) -> type:
-  """A subclass of the NNX module class `cls`, registered with NNX and JAX as `cls` is.
-
-  `mixin_methods` go on a mixin base placed before `cls` in the MRO. For an instance's
-  `__class__` to be swappable, CPython requires the mixin to have the instance layout
-  of `cls` and the same base as the class that introduced that layout (`nnx.Pytree`,
-  which adds `__dict__`/`__weakref__` to the slot-less `reprlib.Representable`).
-  """
-  bases: tuple[type, ...] = (cls,)
-  if mixin_methods:
-    layout = next(k for k in reversed(cls.__mro__) if k.__dictoffset__ != 0)
-    name = f"{cls.__name__}InheritedMethods"
-    bases = (type(name, (layout.__base__,), mixin_methods), cls)
-  return type(cls)(cls.__name__, bases, namespace, pytree=cls._pytree__is_pytree)
-
-
-def nnx_swap_class(module: Any, cls: type) -> None:
-  """Makes `module` an instance of `cls` (a subclass of its class, same layout)."""
-  object.__setattr__(module, "__class__", cls)
-
-
 def nnx_set_site(module: Any, site: Any) -> None:
   """Stores `site` on `module` as a static attribute (it bypasses `Pytree.__setattr__`)."""
   object.__setattr__(module, NNX_SITE_ATTRIBUTE, site)
@@ -261,6 +346,38 @@ def nnx_clear_site(module: Any) -> None:
 def nnx_site(module: Any) -> Any:
   """The site stored by `nnx_set_site`, or None."""
   return vars(module).get(NNX_SITE_ATTRIBUTE)
+
+
+_nnx_local = threading.local()
+
+
+def _nnx_jit_call(original: Callable[..., Any]) -> Callable[..., Any]:
+  def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+    handlers = getattr(_nnx_local, "handlers", None)
+    if not handlers:
+      return original(self, *args, **kwargs)
+    return handlers[-1](lambda: original(self, *args, **kwargs), (args, kwargs))
+
+  return call
+
+
+@contextmanager
+def nnx_jit_keys(handler: Callable[[Callable[[], Any], Any], Any]) -> Iterator[None]:
+  """While active in this thread, `nnx.jit` calls run as `handler(call, arguments)`."""
+  from flax.nnx.transforms import compilation
+
+  replacements = {
+    (compilation.JitWrapped, "__call__"): _nnx_jit_call,
+    (compilation.SimpleJitWrapped, "__call__"): _nnx_jit_call,
+  }
+  if not hasattr(_nnx_local, "handlers"):
+    _nnx_local.handlers = []
+  _nnx_local.handlers.append(handler)
+  try:
+    with patched(replacements):
+      yield
+  finally:
+    _nnx_local.handlers.pop()
 
 
 def nnx_static_attributes(module: Any) -> dict[str, Any]:

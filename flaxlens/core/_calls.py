@@ -20,6 +20,7 @@ import jax
 
 from flaxlens._errors import CallStructureError
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._inner_jit import RunToken, inner_jit
 from flaxlens.core._layer import Layer
 
 CallKey = tuple[int, str]
@@ -97,7 +98,7 @@ class CallRecord:
 class Frame:
   """One active call: where the calls made inside it are looked up or recorded."""
 
-  __slots__ = ("path", "node", "record", "counter", "absorb", "lifted")
+  __slots__ = ("path", "node", "record", "counter", "absorb", "lifted", "log", "jit_trace", "last")
 
   def __init__(self, path: Path, node: Any = None, record: Any = None, absorb: Any = None):
     self.path = path
@@ -108,19 +109,27 @@ class Frame:
     # After a transform announces a lifted call: [call name, index], so that a body the
     # transform traces twice (nn.scan does) maps both traces to one call and one node.
     self.lifted: list[Any] | None = None
+    # While an inner jit runs: the names of the calls reported here (see `_inner_jit`).
+    self.log: list[str] | None = None
+    self.jit_trace: Any = None
+    self.last: CallKey | None = None  # The key of the latest call made here.
 
   def next_key(self, name: str) -> tuple[CallKey, bool]:
     """The key of the next call named `name`, and whether it re-traces the last one."""
+    if self.log is not None:
+      self.log.append(name)
     lifted = self.lifted
     if lifted is not None and lifted[0] == name:
-      return (lifted[1], name), True
+      self.last = (lifted[1], name)
+      return self.last, True
     index = self.counter
     self.counter += 1
     if lifted is not None and lifted[0] is None:
       lifted[0], lifted[1] = name, index
     else:
       self.lifted = None
-    return (index, name), False
+    self.last = (index, name)
+    return self.last, False
 
 
 class Pending:
@@ -167,6 +176,11 @@ def current_interceptor() -> CallInterceptor | None:
   return stack[-1] if stack else None
 
 
+def is_active(interceptor: CallInterceptor) -> bool:
+  """Whether `interceptor` is active in this thread (innermost or not)."""
+  return interceptor in getattr(_local, "stack", ())
+
+
 class CallInterceptor:
   """Interception state of one native run of a converted model (or of its conversion)."""
 
@@ -176,6 +190,8 @@ class CallInterceptor:
     self.prefix = prefix
     self.frames: list[Frame] = []
     self.pending: list[Pending] = []
+    # Part of an inner jit's cache key: unique unless the run sets a shared one.
+    self.token = RunToken.unique(self)
 
   @contextmanager
   def active(self) -> Iterator[None]:
@@ -187,6 +203,11 @@ class CallInterceptor:
       yield
     finally:
       _local.stack.remove(self)
+
+  def inner_jit(self, trace: Any) -> Any:
+    """Context of one call of a framework's jit in the current frame; see `_inner_jit`."""
+    call_path = tuple(f.last for f in self.frames[:-1])
+    return inner_jit(self.frames[-1], call_path, self.token, trace)
 
   def run_frame(self, frame: Frame, fun: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     self.frames.append(frame)

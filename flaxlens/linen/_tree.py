@@ -34,6 +34,7 @@ from flaxlens.core._calls import (
   current_interceptor,
   iter_call_nodes,
 )
+from flaxlens.core._inner_jit import RunToken
 from flaxlens.core._random import RandomStream
 from flaxlens.core._struct import ShortRepr, Struct, static_field
 from flaxlens.core._variables import StateVariable, Uninitialized, same_entry, value_of
@@ -148,6 +149,10 @@ class _Gathered:
     self.state: dict[tuple[str, Path], Any] = {}
     self._sources: dict[tuple[str, Path], Any] = {}
 
+  def sources(self) -> list[Any]:
+    """The gathered entries (variables and values), each once."""
+    return list(self._sources.values())
+
   def add(self, collection: str, path: Path, entry: Any, where: str) -> None:
     key = (collection, path)
     seen = self._sources.get(key)
@@ -253,7 +258,11 @@ def apply_tree(
   mutable = tuple(sorted({c for c, _ in gathered.state}.union(root.mutable)))
   rngs = _resolve_rngs(random_streams, where)
   snapshot = root.scope_data.rngs if random_streams is None else None
-  state = interceptor or LinenInterceptor(side_inputs, building=False, prefix=root.path)
+  state = interceptor
+  if state is None:
+    state = LinenInterceptor(side_inputs, building=False, prefix=root.path)
+    traced = frozenset(id(e) for e in gathered.sources())
+    state.token = RunToken(state, (root, side_inputs), traced)
   state.mutable = mutable
   method = root.method_name
   state.frames.append(
@@ -314,7 +323,22 @@ class LinenInterceptor(CallInterceptor):
 
   @contextmanager
   def active(self) -> Iterator[None]:
-    with super().active(), fi.intercept_methods(self.intercept):
+    opened: list[Any] = []
+
+    def start() -> Any:
+      context = self.inner_jit(fi.current_trace())
+      key = context.__enter__()
+      opened.append(context)
+      return key
+
+    def finish() -> None:
+      opened.pop().__exit__(None, None, None)
+
+    with (
+      super().active(),
+      fi.intercept_methods(self.intercept),
+      fi.linen_jit_keys(start, finish),
+    ):
       yield
 
   def new_record(self, module: Any, path: Path, name: str) -> CallRecord:

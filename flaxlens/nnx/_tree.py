@@ -1,23 +1,22 @@
 """The NNX call tree: one `InterceptedNNXModuleMethod` node per intercepted method call.
 
 Calling a node rebuilds a private copy of its module with `nnx.merge` (its `GraphDef`
-plus the tree's current variable values) and swaps the class of each of the copy's
-modules for a cached subclass whose methods report to an `NNXInterceptor`. The method
-then runs natively: an unmodified child node lets its call continue (so rng streams,
-batch statistics, caches and NNX transforms are NNX's own, bit for bit) and any other
-layer replaces the call. The copy's updated state is written back into the tree's
-`StateVariable`s and the copy is dropped. Instrumenting a private copy, rather than
-patching the user's classes as `nnx.capture` and `nnx.tabulate` do, leaves the user's
-model and classes untouched even when a call raises, sees inherited methods, and
-survives `nnx.split`/`nnx.merge` inside transforms. Flax internals used: see
-`flaxlens._flax_internals`.
+plus the tree's current variable values), marks each of the copy's modules with a site
+attribute and, while the method runs, wraps the methods of their classes in place so
+that calls of marked modules report to an `NNXInterceptor` (see its docstring for why
+in place rather than per-instance subclasses). The method then runs natively: an
+unmodified child node lets its call continue (so rng streams, batch statistics, caches
+and NNX transforms are NNX's own, bit for bit) and any other layer replaces the call.
+The copy's updated state is written back into the tree's `StateVariable`s and the copy
+is dropped. The user's model is never touched, the classes are restored exactly even
+when a call raises, inherited methods are seen, and sites survive `nnx.split`/
+`nnx.merge` inside transforms. Flax internals used: see `flaxlens._flax_internals`.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple, Self
@@ -35,9 +34,11 @@ from flaxlens.core._calls import (
   CallRecord,
   Frame,
   Path,
+  is_active,
   is_call_node,
   iter_call_nodes,
 )
+from flaxlens.core._inner_jit import RunToken
 from flaxlens.core._struct import ShortRepr, static_field
 from flaxlens.core._variables import AbstractVariable, Uninitialized, same_entry, value_of
 
@@ -418,7 +419,10 @@ def _run(
   gathered = _Gathered(root)
   values = gathered.values(where)
   model, orphans = root.definition.rebuild(values, gathered.created(where))
-  interceptor = interceptor or NNXInterceptor(side_inputs=side_inputs, building=False)
+  if interceptor is None:
+    interceptor = NNXInterceptor(side_inputs=side_inputs, building=False)
+    traced = frozenset(map(id, gathered.entries.values()))
+    interceptor.token = RunToken(interceptor, (root, side_inputs), traced)
   interceptor.instrument(model, root.path)
   method = root.method_name
   interceptor.frames.append(
@@ -484,17 +488,13 @@ def _restatic(
 
 # --- instrumentation -------------------------------------------------------------------
 
-_nonces = itertools.count()
-_active: dict[int, NNXInterceptor] = {}
-_instrumented: dict[type, type | None] = {}
 _STDLIB_MODULES = ("builtins", "abc", "typing", "collections.abc")
 
 
 def plain_module(graphdef: Any, leaves: list[Any]) -> Any:
-  """A plain NNX module (user classes, no run site) from a split of an instrumented one."""
+  """A plain NNX module (no run site) from a split of a module of a run."""
   module = nnx.merge(graphdef, leaves)
   for _, sub in nnx.iter_modules(module):
-    fi.nnx_swap_class(sub, original_class(type(sub)))
     fi.nnx_clear_site(sub)
   return module
 
@@ -506,9 +506,16 @@ def split_leaves(module: Any) -> tuple[Any, list[Any]]:
   return graphdef, [flat[p].get_raw_value() for p in leaf_paths(graphdef)]
 
 
-def original_class(cls: type) -> type:
-  """The user's class behind an instrumented class (or `cls` itself)."""
-  return cls.__dict__.get("__flaxlens_original__", cls)
+class _Site(NamedTuple):
+  """What a module of a run's private copy carries (static, so it survives transforms).
+
+  `token` finds the run and keys inner jits on it; `jit` is the key of the jitted call
+  the module is passed to, while that call runs.
+  """
+
+  path: Path
+  token: RunToken
+  jit: Any = None
 
 
 def _is_flax_base(cls: type) -> bool:
@@ -521,66 +528,47 @@ def _is_method(attr: Any) -> bool:
   return inspect.isfunction(attr) or (callable(attr) and hasattr(type(attr), "__get__"))
 
 
-def _report(name: str, method: Any) -> Callable[..., Any]:
-  """A method that reports its calls to the interceptor of the run its module is in."""
+@functools.cache
+def _reported(cls: type) -> tuple[tuple[type, str], ...]:
+  """`(defining class, name)` of the methods of `cls` that report calls.
 
-  def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
-    bound = method.__get__(self, type(self))
-    site = fi.nnx_site(self)
-    interceptor = _active.get(site[1]) if site is not None else None
-    if interceptor is None or not interceptor.frames:
-      return bound(*args, **kwargs)
-    return interceptor.dispatch(self, site[0], name, bound, args, kwargs)
-
-  functools.update_wrapper(reporting, method, updated=())
-  return reporting
-
-
-def instrumented_class(cls: type) -> type | None:
-  """The cached subclass of `cls` whose methods report calls; None if it has none.
-
-  Reported are the public methods and `__call__` that the class and its bases define,
-  up to (not including) NNX's own base and container classes; inherited-only ones
-  too. Wrappers of methods the class defines itself live on the subclass, those of
-  inherited methods on a mixin base, so that `nnx.capture(method_outputs=...)` (which
-  wraps `type(m).__dict__`) sows exactly the methods it sows on the user's class.
+  The public methods and `__call__` that `cls` and its bases define, up to (not
+  including) NNX's own base and container classes, each at the class that defines the
+  one `cls` uses.
   """
-  if cls in _instrumented:
-    return _instrumented[cls]
-  names = {
-    name
-    for klass in cls.__mro__
-    if not _is_flax_base(klass)
-    for name in vars(klass)
-    if not name.startswith("_") or name == "__call__"
-  }
-  own: dict[str, Any] = {}
-  inherited: dict[str, Any] = {}
-  for name in sorted(names):
-    definer = next(klass for klass in cls.__mro__ if name in vars(klass))
-    attr = vars(definer)[name]
-    if _is_flax_base(definer) or not _is_method(attr):
+  found = []
+  for name in sorted({n for k in cls.__mro__ for n in vars(k)}):
+    if name.startswith("_") and name != "__call__":
       continue
-    (own if definer is cls else inherited)[name] = _report(name, attr)
-  if not own and not inherited:
-    _instrumented[cls] = None
-    return None
-  namespace = {
-    **own,
-    "__module__": cls.__module__,
-    "__qualname__": cls.__qualname__,
-    "__doc__": cls.__doc__,
-    "__flaxlens_original__": cls,
-  }
-  try:
-    new = fi.nnx_subclass(cls, inherited, namespace)
-  except Exception as e:
-    raise UnsupportedFlaxFeatureError(
-      f"{cls.__qualname__}: flaxlens could not subclass this module class to observe"
-      f" its calls ({type(e).__name__}: {e})."
-    ) from e
-  _instrumented[cls] = new
-  return new
+    definer = _definer(cls, name)
+    if not _is_flax_base(definer) and _is_method(vars(definer)[name]):
+      found.append((definer, name))
+  return tuple(found)
+
+
+@functools.cache
+def _definer(cls: type, name: str) -> type:
+  return next(k for k in cls.__mro__ if name in vars(k))
+
+
+def _report(definer: type, name: str) -> Callable[[Any], Callable[..., Any]]:
+  """Wraps `definer.name` so that a module of an active run reports its calls."""
+
+  def wrap(method: Any) -> Callable[..., Any]:
+    def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
+      bound = method.__get__(self, type(self))
+      site = fi.nnx_site(self)
+      if site is None or _definer(type(self), name) is not definer:
+        return bound(*args, **kwargs)  # Not a run's module, or reached through super().
+      interceptor = site.token.interceptor
+      if interceptor is None or not interceptor.frames or not is_active(interceptor):
+        return bound(*args, **kwargs)
+      return interceptor.dispatch(self, site.path, name, bound, args, kwargs)
+
+    functools.update_wrapper(reporting, method, updated=())
+    return reporting
+
+  return wrap
 
 
 def _variable_shapes(module: Any) -> tuple[Any, ...]:
@@ -591,37 +579,65 @@ def _variable_shapes(module: Any) -> tuple[Any, ...]:
 
 
 class NNXInterceptor(CallInterceptor):
-  """Receives the calls reported by the instrumented modules of one private copy."""
+  """Receives the calls reported by the modules of one private copy of a model.
+
+  While active, the methods of the copy's classes are wrapped in place (in the
+  `__dict__` of the classes that define them) and restored exactly afterwards. A
+  wrapper reports a call only for a module carrying a site of an active run of this
+  thread; any other call of the class (the user's own model, another thread) runs the
+  original method directly. So `type(module)` is the user's class, the `GraphDef`
+  records it, and no class is ever created: user `__init_subclass__` hooks and class
+  registries see nothing. (Swapping each instance's class for a cached subclass, the
+  earlier design, made `type(m) is nnx.Linear` false inside a call and ran those hooks.)
+  Inner `nnx.jit` calls key their traces on the run and on the jitted call's position,
+  by putting that key into the site attributes of the modules they are passed.
+  """
 
   def __init__(self, side_inputs: dict[str, Any], building: bool):
     super().__init__(side_inputs, building)
-    self.nonce = next(_nonces)
     self.modules: dict[int, Any] = {}  # id -> module, for the copy's own instances
     self.by_path: dict[Path, Any] = {}
+    self.classes: set[type] = set()
 
   def instrument(self, model: Any, prefix: Path) -> None:
-    """Swaps the class of every module of `model` and records its path on it."""
+    """Records its path on every module of `model` (its class is wrapped while active)."""
     for rel, module in nnx.iter_modules(model):
       path = prefix + tuple(rel)
       self.by_path[path] = module
-      cls = instrumented_class(type(module))
-      if cls is None:
-        continue
-      fi.nnx_swap_class(module, cls)
-      fi.nnx_set_site(module, (path, self.nonce))
+      self.classes.add(type(module))
+      fi.nnx_set_site(module, _Site(path, self.token))
       self.modules[id(module)] = module
 
   @contextmanager
   def active(self) -> Iterator[None]:
-    _active[self.nonce] = self
-    try:
-      with super().active():
-        yield
-    finally:
-      del _active[self.nonce]
+    methods = {pair for cls in self.classes for pair in _reported(cls)}
+    wrappers = {(definer, name): _report(definer, name) for definer, name in methods}
+    with fi.patched(wrappers), fi.nnx_jit_keys(self._jit_call), super().active():
+      yield
+
+  def _jit_call(self, call: Callable[[], Any], arguments: Any) -> Any:
+    """Runs one `nnx.jit` call with the run's key in its modules' sites."""
+    ours = [
+      m
+      for leaf in jax.tree_util.tree_leaves(arguments, is_leaf=_is_module)
+      if _is_module(leaf)
+      for _, m in nnx.iter_modules(leaf)
+      if _site_of(m, self) is not None
+    ]
+    if not ours or not self.frames:
+      return call()
+    sites = [fi.nnx_site(m) for m in ours]
+    with self.inner_jit(fi.current_trace()) as key:
+      for module, site in zip(ours, sites, strict=True):
+        fi.nnx_set_site(module, site._replace(jit=key[1]))
+      try:
+        return call()
+      finally:
+        for module, site in zip(ours, sites, strict=True):
+          fi.nnx_set_site(module, site)
 
   def new_record(self, module: Any, path: Path, name: str) -> CallRecord:
-    record = CallRecord(original_class(type(module)), path, name)
+    record = CallRecord(type(module), path, name)
     if id(module) not in self.modules:
       # A transform re-created the module inside its trace; it slices the variables
       # (nnx.scan, nnx.vmap) when their shapes differ from the model's own.
@@ -629,4 +645,13 @@ class NNXInterceptor(CallInterceptor):
     return record
 
   def same_module(self, node: CallNode, module: Any) -> bool:
-    return node.module_type is original_class(type(module))
+    return node.module_type is type(module)
+
+
+def _is_module(x: Any) -> bool:
+  return isinstance(x, nnx.Module)
+
+
+def _site_of(module: Any, interceptor: NNXInterceptor) -> _Site | None:
+  site = fi.nnx_site(module)
+  return site if site is not None and site.token.interceptor is interceptor else None

@@ -86,7 +86,7 @@ def test_parameters_hold_the_models_own_buffers(cases):
 
 
 def test_converted_classes_keep_their_names_and_isinstance(cases):
-  """Inside a call, modules are instrumented subclasses that still read as the user's."""
+  """Inside a call, modules are instances of the user's own classes."""
   seen = []
 
   class Spy(fl.Layer):
