@@ -17,11 +17,13 @@ any of these should break here only.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
+import jax
 from flax import core as flax_core
 from flax.core import scope as flax_scope
 from flax.linen import module as linen_module
@@ -80,6 +82,56 @@ def module_variables(module: nn.Module) -> dict[str, Any]:
   return unfreeze(module.variables)
 
 
+def call_variables(module: nn.Module) -> dict[str, Any]:
+  """The variables a bound module's call uses, keyed as in its `unbound_clone`.
+
+  `module_variables` holds what lives under the module's own scope. A module passed in
+  as an attribute but bound elsewhere (the cell of `nn.RNN(nn.LSTMCell(4))` written in a
+  parent's compact method lives in that parent) keeps its variables where it is bound;
+  the unbound clone adopts it under the attribute's name instead (Flax's
+  `Module._register_submodules`), so its variables are added under that name. The
+  names are read from the clone bound to an empty scope, so Flax's adoption rules
+  (container suffixes, shared instances, `preserve_adopted_names`) apply as they are.
+  """
+  variables = module_variables(module)
+  placed = [(module_path(module), ())]  # (where bound, where in the clone) of each root
+  seen: set[int] = set()
+
+  def walk(original: nn.Module, clone: nn.Module) -> None:
+    for held, adopted in zip(_attribute_modules(original), _attribute_modules(clone), strict=True):
+      if id(held) in seen:
+        continue
+      seen.add(id(held))
+      path, where = module_path(held), module_path(adopted)
+      if not any(path[: len(p)] == p and where == w + path[len(p) :] for p, w in placed):
+        placed.append((path, where))
+        for collection, tree in module_variables(held).items():
+          target = variables.setdefault(collection, {})
+          for name in where[:-1]:
+            target = target.setdefault(name, {})
+          target[where[-1]] = tree
+      walk(held, adopted)
+
+  walk(module, unbound_clone(module).bind({}))
+  return variables
+
+
+def _attribute_modules(module: nn.Module) -> list[nn.Module]:
+  """The modules held in a module's dataclass fields, in Flax's registration order."""
+  import dataclasses
+
+  import jax
+
+  held = []
+  for field in dataclasses.fields(module):
+    if field.init and field.name not in ("parent", "name"):
+      leaves = jax.tree_util.tree_leaves(
+        getattr(module, field.name), is_leaf=lambda x: isinstance(x, nn.Module)
+      )
+      held.extend(x for x in leaves if isinstance(x, nn.Module))
+  return held
+
+
 def capture_filter(capture_intermediates: Any) -> Callable[[nn.Module, str], bool] | None:
   """The filter Flax applies for `capture_intermediates=` (None when off)."""
   if capture_intermediates is True:
@@ -112,6 +164,34 @@ def counters_from_data(data: list) -> dict:
 def _copy_counters(counters: dict) -> dict:
   token = flax_scope.child_rng_token
   return copy.deepcopy(counters, memo={id(token): token})
+
+
+# JAX's record of what is being traced now (`core.trace_ctx.trace`, each trace's
+# `parent_trace`, and a staging trace's `frame.debug_info.traced_for`), jax 0.10.2.
+# Staging traces whose jaxpr the outermost eager caller evaluates op by op rather than
+# compiling (`remat_p`'s impl is `core.eval_jaxpr`).
+_STAGED_BUT_EAGER = frozenset({"checkpoint / remat"})
+
+
+def runs_compiled() -> bool:
+  """Whether the code being traced now runs as compiled XLA code when it executes.
+
+  JAX stages a body into a jaxpr for `jit`, `scan`, `while_loop`, `fori_loop`, `cond`
+  and `switch` (what `nn.jit`, `nn.scan`, `nnx.jit`, `nnx.scan` and the other compiling
+  transforms build on) and compiles it, even when called eagerly; a checkpoint
+  (`nn.remat`, `nnx.remat`) is staged too but evaluated op by op outside of those, and
+  `vmap` or `grad` on their own run op by op.
+  """
+  from jax._src import core as jax_core
+  from jax._src.interpreters import partial_eval
+
+  trace = jax_core.trace_ctx.trace
+  while trace is not None:
+    if isinstance(trace, partial_eval.DynamicJaxprTrace):
+      if trace.frame.debug_info.traced_for not in _STAGED_BUT_EAGER:
+        return True
+    trace = getattr(trace, "parent_trace", None)
+  return False
 
 
 intercept_methods = nn.intercept_methods
