@@ -2,7 +2,8 @@
 
 Checked against flax 0.12.8 (jax 0.10.2). Linen: the method-interceptor hook
 (`flax.linen.module.intercept_methods`, public but thin), module paths
-(`Module.scope.path`), unbound clones (`Module.clone(_deep_clone=..., _reset_names=...)`),
+(`Module.scope.path`), unbound clones (`Module.clone(_deep_clone=..., _reset_names=...)`)
+and where they adopt modules held in attributes (`Module.bind`),
 the per-scope rng counters
 (`Scope.rng_counters`), the `TestScope` that Flax's setup check runs lifted modules on,
 and a copy of `Module.apply` that can set root `Scope.flags` (`flax.core.apply(flags=)`,
@@ -10,8 +11,9 @@ and a copy of `Module.apply` that can set root `Scope.flags` (`flax.core.apply(f
 `_pytree__is_pytree` flag and the `PytreeMeta` class keywords needed to subclass a module
 class, swapping an instance's `__class__`, a `_pytree__`-prefixed instance attribute that
 rides in the `GraphDef` as static data, `GraphDef.num_leaves`, and the base classes
-whose methods are Flax's own (see the NNX section below). A Flax upgrade that changes
-any of these should break here only.
+whose methods are Flax's own (see the NNX section below). JAX: the current trace and
+what a staging trace traces for (`runs_compiled`, jax 0.10.2). A Flax or JAX upgrade that
+changes any of these should break here only.
 """
 
 from __future__ import annotations
@@ -118,10 +120,6 @@ def call_variables(module: nn.Module) -> dict[str, Any]:
 
 def _attribute_modules(module: nn.Module) -> list[nn.Module]:
   """The modules held in a module's dataclass fields, in Flax's registration order."""
-  import dataclasses
-
-  import jax
-
   held = []
   for field in dataclasses.fields(module):
     if field.init and field.name not in ("parent", "name"):
