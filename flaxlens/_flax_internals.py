@@ -2,7 +2,8 @@
 
 Checked against flax 0.12.8 (jax 0.10.2). Linen: the method-interceptor hook
 (`flax.linen.module.intercept_methods`, public but thin), module paths
-(`Module.scope.path`), unbound clones (`Module.clone(_deep_clone=..., _reset_names=...)`),
+(`Module.scope.path`), unbound clones (`Module.clone(_deep_clone=..., _reset_names=...)`)
+and where they adopt modules held in attributes (`Module.bind`),
 the per-scope rng counters
 (`Scope.rng_counters`), the `TestScope` that Flax's setup check runs lifted modules on,
 a copy of `Module.apply` (`flax.linen.module._get_unbound_fn`, `_context.capture_stack`),
@@ -11,19 +12,22 @@ and `nn.jit`'s cache key (`flax.linen.transforms._HashableProxy`,
 that rides in the `GraphDef` as static data, `nnx.jit`'s wrapper classes
 (`JitWrapped`, `SimpleJitWrapped`), `GraphDef.num_leaves`, and the base classes whose
 methods are Flax's own (see the NNX section below). Methods of Flax and user classes
-are wrapped in place only while a run is active (`patched`). A Flax upgrade that changes
-any of these should break here only.
+are wrapped in place only while a run is active (`patched`). JAX: the current trace and
+what a staging trace traces for (`runs_compiled`, jax 0.10.2). A Flax or JAX upgrade
+that changes any of these should break here only.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import flax.linen as nn
+import jax
 from flax import core as flax_core
 from flax.core import lift as core_lift
 from flax.core import scope as flax_scope
@@ -82,6 +86,52 @@ def module_variables(module: nn.Module) -> dict[str, Any]:
   return unfreeze(module.variables)
 
 
+def call_variables(module: nn.Module) -> dict[str, Any]:
+  """The variables a bound module's call uses, keyed as in its `unbound_clone`.
+
+  `module_variables` holds what lives under the module's own scope. A module passed in
+  as an attribute but bound elsewhere (the cell of `nn.RNN(nn.LSTMCell(4))` written in a
+  parent's compact method lives in that parent) keeps its variables where it is bound;
+  the unbound clone adopts it under the attribute's name instead (Flax's
+  `Module._register_submodules`), so its variables are added under that name. The
+  names are read from the clone bound to an empty scope, so Flax's adoption rules
+  (container suffixes, shared instances, `preserve_adopted_names`) apply as they are.
+  """
+  variables = module_variables(module)
+  placed = [(module_path(module), ())]  # (where bound, where in the clone) of each root
+  seen: set[int] = set()
+
+  def walk(original: nn.Module, clone: nn.Module) -> None:
+    for held, adopted in zip(_attribute_modules(original), _attribute_modules(clone), strict=True):
+      if id(held) in seen:
+        continue
+      seen.add(id(held))
+      path, where = module_path(held), module_path(adopted)
+      if not any(path[: len(p)] == p and where == w + path[len(p) :] for p, w in placed):
+        placed.append((path, where))
+        for collection, tree in module_variables(held).items():
+          target = variables.setdefault(collection, {})
+          for name in where[:-1]:
+            target = target.setdefault(name, {})
+          target[where[-1]] = tree
+      walk(held, adopted)
+
+  walk(module, unbound_clone(module).bind({}))
+  return variables
+
+
+def _attribute_modules(module: nn.Module) -> list[nn.Module]:
+  """The modules held in a module's dataclass fields, in Flax's registration order."""
+  held = []
+  for field in dataclasses.fields(module):
+    if field.init and field.name not in ("parent", "name"):
+      leaves = jax.tree_util.tree_leaves(
+        getattr(module, field.name), is_leaf=lambda x: isinstance(x, nn.Module)
+      )
+      held.extend(x for x in leaves if isinstance(x, nn.Module))
+  return held
+
+
 def capture_filter(capture_intermediates: Any) -> Callable[[nn.Module, str], bool] | None:
   """The filter Flax applies for `capture_intermediates=` (None when off)."""
   if capture_intermediates is True:
@@ -114,6 +164,34 @@ def counters_from_data(data: list) -> dict:
 def _copy_counters(counters: dict) -> dict:
   token = flax_scope.child_rng_token
   return copy.deepcopy(counters, memo={id(token): token})
+
+
+# JAX's record of what is being traced now (`core.trace_ctx.trace`, each trace's
+# `parent_trace`, and a staging trace's `frame.debug_info.traced_for`), jax 0.10.2.
+# Staging traces whose jaxpr the outermost eager caller evaluates op by op rather than
+# compiling (`remat_p`'s impl is `core.eval_jaxpr`).
+_STAGED_BUT_EAGER = frozenset({"checkpoint / remat"})
+
+
+def runs_compiled() -> bool:
+  """Whether the code being traced now runs as compiled XLA code when it executes.
+
+  JAX stages a body into a jaxpr for `jit`, `scan`, `while_loop`, `fori_loop`, `cond`
+  and `switch` (what `nn.jit`, `nn.scan`, `nnx.jit`, `nnx.scan` and the other compiling
+  transforms build on) and compiles it, even when called eagerly; a checkpoint
+  (`nn.remat`, `nnx.remat`) is staged too but evaluated op by op outside of those, and
+  `vmap` or `grad` on their own run op by op.
+  """
+  from jax._src import core as jax_core
+  from jax._src.interpreters import partial_eval
+
+  trace = jax_core.trace_ctx.trace
+  while trace is not None:
+    if isinstance(trace, partial_eval.DynamicJaxprTrace):
+      if trace.frame.debug_info.traced_for not in _STAGED_BUT_EAGER:
+        return True
+    trace = getattr(trace, "parent_trace", None)
+  return False
 
 
 intercept_methods = nn.intercept_methods

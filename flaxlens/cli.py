@@ -52,7 +52,7 @@ def demo() -> int:
   return 0 if exact else 1
 
 
-def replay(path: str, jit: bool) -> int:
+def replay(path: str, jit: bool | None) -> int:
   """Loads an isolated-call artifact, replays it and prints the per-leaf comparison."""
   from rich.console import Console
 
@@ -65,10 +65,12 @@ def replay(path: str, jit: bool) -> int:
     print(f"flaxlens replay: {e}", file=sys.stderr)
     return 2
   report = isolated.replay(jit=jit)
-  for leaf, diff in report.max_abs_diff.items():
-    verdict = "[green]match[/]" if diff == 0.0 else f"[red]max diff {diff:.3g}[/]"
+  for leaf, same in report.identical.items():
+    verdict = "[green]match[/]" if same else f"[red]{report.verdict(leaf)}[/]"
     console.print(f"{leaf}  {verdict}", highlight=False)
   console.print("[bold green]exact replay[/]" if report.exact else "[bold red]replay differs[/]")
+  if report.note and not report.exact:
+    console.print(f"note: {report.note}", highlight=False)
   return 0 if report.exact else 1
 
 
@@ -80,7 +82,13 @@ def main(argv: list[str] | None = None) -> int:
   commands.add_parser("demo", help="convert an embedded model, check it, patch and edit it")
   replay_parser = commands.add_parser("replay", help="re-run a saved isolated call")
   replay_parser.add_argument("path", help="artifact directory written by fl.save_isolated")
-  replay_parser.add_argument("--jit", action="store_true", help="replay under jax.jit")
+  mode = replay_parser.add_mutually_exclusive_group()
+  mode.add_argument(
+    "--jit", dest="jit", action="store_const", const=True, help="force a replay under jax.jit"
+  )
+  mode.add_argument(
+    "--eager", dest="jit", action="store_const", const=False, help="force an eager replay"
+  )
   args = parser.parse_args(argv)
   if args.command == "demo":
     return demo()

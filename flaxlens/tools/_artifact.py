@@ -103,6 +103,7 @@ def save_isolated(
     },
     "call": "/".join(submodel.readable_path()),
     "call_number": isolated.call_number,
+    "replay": {"jit": isolated.recorded_compiled},
     "calls": [".".join(n.readable_path()) for n in iter_call_nodes(submodel)],
     "recipe": recipe,
     "saved": saved,
@@ -224,6 +225,7 @@ def load_isolated(path: str | os.PathLike) -> IsolatedSubmodel:
     initial_var_values=saved_initial,
     final_var_values=_decode_values(decoder, saved["final"]),
     call_number=manifest.get("call_number", 0),
+    recorded_compiled=manifest.get("replay", {}).get("jit", False) is True,
   )
 
 

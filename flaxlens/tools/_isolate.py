@@ -58,6 +58,10 @@ class IsolatedSubmodel(Struct):
       returns them.
     call_number: which execution of the selected call this is (0 for the first; inside
       `nn.scan` the iteration, inside `nn.vmap` the batch member).
+    recorded_compiled: whether the call ran as compiled code when it was recorded: inside
+      `nn.jit`/`nnx.jit`, or in the body of `nn.scan`/`nnx.scan` (a `lax.scan`, compiled
+      even when the model runs eagerly) or of another compiling transform. `replay()`
+      runs it the same way by default.
   """
 
   submodel: Any
@@ -67,20 +71,35 @@ class IsolatedSubmodel(Struct):
   initial_var_values: tuple[Any, ...]
   final_var_values: tuple[Any, ...]
   call_number: int = static_field(default=0)
+  recorded_compiled: bool = static_field(default=False)
 
-  def replay(self, jit: bool = False) -> ReplayReport:
-    """Re-runs the submodel on the saved inputs and compares with the saved results.
+  def replay(self, jit: bool | None = None) -> ReplayReport:
+    """Re-runs the submodel on the saved inputs and compares with the saved results, bit for bit.
 
     Args:
-      jit: run the replay under `jax.jit` (Python-valued arguments stay static).
+      jit: None (the default) runs the call as it ran when recorded: under `jax.jit` if
+        it was recorded in compiled code (`recorded_compiled`), else eagerly, which
+        reproduces the saved results bit for bit. True or False forces a mode; the other
+        mode can differ in the last bits, because XLA rounds a compiled program (fused,
+        reassociated operations) differently from the same operations run one by one.
+        Python-valued arguments stay static under jit.
 
     Returns:
       A `ReplayReport`; it is truthy only when every output and state leaf matches bit
       for bit.
+
+    Example:
+      >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+      >>> model = nn.Sequential([nn.Dense(4), nn.gelu, nn.Dense(2)])
+      >>> x = jnp.ones((1, 3))
+      >>> isolated = fl.isolate(model, model.init(jax.random.key(0), x), x, at="layers_2")
+      >>> isolated.recorded_compiled, bool(isolated.replay())
+      (False, True)
     """
+    compiled = self.recorded_compiled if jit is None else jit
     # A copy, so stateful objects among the arguments (an nnx.Rngs) start as saved.
     saved_arg = jax.tree_util.tree_map(lambda x: x, self.saved_arg)
-    if jit:
+    if compiled:
       bound = bind_variables(self.submodel, self.initial_var_values)
       run = variable_jit(lambda layer, arg, side: layer(arg, **side))
       output = run(bound, saved_arg, self.saved_side_inputs)
@@ -91,7 +110,24 @@ class IsolatedSubmodel(Struct):
         self.initial_var_values, saved_arg, **self.saved_side_inputs
       )
     expected = {"output": self.saved_output, "state": _by_label(self.final_var_values)}
-    return ReplayReport.compare({"output": output, "state": _by_label(state)}, expected)
+    report = ReplayReport.compare({"output": output, "state": _by_label(state)}, expected)
+    if compiled == self.recorded_compiled:
+      return report
+    return dataclasses.replace(report, note=_OTHER_MODE_NOTE[self.recorded_compiled])
+
+
+_OTHER_MODE_NOTE = {
+  True: (
+    "recorded in compiled code (inside jit, or a scan body) but replayed eagerly, one"
+    " operation at a time, which XLA can round differently in the last bits; replay()"
+    " with the default jit=None reproduces the recording."
+  ),
+  False: (
+    "recorded eagerly, one operation at a time, but replayed under jit, whose compiled"
+    " program XLA can round differently in the last bits; replay() with the default"
+    " jit=None reproduces the recording."
+  ),
+}
 
 
 def _by_label(values: tuple[Any, ...]) -> dict[str, Any]:
@@ -100,70 +136,108 @@ def _by_label(values: tuple[Any, ...]) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class ReplayReport:
-  """Per-leaf comparison of a replay with the saved results.
+  """Per-leaf comparison of a replay with the saved results: bits, and the distance.
 
   Attributes:
-    max_abs_diff: `{leaf path: max |replayed - saved|}` (0.0 for an exact leaf; inf when
-      shapes, dtypes or structure differ).
+    identical: `{leaf path: whether shape, dtype and every bit match}`; `+0.0` and
+      `-0.0`, or two NaNs with different payloads, are different bits.
+    max_abs_diff: `{leaf path: max |replayed - saved|}` (0.0 where the values are equal,
+      even if their bits are not; inf when shapes, dtypes or structure differ, or a NaN
+      faces a number).
+    note: why a replay in a mode other than the recorded one may differ ("" otherwise).
+
+  Example:
+    >>> import flaxlens as fl, jax.numpy as jnp
+    >>> report = fl.ReplayReport.compare({"y": jnp.array([-0.0])}, {"y": jnp.array([0.0])})
+    >>> bool(report), report.max_abs_diff["['y']"]
+    (False, 0.0)
   """
 
+  identical: dict[str, bool]
   max_abs_diff: dict[str, float]
+  note: str = ""
 
   @property
   def exact(self) -> bool:
     """Whether every leaf matched bit for bit."""
-    return all(d == 0.0 for d in self.max_abs_diff.values())
+    return all(self.identical.values())
 
   def __bool__(self) -> bool:
     return self.exact
 
   def __str__(self) -> str:
-    width = max((len(k) for k in self.max_abs_diff), default=0)
-    lines = [
-      f"{path:<{width}}  {'match' if d == 0.0 else f'MISMATCH max diff {d:.3g}'}"
-      for path, d in self.max_abs_diff.items()
-    ]
+    width = max((len(k) for k in self.identical), default=0)
+    lines = [f"{path:<{width}}  {self.verdict(path)}" for path in self.identical]
     lines.append("exact replay" if self.exact else "replay differs")
+    if self.note and not self.exact:
+      lines.append(f"note: {self.note}")
     return "\n".join(lines)
+
+  def verdict(self, path: str) -> str:
+    """`"match"`, or how the leaf at `path` differs."""
+    if self.identical[path]:
+      return "match"
+    diff = self.max_abs_diff[path]
+    if diff == 0.0:
+      return "MISMATCH in bits only (signed zeros or NaN payloads)"
+    return f"MISMATCH max diff {diff:.3g}"
 
   @classmethod
   def compare(cls, actual: Any, expected: Any) -> ReplayReport:
+    """Compares two pytrees leaf by leaf (PRNG keys by their key data)."""
     got = dict(jax.tree_util.tree_flatten_with_path(actual, is_leaf=_is_uninitialized)[0])
     want = dict(jax.tree_util.tree_flatten_with_path(expected, is_leaf=_is_uninitialized)[0])
-    diffs = {}
+    identical, diffs = {}, {}
     for path in sorted(set(got) | set(want), key=jax.tree_util.keystr):
-      diffs[jax.tree_util.keystr(path)] = _max_diff(
+      name = jax.tree_util.keystr(path)
+      identical[name], diffs[name] = _compare_leaf(
         got.get(path, _MISSING), want.get(path, _MISSING)
       )
-    return cls(diffs)
+    return cls(identical, diffs)
 
 
 _MISSING = object()
+_DIFFERENT = (False, float("inf"))
 
 
 def _is_uninitialized(x: Any) -> bool:
   return isinstance(x, Uninitialized)
 
 
-def _max_diff(a: Any, b: Any) -> float:
+def _compare_leaf(a: Any, b: Any) -> tuple[bool, float]:
+  """`(same bits, max |a - b|)` for two leaves."""
   if a is _MISSING or b is _MISSING:
-    return float("inf")
+    return _DIFFERENT
   if _is_uninitialized(a) or _is_uninitialized(b):
-    return 0.0 if _is_uninitialized(a) and _is_uninitialized(b) else float("inf")
+    return (True, 0.0) if _is_uninitialized(a) and _is_uninitialized(b) else _DIFFERENT
   if _is_key(a) or _is_key(b):
-    if not (_is_key(a) and _is_key(b)):
-      return float("inf")
+    if not (_is_key(a) and _is_key(b)) or jax.random.key_impl(a) != jax.random.key_impl(b):
+      return _DIFFERENT
     a, b = jax.random.key_data(a), jax.random.key_data(b)
   a, b = np.asarray(a), np.asarray(b)
   if a.shape != b.shape or a.dtype != b.dtype:
-    return float("inf")
-  if np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"):
-    return 0.0
-  if a.dtype.kind in "biu":
-    return float(np.max(np.abs(a.astype(np.int64) - b.astype(np.int64))))
-  if a.dtype.kind == "b" or a.dtype.kind not in "fc":
-    return float("inf")
-  return float(np.nanmax(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+    return _DIFFERENT
+  if a.dtype.hasobject:
+    same = bool(np.all(a == b))
+    return (same, 0.0) if same else _DIFFERENT
+  if np.array_equal(_bits(a), _bits(b)):
+    return True, 0.0
+  if a.dtype.kind in "iu":
+    return False, float(np.max(np.abs(a.astype(np.int64) - b.astype(np.int64))))
+  if a.dtype.kind not in "fc":
+    return _DIFFERENT
+  wide = np.complex128 if a.dtype.kind == "c" else np.float64
+  a, b = a.astype(wide), b.astype(wide)
+  nan_a, nan_b = np.isnan(a), np.isnan(b)
+  if np.any(nan_a != nan_b):
+    return _DIFFERENT
+  both = nan_a & nan_b
+  return False, float(np.max(np.abs(np.where(both, 0, a) - np.where(both, 0, b)), initial=0.0))
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+  """The raw bytes of an array, in C order (signed zeros and NaN payloads included)."""
+  return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
 
 def _is_key(x: Any) -> bool:
@@ -187,6 +261,7 @@ class _Execution:
   counters: dict
   output: Any
   after: dict[str, Any]
+  compiled: bool
 
 
 class _Observing(LinenInterceptor):
@@ -202,23 +277,27 @@ class _Observing(LinenInterceptor):
     if node is not self.target:
       return super().run_node(node, module, next_fun, args, kwargs)
     live = fi.unbound_clone(module)
-    before = fi.module_variables(module)
+    before = fi.call_variables(module)
     keys, suffixes, counters = fi.rng_snapshot(module)
     output = super().run_node(node, module, next_fun, args, kwargs)
-    after = fi.module_variables(module)
+    after = fi.call_variables(module)
     if self.capture_filter is not None and self.capture_filter(module, node.method_name):
       # Flax sows a captured output after the interceptor returns; add it as Flax will.
       sown = after.setdefault("intermediates", {})
       sown[node.method_name] = tuple(sown.get(node.method_name, ())) + (output,)
     payload = (tuple(args), dict(kwargs), before, keys, output, after)
-    finish = functools.partial(self._finish, live, node.method_name, suffixes, counters)
+    finish = functools.partial(
+      self._finish, live, node.method_name, suffixes, counters, fi.runs_compiled()
+    )
     _export(payload, finish)
     return output
 
-  def _finish(self, module, method, suffixes, counters, payload) -> None:
+  def _finish(self, module, method, suffixes, counters, compiled, payload) -> None:
     args, kwargs, before, keys, output, after = payload
     self.executions.append(
-      _Execution(module, method, args, kwargs, before, keys, suffixes, counters, output, after)
+      _Execution(
+        module, method, args, kwargs, before, keys, suffixes, counters, output, after, compiled
+      )
     )
 
 
@@ -443,6 +522,7 @@ def _isolated(
     initial_var_values=state,
     final_var_values=final,
     call_number=number,
+    recorded_compiled=execution.compiled,
   )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from flaxlens import _flax_internals as fi
 from flaxlens._errors import UnsupportedFlaxFeatureError
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._variables import (
@@ -50,12 +51,14 @@ class _Observing(NNXInterceptor):
     output = super().run_node(node, module, next_fun, args, kwargs)
     after_graphdef, after = split_leaves(module)
     payload = (tuple(args), dict(kwargs), before, output, after)
-    receive = functools.partial(self._finish, graphdef, after_graphdef, node.method_name)
+    receive = functools.partial(
+      self._finish, graphdef, after_graphdef, node.method_name, fi.runs_compiled()
+    )
     _export(payload, receive)
     return output
 
-  def _finish(self, graphdef, after_graphdef, method, payload) -> None:
-    self.executions.append((graphdef, after_graphdef, method, *payload))
+  def _finish(self, graphdef, after_graphdef, method, compiled, payload) -> None:
+    self.executions.append((graphdef, after_graphdef, method, compiled, *payload))
 
 
 def _refuse_graph_arguments(node: InterceptedNNXModuleMethod, arguments: Any) -> None:
@@ -108,7 +111,7 @@ def nnx_submodel(
 
 
 def _isolated(execution: tuple[Any, ...], side_inputs: dict[str, Any], number: int):
-  graphdef, after_graphdef, method, args, kwargs, before, output, after = execution
+  graphdef, after_graphdef, method, compiled, args, kwargs, before, output, after = execution
   argument = ArgsAndKwargs(args=args, kwargs=kwargs)
   submodel, state = nnx_submodel(plain_module(graphdef, before), method, argument)
   final_values = _labels(after_graphdef, after)
@@ -123,4 +126,5 @@ def _isolated(execution: tuple[Any, ...], side_inputs: dict[str, Any], number: i
     initial_var_values=state,
     final_var_values=final,
     call_number=number,
+    recorded_compiled=compiled,
   )

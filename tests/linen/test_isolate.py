@@ -204,6 +204,22 @@ def test_python_valued_arguments_stay_python_values_and_replay_under_jit():
   assert max(report.max_abs_diff.values()) < 1e-6
 
 
+class JittedOuter(nn.Module):
+  @nn.jit
+  @nn.compact
+  def __call__(self, x):
+    return Configurable(name="inner")(x, train=True, name_tag="a", mode=Mode.FAST)
+
+
+def test_python_valued_arguments_stay_python_values_under_the_default_compiled_replay():
+  module, x = JittedOuter(), jnp.ones((2, 4))
+  isolated = fl.isolate(module, module.init(jax.random.key(0), x), x, at="inner")
+  kwargs = isolated.saved_arg.kwargs
+  assert isolated.recorded_compiled
+  assert kwargs["train"] is True and kwargs["name_tag"] == "a" and kwargs["mode"] is Mode.FAST
+  assert isolated.replay()
+
+
 def test_isolate_from_a_plain_linen_module_in_one_call(cases):
   case = cases["dropout"]
   isolated = fl.isolate(
