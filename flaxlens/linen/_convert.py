@@ -20,6 +20,7 @@ from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._calls import CallRecord, Frame, Path, owner_of
 from flaxlens.core._jit import split_static
+from flaxlens.core._names import join_name
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.linen._tree import (
   InterceptedFlaxModuleMethod,
@@ -130,8 +131,8 @@ def _build_tree(
   }
   for (collection, vpath), value in {**{k: None for k in created}, **given}.items():
     owner = owner_of(vpath, called_paths)
-    name = "/".join(vpath[len(owner) :])
-    label = f"{collection}:{'/'.join(vpath)}"
+    name = join_name(vpath[len(owner) :])
+    label = f"{collection}:{join_name(vpath)}"
     data = scopes[owner]
     if collection == "params":
       data.parameters[name] = Parameter(value, label=label)

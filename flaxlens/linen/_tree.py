@@ -34,6 +34,7 @@ from flaxlens.core._calls import (
   current_interceptor,
   iter_call_nodes,
 )
+from flaxlens.core._names import join_name, split_name
 from flaxlens.core._random import RandomStream
 from flaxlens.core._struct import ShortRepr, Struct, static_field
 from flaxlens.core._variables import StateVariable, Uninitialized, same_entry, value_of
@@ -44,7 +45,10 @@ class InterceptedFlaxScopeData(Struct):
 
   Keys are names relative to the module (`"kernel"`); a variable of a submodule that
   never makes a call of its own is held by its nearest calling ancestor under its
-  relative path (`"Dense_0/kernel"`).
+  relative path (`"Dense_0/kernel"`). Names are paths of keys joined by "/", with "~"
+  and "/" inside a key written "~0" and "~1" (RFC 6901), so a Flax name that contains
+  "/" stays one key: `nn.WeightNorm`'s `"Dense_0/kernel/scale"` reads
+  `"Dense_0~1kernel~1scale"`. Labels read `"collection:path"`, spelled the same way.
 
   Attributes:
     parameters: the `params` collection, as `Parameter`s.
@@ -155,7 +159,7 @@ class _Gathered:
       if not same_entry(seen, entry):
         raise FlaxlensError(
           f"{where}: two calls of the module hold different values for"
-          f" {collection}:{'/'.join(path)}. Calls of one module share their variables;"
+          f" {collection}:{join_name(path)}. Calls of one module share their variables;"
           " edit the shared Parameter's .value instead of replacing it in one call."
         )
       return
@@ -184,11 +188,11 @@ def _gather(root: InterceptedFlaxModuleMethod) -> _Gathered:
     where = node._where()
     data = node.scope_data
     for name, entry in data.parameters.items():
-      gathered.add("params", base + tuple(name.split("/")), entry, where)
+      gathered.add("params", base + split_name(name), entry, where)
     for group in (data.variables, data.immutable_variables):
       for collection, entries in group.items():
         for name, entry in entries.items():
-          gathered.add(collection, base + tuple(name.split("/")), entry, where)
+          gathered.add(collection, base + split_name(name), entry, where)
   return gathered
 
 
@@ -284,7 +288,7 @@ def _write_back(
   flat = flatten_collections(updates)
   unknown = [k for k in flat if k not in gathered.state]
   if unknown:
-    names = [f"{c}:{'/'.join(p)}" for c, p in unknown[:6]]
+    names = [f"{c}:{join_name(p)}" for c, p in unknown[:6]]
     raise CallStructureError(
       f"{root._where()}: this call created variables that did not exist at conversion:"
       f" {names}. Convert with example arguments that create them (for example the"

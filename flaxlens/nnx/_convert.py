@@ -22,6 +22,7 @@ from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._calls import CallRecord, Frame, Path, owner_of
 from flaxlens.core._jit import split_static
+from flaxlens.core._names import join_name
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.nnx._tree import (
   InterceptedNNXModuleMethod,
@@ -35,7 +36,7 @@ from flaxlens.nnx._tree import (
 
 
 def _readable(path: Path) -> str:
-  return "/".join(map(str, path))
+  return join_name(path)
 
 
 def unflaxify_nnx(

@@ -26,6 +26,7 @@ from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import CallNode, is_call_node, pristine
 from flaxlens.core._jit import variable_jit
+from flaxlens.core._names import split_name
 from flaxlens.core._selectors import Selection, select
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._variables import (
@@ -478,7 +479,7 @@ def linen_submodel(
 
 def _label_key(label: str) -> tuple[str, tuple[str, ...]]:
   collection, path = label.split(":", 1)
-  return collection, tuple(path.split("/"))
+  return collection, split_name(path)
 
 
 def _isolate_root(

@@ -30,6 +30,8 @@ SINGLE = [
   ("collections", None),
   ("partitioned", None),
   ("self_method_calls", "embed.attend"),
+  ("weight_norm", "Dense_1.__call__"),
+  ("spectral_norm_train", "Dense_1.__call__"),
 ]
 
 

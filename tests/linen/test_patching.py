@@ -117,6 +117,26 @@ def test_wrapping_a_call_inside_scan_keeps_it_exact(cases):
   assert_trees_equal(call(_patch(convert(case), "layers/Dense_0", PlusOne), case), expected)
 
 
+@pytest.mark.parametrize(
+  "name, path, module_name",
+  [("weight_norm", "WeightNorm_1", "WeightNorm_1"), ("spectral_norm_train", "Dense_1", "Dense_1")],
+)
+def test_wrapping_a_call_whose_variable_names_hold_slashes_keeps_it_exact(
+  cases, name, path, module_name
+):
+  case = cases[name]
+
+  def plus_one(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    wanted = context.module.name == module_name and context.method_name == "__call__"
+    return out + 1.0 if wanted else out
+
+  with nn.intercept_methods(plus_one):
+    expected, _ = case.apply() if case.mutable else (case.apply(), None)
+  wrapped = _patch(convert(case), path, PlusOne)
+  assert_trees_equal(call(wrapped, case), expected)
+
+
 def test_patching_one_call_of_a_module_called_twice_leaves_the_other(cases):
   case = cases["shared_child_called_twice"]
   tree = convert(case)
@@ -153,7 +173,8 @@ def test_every_corpus_tree_survives_wrapping_every_call(cases):
     def __call__(self, argument, /, **side_inputs):
       return self.inner(argument, **side_inputs)
 
-  for name in ("transformer", "scan", "rnn_lstm", "batchnorm_train", "dropout"):
+  names = ("transformer", "scan", "rnn_lstm", "batchnorm_train", "dropout", "spectral_norm_train")
+  for name in names + ("weight_norm",):
     case = cases[name]
     tree = convert(case)
     wrapped = (
