@@ -264,14 +264,29 @@ def nnx_site(module: Any) -> Any:
 
 
 def nnx_static_attributes(module: Any) -> dict[str, Any]:
-  """The module's own static (non-data) attributes, NNX's `_pytree__` bookkeeping left out."""
-  from flax import nnx
+  """The module's own static attributes, as its `GraphDef` records them.
 
-  return {
-    name: value
-    for name, value in vars(module).items()
-    if not name.startswith("_pytree__") and not nnx.is_data(value)
-  }
+  A pytree module (the default) keeps which attributes are data in `_pytree__nodes`,
+  set when they are assigned (`nnx.data(...)` marks a dict of variables as data, as
+  `nnx.bridge.ToNNX` does for Linen collections); other modules' attributes are data
+  when `graphlib` flattens them as nodes or leaves. NNX's `_pytree__` bookkeeping is
+  left out.
+  """
+  from flax import nnx
+  from flax.nnx import graphlib
+
+  nodes = module._pytree__nodes if module._pytree__is_pytree else None
+  static = {}
+  for name, value in vars(module).items():
+    if name.startswith("_pytree__"):
+      continue
+    if nodes is not None:
+      data = nodes.get(name, False)
+    else:
+      data = graphlib.get_node_impl(value) is not None or nnx.is_data(value)
+    if not data:
+      static[name] = value
+  return static
 
 
 def nnx_leaf_count(graphdef: Any) -> int:

@@ -119,7 +119,7 @@ def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict
   for path, module in modules.items():
     old, new = before[path], fi.nnx_static_attributes(module)
     for name in sorted(set(old) | set(new)):
-      if name in old and name not in new and nnx.is_data(vars(module).get(name)):
+      if name in old and name not in new and name in vars(module):
         continue
       if name not in old or name not in new or not _same(old[name], new[name]):
         raise UnsupportedFlaxFeatureError(

@@ -276,6 +276,27 @@ class Bridged(nnx.Module):
     return self.linear(nnx.relu(self.dense(x)))
 
 
+class LinenNormed(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.BatchNorm(use_running_average=False, momentum=0.8, name="bn")(nn.Dense(8)(x))
+
+
+class BridgedBatchStats(nnx.Module):
+  """Linen BatchNorm in training mode through `nnx.bridge.ToNNX`, `mutable=["batch_stats"]`.
+
+  The bridge stores a nested Linen collection as a dict of NNX variables marked as data.
+  """
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.bn = nnx.bridge.ToNNX(nn.BatchNorm(use_running_average=False), rngs=rngs)
+    nnx.bridge.lazy_init(self.bn, X)
+    self.net = nnx.bridge.lazy_init(nnx.bridge.ToNNX(LinenNormed(), rngs=rngs), X)
+
+  def __call__(self, x):
+    return self.net(self.bn(x, mutable=["batch_stats"]), mutable=["batch_stats"])
+
+
 class ByModules(nnx.Module):
   """Finds the layers to call with `nnx.iter_modules`."""
 
@@ -353,6 +374,7 @@ def build() -> dict[str, Case]:
     lambda: Case("nnx_jit_inside", Jitted(RNGS()), (X,)),
     lambda: Case("jit_method", JitMethod(RNGS()), (X,)),
     lambda: Case("linen_bridge", Bridged(RNGS()), (X,)),
+    lambda: Case("linen_bridge_batch_stats", BridgedBatchStats(RNGS()), (X,)),
     lambda: Case("iter_modules", ByModules(RNGS()), (X,)),
     lambda: Case("view", nnx.view(ConvNet(RNGS()), deterministic=True), (IMG,)),
     lambda: Case(
@@ -389,6 +411,7 @@ NAMES = [
   "nnx_jit_inside",
   "jit_method",
   "linen_bridge",
+  "linen_bridge_batch_stats",
   "iter_modules",
   "view",
   "with_attributes",
