@@ -259,7 +259,9 @@ class NNXModuleDef:
     leaf_paths: the paths of those variables, in the same order.
 
   Its hash is computed once: hashing a `GraphDef` walks all of it, and jit looks up its
-  cache by the static fields of a tree on every call.
+  cache by the static fields of a tree on every call. A static attribute NNX cannot hash
+  (a dict, a list) leaves the variables' paths as the hash; equality still compares
+  the whole `GraphDef`, as NNX does.
   """
 
   __slots__ = ("graphdef", "abstract_leaves", "leaf_paths", "_hash")
@@ -273,10 +275,8 @@ class NNXModuleDef:
     self.graphdef = graphdef
     self.abstract_leaves = abstract_leaves
     self.leaf_paths = leaf_paths(graphdef) if paths is None else paths
-    try:
-      self._hash = hash((graphdef, abstract_leaves))
-    except TypeError:  # A variable holding a dict: hash the structure alone.
-      self._hash = hash(graphdef)
+    self._hash = _hash_or(graphdef, lambda: hash(self.leaf_paths))
+    self._hash = _hash_or((self._hash, abstract_leaves), lambda: self._hash)
 
   def __hash__(self) -> int:
     return self._hash
@@ -285,8 +285,8 @@ class NNXModuleDef:
     return self is other or (
       type(other) is NNXModuleDef
       and self._hash == other._hash
-      and self.graphdef == other.graphdef
-      and self.abstract_leaves == other.abstract_leaves
+      and _equal(self.graphdef, other.graphdef)
+      and _equal(self.abstract_leaves, other.abstract_leaves)
     )
 
   def __repr__(self) -> str:
@@ -319,6 +319,23 @@ class NNXModuleDef:
     for path, variable in created.items():
       setattr(navigate(model, path[:-1]), path[-1], variable)
     return model, {p for p in self.leaf_paths if p not in values}
+
+
+def _hash_or(value: Any, fallback: Callable[[], int]) -> int:
+  try:
+    return hash(value)
+  except TypeError:
+    return fallback()
+
+
+def _equal(a: Any, b: Any) -> bool:
+  """`a == b`, False where comparing raises (arrays held as static attributes, say)."""
+  if a is b:
+    return True
+  try:
+    return bool(a == b)
+  except Exception:
+    return False
 
 
 def _zeros(leaf: Any) -> Any:

@@ -297,6 +297,20 @@ class BridgedBatchStats(nnx.Module):
     return self.net(self.bn(x, mutable=["batch_stats"]), mutable=["batch_stats"])
 
 
+class Configured(nnx.Module):
+  """Static attributes NNX cannot hash: a dict of settings and a list."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.config = {"scale": 0.5, "activation": "gelu"}
+    self.widths = [4, 4]
+    self.linear = nnx.Linear(4, self.widths[-1], rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    activation = getattr(nnx, self.config["activation"])
+    return self.drop(activation(self.linear(x))) * self.config["scale"]
+
+
 class ByModules(nnx.Module):
   """Finds the layers to call with `nnx.iter_modules`."""
 
@@ -375,6 +389,7 @@ def build() -> dict[str, Case]:
     lambda: Case("jit_method", JitMethod(RNGS()), (X,)),
     lambda: Case("linen_bridge", Bridged(RNGS()), (X,)),
     lambda: Case("linen_bridge_batch_stats", BridgedBatchStats(RNGS()), (X,)),
+    lambda: Case("unhashable_static_attributes", Configured(RNGS()), (X,)),
     lambda: Case("iter_modules", ByModules(RNGS()), (X,)),
     lambda: Case("view", nnx.view(ConvNet(RNGS()), deterministic=True), (IMG,)),
     lambda: Case(
@@ -412,6 +427,7 @@ NAMES = [
   "jit_method",
   "linen_bridge",
   "linen_bridge_batch_stats",
+  "unhashable_static_attributes",
   "iter_modules",
   "view",
   "with_attributes",

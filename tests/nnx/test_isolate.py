@@ -26,6 +26,8 @@ SINGLE = [
   ("remat", None),
   ("linen_bridge", None),
   ("rngs_argument", None),
+  ("unhashable_static_attributes", None),
+  ("linen_bridge_batch_stats", "net"),
 ]
 
 

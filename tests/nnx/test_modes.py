@@ -27,6 +27,7 @@ from .conftest import assert_trees_equal, call, convert, model_state, tree_state
       lambda m: nnx.view(m, use_running_average=True),
     ),
     ("scan", lambda t: t.eval(), lambda m: m.eval()),
+    ("unhashable_static_attributes", lambda t: t.eval(), lambda m: m.eval()),
   ],
 )
 def test_switching_mode_on_the_tree_matches_switching_it_on_the_model(
