@@ -37,7 +37,13 @@ from flaxlens.core._calls import (
 from flaxlens.core._names import join_name, split_name
 from flaxlens.core._random import RandomStream
 from flaxlens.core._struct import ShortRepr, Struct, static_field
-from flaxlens.core._variables import StateVariable, Uninitialized, same_entry, value_of
+from flaxlens.core._variables import (
+  StateVariable,
+  Uninitialized,
+  private_value,
+  same_entry,
+  value_of,
+)
 
 
 class InterceptedFlaxScopeData(Struct):
@@ -172,7 +178,7 @@ class _Gathered:
     target = self.variables.setdefault(collection, {})
     for name in path[:-1]:
       target = target.setdefault(name, {})
-    target[path[-1]] = value
+    target[path[-1]] = private_value(value)
 
 
 def _gather(root: InterceptedFlaxModuleMethod) -> _Gathered:

@@ -39,7 +39,13 @@ from flaxlens.core._calls import (
   iter_call_nodes,
 )
 from flaxlens.core._struct import ShortRepr, static_field
-from flaxlens.core._variables import AbstractVariable, Uninitialized, same_entry, value_of
+from flaxlens.core._variables import (
+  AbstractVariable,
+  Uninitialized,
+  private_value,
+  same_entry,
+  value_of,
+)
 
 
 class NNXVariableSpec(NamedTuple):
@@ -305,14 +311,14 @@ class NNXModuleDef:
     """The module rebuilt from `values`, and the paths of its variables no node holds.
 
     `nnx.merge` creates fresh `Variable`s of the types and metadata the `GraphDef`
-    records, so nothing is shared with the model the values came from but immutable
-    arrays. Variables no node holds belong to calls that were replaced: they stand in
+    records, and values that can change in place (NumPy arrays) are copied, so nothing
+    is shared with the model the values came from but immutable arrays. Variables no node holds belong to calls that were replaced: they stand in
     as zeros of their shape, so that transforms over the module's state (`nnx.vmap`,
     `nnx.scan`) still see the shapes they need. `created` variables (made by the
     converted call) are set as attributes of their modules.
     """
     leaves = [
-      values[p] if p in values else jax.tree_util.tree_map(_zeros, a)
+      private_value(values[p]) if p in values else jax.tree_util.tree_map(_zeros, a)
       for p, a in zip(self.leaf_paths, self.abstract_leaves, strict=True)
     ]
     model = nnx.merge(self.graphdef, leaves)
@@ -403,7 +409,7 @@ class _Gathered:
       if spec.created:
         value = value_of(entry, where)
         if not isinstance(value, Uninitialized):
-          made[path] = spec.type.from_metadata(value, dict(spec.metadata))
+          made[path] = spec.type.from_metadata(private_value(value), dict(spec.metadata))
     return made
 
 
