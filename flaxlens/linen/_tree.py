@@ -265,6 +265,7 @@ def apply_tree(
   snapshot = root.scope_data.rngs if random_streams is None else None
   state = interceptor or LinenInterceptor(side_inputs, building=False, prefix=root.path)
   state.mutable = mutable
+  capture = state.capture_only_native(fi.capture_filter(root.capture_intermediates))
   method = root.method_name
   state.frames.append(
     Frame(path=root.path, node=root, absorb=method if isinstance(method, str) else None)
@@ -277,7 +278,7 @@ def apply_tree(
       method=method,
       rngs=rngs,
       mutable=list(mutable) if mutable else False,
-      capture_intermediates=root.capture_intermediates,
+      capture_intermediates=capture,
       rng_snapshot=snapshot.as_flax() if snapshot is not None else None,
       **argument.kwargs,
     )
@@ -308,9 +309,16 @@ def _write_back(
 
 
 class LinenInterceptor(CallInterceptor):
-  """Receives Linen's method-interceptor callbacks for one `apply`."""
+  """Receives Linen's method-interceptor callbacks for one `apply`.
+
+  Flax captures a call's output for `capture_intermediates` after the interceptors
+  return. A call whose replacement never ran the original has no node (and so no
+  state variable) in the tree to hold it; the capture filter made by
+  `capture_only_native` leaves such a call out, so its intermediates are absent.
+  """
 
   mutable: tuple[str, ...] = ()
+  _not_run: tuple[Any, str] | None = None  # The last call that did not run natively.
 
   def intercept(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
     if current_interceptor() is not self or context.method_name == "setup":
@@ -320,7 +328,30 @@ class LinenInterceptor(CallInterceptor):
       self.frames[-1].lifted = [None, None]
       return next_fun(*args, **kwargs)
     path = self.prefix + fi.module_path(module)
-    return self.dispatch(module, path, context.method_name, next_fun, args, kwargs)
+    ran = []
+
+    def native(*a: Any, **k: Any) -> Any:
+      ran.append(True)
+      return next_fun(*a, **k)
+
+    output = self.dispatch(module, path, context.method_name, native, args, kwargs)
+    self._not_run = None if ran else (module, context.method_name)
+    return output
+
+  def capture_only_native(
+    self, capture: Callable[[Any, str], bool] | None
+  ) -> Callable[[Any, str], bool] | None:
+    """`capture` (a `capture_intermediates` filter) minus calls that did not run natively."""
+    if capture is None:
+      return None
+
+    def only_native(module: Any, method_name: str) -> bool:
+      not_run, self._not_run = self._not_run, None
+      if not_run is not None and not_run[0] is module and not_run[1] == method_name:
+        return False
+      return capture(module, method_name)
+
+    return only_native
 
   @contextmanager
   def active(self) -> Iterator[None]:

@@ -10,7 +10,7 @@ from replacements import PlusOne, Recorder
 import flaxlens as fl
 
 from . import corpus
-from .conftest import assert_trees_equal, call, convert
+from .conftest import assert_trees_equal, call, convert, flat_collections, tree_state
 
 
 class Zeros(fl.Layer):
@@ -135,6 +135,36 @@ def test_wrapping_a_call_whose_variable_names_hold_slashes_keeps_it_exact(
     expected, _ = case.apply() if case.mutable else (case.apply(), None)
   wrapped = _patch(convert(case), path, PlusOne)
   assert_trees_equal(call(wrapped, case), expected)
+
+
+def test_capture_intermediates_leaves_out_a_call_whose_replacement_skips_it(cases):
+  case = cases["capture_intermediates"]
+  patched = _patch(convert(case), "Dense_0", lambda _: Zeros((2, 16)))
+
+  def zeros_instead(next_fun, args, kwargs, context):
+    if context.module.name == "Dense_0" and context.method_name == "__call__":
+      return jnp.zeros((2, 16))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(zeros_instead):
+    expected_out, expected_state = case.apply()
+  del expected_state["intermediates"]["Dense_0"]
+  assert_trees_equal(call(patched, case), expected_out)
+  assert_trees_equal(tree_state(patched), flat_collections(expected_state))
+
+
+def test_capture_intermediates_captures_what_a_wrapper_returns(cases):
+  case = cases["capture_intermediates"]
+
+  def plus_one(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    return out + 1.0 if context.module.name == "Dense_0" else out
+
+  with nn.intercept_methods(plus_one):
+    expected_out, expected_state = case.apply()
+  wrapped = _patch(convert(case), "Dense_0", PlusOne)
+  assert_trees_equal(call(wrapped, case), expected_out)
+  assert_trees_equal(tree_state(wrapped), flat_collections(expected_state))
 
 
 def test_patching_one_call_of_a_module_called_twice_leaves_the_other(cases):
