@@ -18,7 +18,7 @@ import jax
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.core._calls import CallRecord, Frame, Path, owner_of
+from flaxlens.core._calls import CallRecord, Frame, Path, converting, owner_of
 from flaxlens.core._jit import split_static
 from flaxlens.core._names import join_name
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
@@ -87,7 +87,8 @@ def unflaxify_linen(
       mutated,
     )
 
-  mutated = jax.eval_shape(trace, arrays)
+  with converting(root.where()):
+    mutated = jax.eval_shape(trace, arrays)
   named = [mutable] if isinstance(mutable, str) else mutable
   named = list(named) if isinstance(named, list | tuple) else []
   tree = _build_tree(root, variables, mutated, capture_intermediates, named)

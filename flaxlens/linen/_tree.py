@@ -366,4 +366,4 @@ class LinenInterceptor(CallInterceptor):
 
   def record_call(self, record: CallRecord, module: Any, run: Callable[[], Any]) -> Any:
     record.extra["lifted_by"] = fi.lifting_transforms(module)
-    return run()
+    return super().record_call(record, module, run)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.core._calls import CallRecord, Frame, Path, owner_of
+from flaxlens.core._calls import CallRecord, Frame, Path, converting, owner_of
 from flaxlens.core._jit import split_static
 from flaxlens.core._names import join_name
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
@@ -95,7 +95,8 @@ def unflaxify_nnx(
         _check_created(where, path, variable, interceptor.by_path)
         created[path] = variable
 
-  jax.eval_shape(trace, arrays)
+  with converting(root.where()):
+    jax.eval_shape(trace, arrays)
   return _build_tree(model, definition, root, given, created)
 
 
