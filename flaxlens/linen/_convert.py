@@ -158,6 +158,7 @@ def _build_tree(
       capture_intermediates=capture_intermediates,
       mutable=tuple(sorted(mutable_collections)),
       lifted_by=record.extra.get("lifted_by", ()),
+      converted_module=record.module,
     )
 
   return build(root)

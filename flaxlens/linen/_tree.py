@@ -20,7 +20,9 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import flax.linen as nn
 import jax
+from flax import errors as flax_errors
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import CallStructureError, FlaxlensError, UnsupportedFlaxFeatureError
@@ -106,6 +108,8 @@ class InterceptedFlaxModuleMethod(CallNode):
     mutable: the collections the apply treats as mutable (besides those holding
       state variables), from the `mutable=` given at conversion.
     lifted_by: the lifted transforms (`"scan"`, `"vmap"`, ...) the call runs inside.
+    converted_module: the module as conversion recorded it. Settings in which `module`
+      differs from it (`module.clone(dtype=jnp.bfloat16)`) apply when the tree runs.
   """
 
   module: Any = static_field()
@@ -116,6 +120,7 @@ class InterceptedFlaxModuleMethod(CallNode):
   capture_intermediates: Any = static_field(default=False)
   mutable: tuple[str, ...] = static_field(default=())
   lifted_by: tuple[str, ...] = static_field(default=())
+  converted_module: Any = static_field(default=None)
 
   def _module_type_name(self) -> str:
     return type(self.module).__name__
@@ -123,6 +128,7 @@ class InterceptedFlaxModuleMethod(CallNode):
   def _treescope_attributes(self) -> dict[str, Any]:
     attrs = self.attributes_dict()
     attrs["module"] = ShortRepr(f"{type(self.module).__name__}(name={self.module.name!r})")
+    del attrs["converted_module"]
     return attrs
 
   def flax_variables(self) -> dict[str, Any]:
@@ -307,6 +313,14 @@ def _write_back(
 
 # --- the interceptor -------------------------------------------------------------------
 
+# Flax's errors for a module whose variables differ from those it is given.
+_UNFIT_EDIT = (
+  flax_errors.ScopeParamNotFoundError,
+  flax_errors.ScopeParamShapeError,
+  flax_errors.ScopeCollectionNotFound,
+  flax_errors.ScopeVariableNotFoundError,
+)
+
 
 class LinenInterceptor(CallInterceptor):
   """Receives Linen's method-interceptor callbacks for one `apply`.
@@ -363,6 +377,49 @@ class LinenInterceptor(CallInterceptor):
 
   def same_module(self, node: CallNode, module: Any) -> bool:
     return type(node.module) is type(module)
+
+  def run_node(
+    self, node: CallNode, module: Any, next_fun: Callable[..., Any], args: Any, kwargs: Any
+  ) -> Any:
+    """Runs `node`'s call natively, with the settings edited in `node.module` applied.
+
+    The settings (dataclass fields) in which `node.module` differs from the module
+    conversion recorded are set on the model's own module for the duration of the
+    call, so the call runs as in a model built with them: same variables, rngs and
+    submodule calls.
+    """
+    if node.module is node.converted_module or node.converted_module is None:
+      return super().run_node(node, module, next_fun, args, kwargs)
+    fields = self._edited_fields(node, module)
+    with fi.fields_set(module, fields):
+      try:
+        return super().run_node(node, module, next_fun, args, kwargs)
+      except _UNFIT_EDIT as e:
+        raise FlaxlensError(
+          f"{node._where()}: the edited settings {sorted(fields)} do not fit the variables"
+          f" the tree holds for this call ({type(e).__name__}: {str(e).splitlines()[0]})."
+          " Edit settings that keep the module's variables (dtype, precision, ...), or"
+          " convert a model built with the new settings."
+        ) from e
+
+  def _edited_fields(self, node: CallNode, module: Any) -> dict[str, Any]:
+    where, recorded = node._where(), node.converted_module
+    if type(node.module) is not type(recorded) or node.module.name != recorded.name:
+      raise FlaxlensError(
+        f"{where}: the node's module was replaced by a {type(node.module).__name__} named"
+        f" {node.module.name!r}; a node's module can only change its settings"
+        " (module.clone(dtype=...)). To run other code here, replace the call with a layer."
+      )
+    fields = fi.changed_fields(node.module, recorded)
+    held = [n for n, v in fields.items() if isinstance(v, nn.Module)]
+    if held or (fields and fi.defines_setup(module)):
+      what = f"the submodules {held}" if held else "settings of a module with setup()"
+      raise FlaxlensError(
+        f"{where}: the edit changes {what}, which Flax has used before the call starts"
+        " (setup runs first). Edit settings of modules without setup, such as the"
+        " submodules' own nodes, or convert a model built with the new settings."
+      )
+    return fields
 
   def record_call(self, record: CallRecord, module: Any, run: Callable[[], Any]) -> Any:
     record.extra["lifted_by"] = fi.lifting_transforms(module)

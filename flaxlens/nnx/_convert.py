@@ -145,11 +145,11 @@ def _check_created(where: str, path: Path, variable: Any, modules: dict[Path, An
     )
 
 
-def _definition(module: nnx.Module) -> NNXModuleDef:
+def _definition(module: nnx.Module, family: object) -> NNXModuleDef:
   graphdef, state = nnx.split(module)
   values = {tuple(p): v.get_raw_value() for p, v in nnx.to_flat_state(state)}
   paths = leaf_paths(graphdef)
-  return NNXModuleDef(graphdef, tuple(abstract(values[p]) for p in paths), paths)
+  return NNXModuleDef(graphdef, tuple(abstract(values[p]) for p in paths), paths, family)
 
 
 def _build_tree(
@@ -161,7 +161,9 @@ def _build_tree(
 ) -> InterceptedNNXModuleMethod:
   called = {r.path for r in root.walk()}
   modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
-  definitions = {p: definition if p == () else _definition(modules[p]) for p in called}
+  definitions = {
+    p: definition if p == () else _definition(modules[p], definition.family) for p in called
+  }
   owned: dict[Path, tuple[dict, dict, list]] = {p: ({}, {}, []) for p in called}
   variables = [(p, v, False) for p, v in given.items()]
   variables += [(p, v, True) for p, v in created.items()]

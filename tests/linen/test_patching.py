@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import pytest
 from replacements import PlusOne, Recorder
@@ -227,3 +231,58 @@ def test_module_names_are_stable_keys(cases):
     (4, "Dense_0.__call__"),
   ]
   assert corpus.Transformer
+
+
+class Configured(nn.Module):
+  """Two Dense layers; the first one's dtype is a setting of the model."""
+
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(8, dtype=self.dtype, name="first")(x))
+    return nn.Dense(4, name="second")(h)
+
+
+def _edit_module(tree, path, **settings):
+  return _patch(tree, path, lambda n: dataclasses.replace(n, module=n.module.clone(**settings)))
+
+
+def test_an_edited_module_setting_takes_effect_in_the_whole_tree():
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  variables = Configured().init(jax.random.key(0), x)
+  tree = _edit_module(fl.unflaxify(Configured(), variables, x), "first", dtype=jnp.bfloat16)
+  expected = Configured(dtype=jnp.bfloat16).apply(variables, x)
+  assert_trees_equal(tree(fl.ArgsAndKwargs.capture(x)), expected)
+
+
+def test_an_edit_that_changes_the_modules_variables_is_refused():
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  variables = Configured().init(jax.random.key(0), x)
+  tree = _edit_module(fl.unflaxify(Configured(), variables, x), "first", features=5)
+  with pytest.raises(fl.FlaxlensError, match=r"^first\.__call__: the edited settings \['features"):
+    tree(fl.ArgsAndKwargs.capture(x))
+
+
+class ScaledDense(nn.Module):
+  scale: float = 1.0
+
+  def setup(self):
+    self.dense = nn.Dense(4)
+
+  def __call__(self, x):
+    return self.dense(x) * self.scale
+
+
+class WithSetupChild(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return ScaledDense(name="scaled")(x)
+
+
+def test_an_edit_of_a_module_with_setup_is_refused():
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  variables = WithSetupChild().init(jax.random.key(0), x)
+  tree = _edit_module(fl.unflaxify(WithSetupChild(), variables, x), "scaled", scale=2.0)
+  with pytest.raises(fl.FlaxlensError, match=r"^scaled\.__call__: .*setup"):
+    tree(fl.ArgsAndKwargs.capture(x))
