@@ -297,6 +297,22 @@ class BridgedBatchStats(nnx.Module):
     return self.net(self.bn(x, mutable=["batch_stats"]), mutable=["batch_stats"])
 
 
+class LinenWeightNormed(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.WeightNorm(nn.Dense(4))(x)
+
+
+class BridgedWeightNorm(nnx.Module):
+  """`nn.WeightNorm` through the bridge: an NNX path key "Dense_0/kernel/scale"."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.norm = nnx.bridge.lazy_init(nnx.bridge.ToNNX(LinenWeightNormed(), rngs=rngs), X)
+
+  def __call__(self, x):
+    return self.norm(x)
+
+
 class Configured(nnx.Module):
   """Static attributes NNX cannot hash: a dict of settings and a list."""
 
@@ -389,6 +405,7 @@ def build() -> dict[str, Case]:
     lambda: Case("jit_method", JitMethod(RNGS()), (X,)),
     lambda: Case("linen_bridge", Bridged(RNGS()), (X,)),
     lambda: Case("linen_bridge_batch_stats", BridgedBatchStats(RNGS()), (X,)),
+    lambda: Case("linen_bridge_weight_norm", BridgedWeightNorm(RNGS()), (X,)),
     lambda: Case("unhashable_static_attributes", Configured(RNGS()), (X,)),
     lambda: Case("iter_modules", ByModules(RNGS()), (X,)),
     lambda: Case("view", nnx.view(ConvNet(RNGS()), deterministic=True), (IMG,)),
@@ -427,6 +444,7 @@ NAMES = [
   "jit_method",
   "linen_bridge",
   "linen_bridge_batch_stats",
+  "linen_bridge_weight_norm",
   "unhashable_static_attributes",
   "iter_modules",
   "view",

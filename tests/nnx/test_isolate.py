@@ -28,6 +28,7 @@ SINGLE = [
   ("rngs_argument", None),
   ("unhashable_static_attributes", None),
   ("linen_bridge_batch_stats", "net"),
+  ("linen_bridge_weight_norm", None),
 ]
 
 
