@@ -388,9 +388,9 @@ class LinenInterceptor(CallInterceptor):
     call, so the call runs as in a model built with them: same variables, rngs and
     submodule calls.
     """
-    if node.module is node.converted_module or node.converted_module is None:
+    fields = self.edited_fields(node, module)
+    if not fields:
       return super().run_node(node, module, next_fun, args, kwargs)
-    fields = self._edited_fields(node, module)
     with fi.fields_set(module, fields):
       try:
         return super().run_node(node, module, next_fun, args, kwargs)
@@ -402,8 +402,16 @@ class LinenInterceptor(CallInterceptor):
           " convert a model built with the new settings."
         ) from e
 
-  def _edited_fields(self, node: CallNode, module: Any) -> dict[str, Any]:
+  def edited_fields(self, node: CallNode, module: Any) -> dict[str, Any]:
+    """The settings edited in `node.module`, to set on the model's `module` ({} if none).
+
+    Raises:
+      FlaxlensError: for an edit that cannot apply (another class or name, another
+        submodule, or any setting of a module with `setup`, which runs first).
+    """
     where, recorded = node._where(), node.converted_module
+    if node.module is recorded or recorded is None:
+      return {}
     if type(node.module) is not type(recorded) or node.module.name != recorded.name:
       raise FlaxlensError(
         f"{where}: the node's module was replaced by a {type(node.module).__name__} named"

@@ -202,7 +202,8 @@ class _Observing(LinenInterceptor):
   def run_node(self, node, module, next_fun, args, kwargs):
     if node is not self.target:
       return super().run_node(node, module, next_fun, args, kwargs)
-    live = fi.unbound_clone(module)
+    with fi.fields_set(module, self.edited_fields(node, module)):
+      live = fi.unbound_clone(module)
     before = fi.module_variables(module)
     keys, suffixes, counters = fi.rng_snapshot(module)
     output = super().run_node(node, module, next_fun, args, kwargs)
