@@ -19,6 +19,7 @@ that changes any of these should break here only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import threading
@@ -59,6 +60,46 @@ def unbound_clone(module: nn.Module) -> nn.Module:
   conversion trace leaks into the tree.
   """
   return module.clone(parent=None, _deep_clone=True, _reset_names=True, name=module.name)
+
+
+def changed_fields(module: nn.Module, recorded: nn.Module) -> dict[str, Any]:
+  """The dataclass fields (settings) of `module` whose values differ from `recorded`'s."""
+  changed = {}
+  for field in dataclasses.fields(module):
+    if field.name == "parent" or not field.init:
+      continue
+    new, old = getattr(module, field.name), getattr(recorded, field.name)
+    if new is old:
+      continue
+    try:
+      same = bool(new == old)
+    except Exception:
+      same = False
+    if not same:
+      changed[field.name] = new
+  return changed
+
+
+def defines_setup(module: nn.Module) -> bool:
+  """Whether the module's class has a `setup` (which Flax runs before any interceptor)."""
+  return type(module).setup is not nn.Module.setup
+
+
+@contextlib.contextmanager
+def fields_set(module: nn.Module, fields: dict[str, Any]) -> Iterator[None]:
+  """Sets dataclass fields of a bound module for the duration of one call, then restores.
+
+  Bound modules refuse attribute changes (`SetAttributeFrozenModuleError`); the call
+  that runs inside reads the fields as a module built with them would.
+  """
+  old = {name: getattr(module, name) for name in fields}
+  try:
+    for name, value in fields.items():
+      object.__setattr__(module, name, value)
+    yield
+  finally:
+    for name, value in old.items():
+      object.__setattr__(module, name, value)
 
 
 def rng_snapshot(module: nn.Module) -> tuple[dict[str, Any], dict[str, tuple], dict]:
@@ -459,14 +500,34 @@ def nnx_jit_keys(handler: Callable[[Callable[[], Any], Any], Any]) -> Iterator[N
 
 
 def nnx_static_attributes(module: Any) -> dict[str, Any]:
-  """The module's own static (non-data) attributes, NNX's `_pytree__` bookkeeping left out."""
-  from flax import nnx
+  """The module's own static attributes, as its `GraphDef` records them.
 
-  return {
-    name: value
-    for name, value in vars(module).items()
-    if not name.startswith("_pytree__") and not nnx.is_data(value)
-  }
+  A pytree module (the default) keeps which attributes are data in `_pytree__nodes`,
+  set when they are assigned (`nnx.data(...)` marks a dict of variables as data, as
+  `nnx.bridge.ToNNX` does for Linen collections); other modules' attributes are data
+  when `graphlib` flattens them as nodes or leaves. NNX's `_pytree__` bookkeeping is
+  left out.
+  """
+  from flax import nnx
+  from flax.nnx import graphlib
+
+  nodes = module._pytree__nodes if module._pytree__is_pytree else None
+  static = {}
+  for name, value in vars(module).items():
+    if name.startswith("_pytree__"):
+      continue
+    if nodes is not None:
+      data = nodes.get(name, False)
+    else:
+      data = graphlib.get_node_impl(value) is not None or nnx.is_data(value)
+    if not data:
+      static[name] = value
+  return static
+
+
+def nnx_set_static(module: Any, name: str, value: Any) -> None:
+  """Sets a static attribute of an NNX module, leaving its data/static record unchanged."""
+  object.__setattr__(module, name, value)
 
 
 def nnx_leaf_count(graphdef: Any) -> int:

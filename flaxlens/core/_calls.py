@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from flaxlens._errors import CallStructureError
+from flaxlens._errors import CallStructureError, FlaxlensError
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._inner_jit import RunToken, inner_jit
 from flaxlens.core._layer import Layer
@@ -93,6 +93,42 @@ class CallRecord:
     yield self
     for _, child in self.children:
       yield from child.walk()
+
+  def where(self) -> str:
+    """`"Block_0/Dense_0.__call__"`: the call's module path and method, for messages."""
+    kind = self.module if isinstance(self.module, type) else type(self.module)
+    name = self.method_name
+    if not isinstance(name, str):
+      name = getattr(name, "__name__", type(name).__name__)
+    return f"{'/'.join(str(p) for p in self.path) or kind.__name__}.{name}"
+
+
+# Errors JAX raises when code needs the value of an array that is only abstract.
+_NEEDS_VALUES = (
+  jax.errors.ConcretizationTypeError,
+  jax.errors.TracerIntegerConversionError,
+  jax.errors.TracerArrayConversionError,
+  jax.errors.NonConcreteBooleanIndexError,
+)
+
+
+@contextmanager
+def converting(where: str) -> Iterator[None]:
+  """Explains JAX's errors for code that needs array values while converting `where`.
+
+  Conversion traces abstractly (arrays have shapes, not values), so a Python branch on
+  an array's value cannot run; the error names the innermost call being converted.
+  """
+  try:
+    yield
+  except _NEEDS_VALUES as e:
+    raise FlaxlensError(
+      f"{where}: this call uses the value of an array in Python (`if float(h.mean()) >"
+      f" 0`, `int(n)`, ...), which conversion cannot provide: it traces abstractly, with"
+      f" shapes and no values ({type(e).__name__}). Compute the branch with jnp.where or"
+      " jax.lax.cond, or, if it depends on an argument, pass that argument as a Python"
+      " value (static) rather than an array."
+    ) from e
 
 
 class Frame:
@@ -233,7 +269,8 @@ class CallInterceptor:
 
   def record_call(self, record: CallRecord, module: Any, run: Callable[[], Any]) -> Any:
     """Runs a call being recorded; subclasses add what they learn from it."""
-    return run()
+    with converting(record.where()):
+      return run()
 
   def new_record(self, module: Any, path: Path, name: str) -> CallRecord:
     return CallRecord(module, path, name)

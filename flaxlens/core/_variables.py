@@ -11,11 +11,13 @@ the round trip. No Flax internals here.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import numpy as np
 
 from flaxlens.core._struct import Struct, static_field
 
@@ -335,6 +337,47 @@ def value_of(entry: Any, where: str) -> Any:
       " fl.bind_variables(tree, values), or call the tree through stateless_call."
     )
   return entry
+
+
+_IMMUTABLE_LEAVES = (
+  jax.Array,
+  jax.ShapeDtypeStruct,
+  np.generic,
+  int,
+  float,
+  complex,
+  str,
+  bytes,
+  type(None),
+)
+
+
+def private_value(value: Any) -> Any:
+  """`value` with every leaf that can change in place copied, JAX arrays shared.
+
+  A model run on a tree's values may update them in place (NNX's `v[...] = ...` on a
+  NumPy array writes into it); the run gets copies of such leaves (NumPy arrays and any
+  other mutable object), so the caller's buffers never change. JAX arrays, tracers and
+  Python scalars are immutable and stay shared.
+
+  Example:
+    >>> import numpy as np, jax.numpy as jnp
+    >>> from flaxlens.core._variables import private_value
+    >>> a, b = np.zeros(2), jnp.zeros(2)
+    >>> private_value(a) is a, private_value(b) is b
+    (False, True)
+  """
+  if isinstance(value, _IMMUTABLE_LEAVES):
+    return value
+  return jax.tree_util.tree_map(_private_leaf, value)
+
+
+def _private_leaf(leaf: Any) -> Any:
+  if isinstance(leaf, _IMMUTABLE_LEAVES):
+    return leaf
+  if isinstance(leaf, np.ndarray):
+    return leaf.copy()
+  return copy.deepcopy(leaf)
 
 
 def same_entry(a: Any, b: Any) -> bool:

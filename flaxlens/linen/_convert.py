@@ -18,8 +18,9 @@ import jax
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.core._calls import CallRecord, Frame, Path, owner_of
+from flaxlens.core._calls import CallRecord, Frame, Path, converting, owner_of
 from flaxlens.core._jit import split_static
+from flaxlens.core._names import join_name
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.linen._tree import (
   InterceptedFlaxModuleMethod,
@@ -86,7 +87,8 @@ def unflaxify_linen(
       mutated,
     )
 
-  mutated = jax.eval_shape(trace, arrays)
+  with converting(root.where()):
+    mutated = jax.eval_shape(trace, arrays)
   named = [mutable] if isinstance(mutable, str) else mutable
   named = list(named) if isinstance(named, list | tuple) else []
   tree = _build_tree(root, variables, mutated, capture_intermediates, named)
@@ -130,8 +132,8 @@ def _build_tree(
   }
   for (collection, vpath), value in {**{k: None for k in created}, **given}.items():
     owner = owner_of(vpath, called_paths)
-    name = "/".join(vpath[len(owner) :])
-    label = f"{collection}:{'/'.join(vpath)}"
+    name = join_name(vpath[len(owner) :])
+    label = f"{collection}:{join_name(vpath)}"
     data = scopes[owner]
     if collection == "params":
       data.parameters[name] = Parameter(value, label=label)
@@ -156,6 +158,7 @@ def _build_tree(
       capture_intermediates=capture_intermediates,
       mutable=tuple(sorted(mutable_collections)),
       lifted_by=record.extra.get("lifted_by", ()),
+      converted_module=record.module,
     )
 
   return build(root)

@@ -20,7 +20,9 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import flax.linen as nn
 import jax
+from flax import errors as flax_errors
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import CallStructureError, FlaxlensError, UnsupportedFlaxFeatureError
@@ -35,9 +37,16 @@ from flaxlens.core._calls import (
   iter_call_nodes,
 )
 from flaxlens.core._inner_jit import RunToken
+from flaxlens.core._names import join_name, split_name
 from flaxlens.core._random import RandomStream
 from flaxlens.core._struct import ShortRepr, Struct, static_field
-from flaxlens.core._variables import StateVariable, Uninitialized, same_entry, value_of
+from flaxlens.core._variables import (
+  StateVariable,
+  Uninitialized,
+  private_value,
+  same_entry,
+  value_of,
+)
 
 
 class InterceptedFlaxScopeData(Struct):
@@ -45,7 +54,10 @@ class InterceptedFlaxScopeData(Struct):
 
   Keys are names relative to the module (`"kernel"`); a variable of a submodule that
   never makes a call of its own is held by its nearest calling ancestor under its
-  relative path (`"Dense_0/kernel"`).
+  relative path (`"Dense_0/kernel"`). Names are paths of keys joined by "/", with "~"
+  and "/" inside a key written "~0" and "~1" (RFC 6901), so a Flax name that contains
+  "/" stays one key: `nn.WeightNorm`'s `"Dense_0/kernel/scale"` reads
+  `"Dense_0~1kernel~1scale"`. Labels read `"collection:path"`, spelled the same way.
 
   Attributes:
     parameters: the `params` collection, as `Parameter`s.
@@ -97,6 +109,8 @@ class InterceptedFlaxModuleMethod(CallNode):
     mutable: the collections the apply treats as mutable (besides those holding
       state variables), from the `mutable=` given at conversion.
     lifted_by: the lifted transforms (`"scan"`, `"vmap"`, ...) the call runs inside.
+    converted_module: the module as conversion recorded it. Settings in which `module`
+      differs from it (`module.clone(dtype=jnp.bfloat16)`) apply when the tree runs.
   """
 
   module: Any = static_field()
@@ -107,6 +121,7 @@ class InterceptedFlaxModuleMethod(CallNode):
   capture_intermediates: Any = static_field(default=False)
   mutable: tuple[str, ...] = static_field(default=())
   lifted_by: tuple[str, ...] = static_field(default=())
+  converted_module: Any = static_field(default=None)
 
   def _module_type_name(self) -> str:
     return type(self.module).__name__
@@ -114,6 +129,7 @@ class InterceptedFlaxModuleMethod(CallNode):
   def _treescope_attributes(self) -> dict[str, Any]:
     attrs = self.attributes_dict()
     attrs["module"] = ShortRepr(f"{type(self.module).__name__}(name={self.module.name!r})")
+    del attrs["converted_module"]
     return attrs
 
   def flax_variables(self) -> dict[str, Any]:
@@ -160,7 +176,7 @@ class _Gathered:
       if not same_entry(seen, entry):
         raise FlaxlensError(
           f"{where}: two calls of the module hold different values for"
-          f" {collection}:{'/'.join(path)}. Calls of one module share their variables;"
+          f" {collection}:{join_name(path)}. Calls of one module share their variables;"
           " edit the shared Parameter's .value instead of replacing it in one call."
         )
       return
@@ -173,7 +189,7 @@ class _Gathered:
     target = self.variables.setdefault(collection, {})
     for name in path[:-1]:
       target = target.setdefault(name, {})
-    target[path[-1]] = value
+    target[path[-1]] = private_value(value)
 
 
 def _gather(root: InterceptedFlaxModuleMethod) -> _Gathered:
@@ -189,11 +205,11 @@ def _gather(root: InterceptedFlaxModuleMethod) -> _Gathered:
     where = node._where()
     data = node.scope_data
     for name, entry in data.parameters.items():
-      gathered.add("params", base + tuple(name.split("/")), entry, where)
+      gathered.add("params", base + split_name(name), entry, where)
     for group in (data.variables, data.immutable_variables):
       for collection, entries in group.items():
         for name, entry in entries.items():
-          gathered.add(collection, base + tuple(name.split("/")), entry, where)
+          gathered.add(collection, base + split_name(name), entry, where)
   return gathered
 
 
@@ -264,6 +280,7 @@ def apply_tree(
     traced = frozenset(id(e) for e in gathered.sources())
     state.token = RunToken(state, (root, side_inputs), traced)
   state.mutable = mutable
+  capture = state.capture_only_native(fi.capture_filter(root.capture_intermediates))
   method = root.method_name
   state.frames.append(
     Frame(path=root.path, node=root, absorb=method if isinstance(method, str) else None)
@@ -276,7 +293,7 @@ def apply_tree(
       method=method,
       rngs=rngs,
       mutable=list(mutable) if mutable else False,
-      capture_intermediates=root.capture_intermediates,
+      capture_intermediates=capture,
       rng_snapshot=snapshot.as_flax() if snapshot is not None else None,
       **argument.kwargs,
     )
@@ -293,7 +310,7 @@ def _write_back(
   flat = flatten_collections(updates)
   unknown = [k for k in flat if k not in gathered.state]
   if unknown:
-    names = [f"{c}:{'/'.join(p)}" for c, p in unknown[:6]]
+    names = [f"{c}:{join_name(p)}" for c, p in unknown[:6]]
     raise CallStructureError(
       f"{root._where()}: this call created variables that did not exist at conversion:"
       f" {names}. Convert with example arguments that create them (for example the"
@@ -305,11 +322,26 @@ def _write_back(
 
 # --- the interceptor -------------------------------------------------------------------
 
+# Flax's errors for a module whose variables differ from those it is given.
+_UNFIT_EDIT = (
+  flax_errors.ScopeParamNotFoundError,
+  flax_errors.ScopeParamShapeError,
+  flax_errors.ScopeCollectionNotFound,
+  flax_errors.ScopeVariableNotFoundError,
+)
+
 
 class LinenInterceptor(CallInterceptor):
-  """Receives Linen's method-interceptor callbacks for one `apply`."""
+  """Receives Linen's method-interceptor callbacks for one `apply`.
+
+  Flax captures a call's output for `capture_intermediates` after the interceptors
+  return. A call whose replacement never ran the original has no node (and so no
+  state variable) in the tree to hold it; the capture filter made by
+  `capture_only_native` leaves such a call out, so its intermediates are absent.
+  """
 
   mutable: tuple[str, ...] = ()
+  _not_run: tuple[Any, str] | None = None  # The last call that did not run natively.
 
   def intercept(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
     if current_interceptor() is not self or context.method_name == "setup":
@@ -319,7 +351,30 @@ class LinenInterceptor(CallInterceptor):
       self.frames[-1].lifted = [None, None]
       return next_fun(*args, **kwargs)
     path = self.prefix + fi.module_path(module)
-    return self.dispatch(module, path, context.method_name, next_fun, args, kwargs)
+    ran = []
+
+    def native(*a: Any, **k: Any) -> Any:
+      ran.append(True)
+      return next_fun(*a, **k)
+
+    output = self.dispatch(module, path, context.method_name, native, args, kwargs)
+    self._not_run = None if ran else (module, context.method_name)
+    return output
+
+  def capture_only_native(
+    self, capture: Callable[[Any, str], bool] | None
+  ) -> Callable[[Any, str], bool] | None:
+    """`capture` (a `capture_intermediates` filter) minus calls that did not run natively."""
+    if capture is None:
+      return None
+
+    def only_native(module: Any, method_name: str) -> bool:
+      not_run, self._not_run = self._not_run, None
+      if not_run is not None and not_run[0] is module and not_run[1] == method_name:
+        return False
+      return capture(module, method_name)
+
+    return only_native
 
   @contextmanager
   def active(self) -> Iterator[None]:
@@ -347,6 +402,57 @@ class LinenInterceptor(CallInterceptor):
   def same_module(self, node: CallNode, module: Any) -> bool:
     return type(node.module) is type(module)
 
+  def run_node(
+    self, node: CallNode, module: Any, next_fun: Callable[..., Any], args: Any, kwargs: Any
+  ) -> Any:
+    """Runs `node`'s call natively, with the settings edited in `node.module` applied.
+
+    The settings (dataclass fields) in which `node.module` differs from the module
+    conversion recorded are set on the model's own module for the duration of the
+    call, so the call runs as in a model built with them: same variables, rngs and
+    submodule calls.
+    """
+    fields = self.edited_fields(node, module)
+    if not fields:
+      return super().run_node(node, module, next_fun, args, kwargs)
+    with fi.fields_set(module, fields):
+      try:
+        return super().run_node(node, module, next_fun, args, kwargs)
+      except _UNFIT_EDIT as e:
+        raise FlaxlensError(
+          f"{node._where()}: the edited settings {sorted(fields)} do not fit the variables"
+          f" the tree holds for this call ({type(e).__name__}: {str(e).splitlines()[0]})."
+          " Edit settings that keep the module's variables (dtype, precision, ...), or"
+          " convert a model built with the new settings."
+        ) from e
+
+  def edited_fields(self, node: CallNode, module: Any) -> dict[str, Any]:
+    """The settings edited in `node.module`, to set on the model's `module` ({} if none).
+
+    Raises:
+      FlaxlensError: for an edit that cannot apply (another class or name, another
+        submodule, or any setting of a module with `setup`, which runs first).
+    """
+    where, recorded = node._where(), node.converted_module
+    if node.module is recorded or recorded is None:
+      return {}
+    if type(node.module) is not type(recorded) or node.module.name != recorded.name:
+      raise FlaxlensError(
+        f"{where}: the node's module was replaced by a {type(node.module).__name__} named"
+        f" {node.module.name!r}; a node's module can only change its settings"
+        " (module.clone(dtype=...)). To run other code here, replace the call with a layer."
+      )
+    fields = fi.changed_fields(node.module, recorded)
+    held = [n for n, v in fields.items() if isinstance(v, nn.Module)]
+    if held or (fields and fi.defines_setup(module)):
+      what = f"the submodules {held}" if held else "settings of a module with setup()"
+      raise FlaxlensError(
+        f"{where}: the edit changes {what}, which Flax has used before the call starts"
+        " (setup runs first). Edit settings of modules without setup, such as the"
+        " submodules' own nodes, or convert a model built with the new settings."
+      )
+    return fields
+
   def record_call(self, record: CallRecord, module: Any, run: Callable[[], Any]) -> Any:
     record.extra["lifted_by"] = fi.lifting_transforms(module)
-    return run()
+    return super().record_call(record, module, run)

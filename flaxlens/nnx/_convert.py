@@ -20,8 +20,9 @@ from flax import nnx
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.core._calls import CallRecord, Frame, Path, owner_of
+from flaxlens.core._calls import CallRecord, Frame, Path, converting, owner_of
 from flaxlens.core._jit import split_static
+from flaxlens.core._names import join_name
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.nnx._tree import (
   InterceptedNNXModuleMethod,
@@ -35,7 +36,7 @@ from flaxlens.nnx._tree import (
 
 
 def _readable(path: Path) -> str:
-  return "/".join(map(str, path))
+  return join_name(path)
 
 
 def unflaxify_nnx(
@@ -94,7 +95,8 @@ def unflaxify_nnx(
         _check_created(where, path, variable, interceptor.by_path)
         created[path] = variable
 
-  jax.eval_shape(trace, arrays)
+  with converting(root.where()):
+    jax.eval_shape(trace, arrays)
   return _build_tree(model, definition, root, given, created)
 
 
@@ -118,7 +120,7 @@ def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict
   for path, module in modules.items():
     old, new = before[path], fi.nnx_static_attributes(module)
     for name in sorted(set(old) | set(new)):
-      if name in old and name not in new and nnx.is_data(vars(module).get(name)):
+      if name in old and name not in new and name in vars(module):
         continue
       if name not in old or name not in new or not _same(old[name], new[name]):
         raise UnsupportedFlaxFeatureError(
@@ -143,11 +145,11 @@ def _check_created(where: str, path: Path, variable: Any, modules: dict[Path, An
     )
 
 
-def _definition(module: nnx.Module) -> NNXModuleDef:
+def _definition(module: nnx.Module, family: object) -> NNXModuleDef:
   graphdef, state = nnx.split(module)
   values = {tuple(p): v.get_raw_value() for p, v in nnx.to_flat_state(state)}
   paths = leaf_paths(graphdef)
-  return NNXModuleDef(graphdef, tuple(abstract(values[p]) for p in paths), paths)
+  return NNXModuleDef(graphdef, tuple(abstract(values[p]) for p in paths), paths, family)
 
 
 def _build_tree(
@@ -159,7 +161,9 @@ def _build_tree(
 ) -> InterceptedNNXModuleMethod:
   called = {r.path for r in root.walk()}
   modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
-  definitions = {p: definition if p == () else _definition(modules[p]) for p in called}
+  definitions = {
+    p: definition if p == () else _definition(modules[p], definition.family) for p in called
+  }
   owned: dict[Path, tuple[dict, dict, list]] = {p: ({}, {}, []) for p in called}
   variables = [(p, v, False) for p, v in given.items()]
   variables += [(p, v, True) for p, v in created.items()]

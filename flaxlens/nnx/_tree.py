@@ -40,7 +40,13 @@ from flaxlens.core._calls import (
 )
 from flaxlens.core._inner_jit import RunToken
 from flaxlens.core._struct import ShortRepr, static_field
-from flaxlens.core._variables import AbstractVariable, Uninitialized, same_entry, value_of
+from flaxlens.core._variables import (
+  AbstractVariable,
+  Uninitialized,
+  private_value,
+  same_entry,
+  value_of,
+)
 
 
 class NNXVariableSpec(NamedTuple):
@@ -148,6 +154,7 @@ class InterceptedNNXModuleMethod(CallNode):
         " replacement layer."
       )
     model, _ = self.definition.rebuild(values, gathered.created(where))
+    apply_static_edits(model, static_edits(self))
     return model
 
   def set_attributes(
@@ -260,24 +267,29 @@ class NNXModuleDef:
     leaf_paths: the paths of those variables, in the same order.
 
   Its hash is computed once: hashing a `GraphDef` walks all of it, and jit looks up its
-  cache by the static fields of a tree on every call.
+  cache by the static fields of a tree on every call. A static attribute NNX cannot hash
+  (a dict, a list) leaves the variables' paths as the hash; equality still compares
+  the whole `GraphDef`, as NNX does.
   """
 
-  __slots__ = ("graphdef", "abstract_leaves", "leaf_paths", "_hash")
+  __slots__ = ("graphdef", "abstract_leaves", "leaf_paths", "family", "_hash", "_statics")
 
   def __init__(
     self,
     graphdef: Any,
     abstract_leaves: tuple[Any, ...],
     paths: tuple[Path, ...] | None = None,
+    family: object | None = None,
   ):
     self.graphdef = graphdef
     self.abstract_leaves = abstract_leaves
     self.leaf_paths = leaf_paths(graphdef) if paths is None else paths
-    try:
-      self._hash = hash((graphdef, abstract_leaves))
-    except TypeError:  # A variable holding a dict: hash the structure alone.
-      self._hash = hash(graphdef)
+    # Definitions made together from one model (by conversion, or by one change of
+    # static attributes) share a family: they agree on every module they both hold.
+    self.family = object() if family is None else family
+    self._statics: dict[Path, dict[str, Any]] | None = None
+    self._hash = _hash_or(graphdef, lambda: hash(self.leaf_paths))
+    self._hash = _hash_or((self._hash, abstract_leaves), lambda: self._hash)
 
   def __hash__(self) -> int:
     return self._hash
@@ -286,8 +298,8 @@ class NNXModuleDef:
     return self is other or (
       type(other) is NNXModuleDef
       and self._hash == other._hash
-      and self.graphdef == other.graphdef
-      and self.abstract_leaves == other.abstract_leaves
+      and _equal(self.graphdef, other.graphdef)
+      and _equal(self.abstract_leaves, other.abstract_leaves)
     )
 
   def __repr__(self) -> str:
@@ -298,28 +310,91 @@ class NNXModuleDef:
 
     return rendering_parts.text(repr(self))
 
-  def with_graphdef(self, graphdef: Any) -> NNXModuleDef:
+  def with_graphdef(self, graphdef: Any, family: object) -> NNXModuleDef:
     """The same module with other static attributes (same variables)."""
-    return NNXModuleDef(graphdef, self.abstract_leaves, self.leaf_paths)
+    return NNXModuleDef(graphdef, self.abstract_leaves, self.leaf_paths, family)
+
+  def statics(self) -> dict[Path, dict[str, Any]]:
+    """The static attributes of each module of the definition, by relative path."""
+    if self._statics is None:
+      template = nnx.merge(self.graphdef, [None] * len(self.leaf_paths))
+      self._statics = {tuple(p): fi.nnx_static_attributes(m) for p, m in nnx.iter_modules(template)}
+    return self._statics
 
   def rebuild(self, values: dict[Path, Any], created: dict[Path, Any]) -> tuple[Any, set[Path]]:
     """The module rebuilt from `values`, and the paths of its variables no node holds.
 
     `nnx.merge` creates fresh `Variable`s of the types and metadata the `GraphDef`
-    records, so nothing is shared with the model the values came from but immutable
-    arrays. Variables no node holds belong to calls that were replaced: they stand in
-    as zeros of their shape, so that transforms over the module's state (`nnx.vmap`,
-    `nnx.scan`) still see the shapes they need. `created` variables (made by the
+    records, and values that can change in place (NumPy arrays) are copied, so nothing
+    is shared with the model the values came from but immutable arrays. Variables no
+    node holds belong to calls that were replaced: they stand in as zeros of their
+    shape, so that transforms over the module's state (`nnx.vmap`, `nnx.scan`) still
+    see the shapes they need. `created` variables (made by the
     converted call) are set as attributes of their modules.
     """
     leaves = [
-      values[p] if p in values else jax.tree_util.tree_map(_zeros, a)
+      private_value(values[p]) if p in values else jax.tree_util.tree_map(_zeros, a)
       for p, a in zip(self.leaf_paths, self.abstract_leaves, strict=True)
     ]
     model = nnx.merge(self.graphdef, leaves)
     for path, variable in created.items():
       setattr(navigate(model, path[:-1]), path[-1], variable)
     return model, {p for p in self.leaf_paths if p not in values}
+
+
+def _hash_or(value: Any, fallback: Callable[[], int]) -> int:
+  try:
+    return hash(value)
+  except TypeError:
+    return fallback()
+
+
+def _equal(a: Any, b: Any) -> bool:
+  """`a == b`, False where comparing raises (arrays held as static attributes, say)."""
+  if a is b:
+    return True
+  try:
+    return bool(a == b)
+  except Exception:
+    return False
+
+
+def static_edits(root: InterceptedNNXModuleMethod) -> dict[Path, dict[str, Any]]:
+  """Static attributes that nodes under `root` set otherwise than `root.definition`.
+
+  A subtree whose mode was changed on its own (`node.eval()` grafted back into the
+  tree) holds definitions of another family than the root's; where they differ from
+  the root's, their modules' static attributes are set on the rebuilt model (nodes
+  deeper in the tree win). Computed once per root node.
+  """
+  cached = root.__dict__.get("_flaxlens_static_edits")
+  if cached is not None:
+    return cached
+  family = root.definition.family
+  edits: dict[Path, dict[str, Any]] = {}
+  base: dict[Path, dict[str, Any]] | None = None
+  for node in iter_call_nodes(root):
+    if node.definition.family is family:
+      continue
+    base = root.definition.statics() if base is None else base
+    rel = node.path[len(root.path) :]
+    for sub, statics in node.definition.statics().items():
+      before = base.get(rel + sub)
+      if before is None:
+        continue
+      changed = {k: v for k, v in statics.items() if k not in before or not _equal(before[k], v)}
+      if changed:
+        edits.setdefault(rel + sub, {}).update(changed)
+  object.__setattr__(root, "_flaxlens_static_edits", edits)
+  return edits
+
+
+def apply_static_edits(model: Any, edits: dict[Path, dict[str, Any]]) -> None:
+  """Sets the static attributes `static_edits` found on the modules of `model`."""
+  for path, attributes in edits.items():
+    module = navigate(model, path)
+    for name, value in attributes.items():
+      fi.nnx_set_static(module, name, value)
 
 
 def _zeros(leaf: Any) -> Any:
@@ -387,7 +462,7 @@ class _Gathered:
       if spec.created:
         value = value_of(entry, where)
         if not isinstance(value, Uninitialized):
-          made[path] = spec.type.from_metadata(value, dict(spec.metadata))
+          made[path] = spec.type.from_metadata(private_value(value), dict(spec.metadata))
     return made
 
 
@@ -419,6 +494,7 @@ def _run(
   gathered = _Gathered(root)
   values = gathered.values(where)
   model, orphans = root.definition.rebuild(values, gathered.created(where))
+  apply_static_edits(model, static_edits(root))
   if interceptor is None:
     interceptor = NNXInterceptor(side_inputs=side_inputs, building=False)
     traced = frozenset(map(id, gathered.entries.values()))
@@ -464,17 +540,19 @@ def _restatic(
   _Gathered(root)  # Checks that every node belongs under the root.
   definition = root.definition
   model = nnx.merge(definition.graphdef, [None] * len(definition.leaf_paths))
+  apply_static_edits(model, static_edits(root))
   changed = change(model)
   if isinstance(changed, nnx.Module):
     model = changed
   graphdefs: dict[Path, Any] = {}
+  family = object()
 
   def regraph(node: InterceptedNNXModuleMethod) -> InterceptedNNXModuleMethod:
     rel = node.path[len(root.path) :]
     if rel not in graphdefs:
       graphdefs[rel] = nnx.graphdef(navigate(model, rel))
     fields = node.attributes_dict()
-    fields["definition"] = node.definition.with_graphdef(graphdefs[rel])
+    fields["definition"] = node.definition.with_graphdef(graphdefs[rel], family)
     fields["submodule_calls"] = {
       key: jax.tree_util.tree_map(
         lambda x: regraph(x) if is_call_node(x) else x, child, is_leaf=is_call_node

@@ -26,6 +26,7 @@ from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import CallNode, is_call_node, pristine
 from flaxlens.core._jit import variable_jit
+from flaxlens.core._names import split_name
 from flaxlens.core._selectors import Selection, select
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._variables import (
@@ -276,7 +277,8 @@ class _Observing(LinenInterceptor):
   def run_node(self, node, module, next_fun, args, kwargs):
     if node is not self.target:
       return super().run_node(node, module, next_fun, args, kwargs)
-    live = fi.unbound_clone(module)
+    with fi.fields_set(module, self.edited_fields(node, module)):
+      live = fi.unbound_clone(module)
     before = fi.call_variables(module)
     keys, suffixes, counters = fi.rng_snapshot(module)
     output = super().run_node(node, module, next_fun, args, kwargs)
@@ -558,7 +560,7 @@ def linen_submodel(
 
 def _label_key(label: str) -> tuple[str, tuple[str, ...]]:
   collection, path = label.split(":", 1)
-  return collection, tuple(path.split("/"))
+  return collection, split_name(path)
 
 
 def _isolate_root(

@@ -41,8 +41,16 @@ def tree_state(tree) -> dict[str, object]:
   }
 
 
+def _key(name: str) -> str:
+  return name.replace("~", "~0").replace("/", "~1")
+
+
 def flat_collections(collections) -> dict[str, object]:
-  """A Flax collections dict as {"collection:path": leaf}, mappings being nodes."""
+  """A Flax collections dict as {"collection:path": leaf}, mappings being nodes.
+
+  Paths are written as the tree names variables: keys joined by "/", a "/" inside a
+  key (`nn.WeightNorm`'s "Dense_0/kernel/scale") written "~1", a "~" written "~0".
+  """
   flat = {}
 
   def walk(collection, path, value):
@@ -50,7 +58,7 @@ def flat_collections(collections) -> dict[str, object]:
       for name, child in value.items():
         walk(collection, path + (name,), child)
     else:
-      flat[f"{collection}:{'/'.join(path)}"] = value
+      flat[f"{collection}:{'/'.join(map(_key, path))}"] = value
 
   for collection, tree in collections.items():
     walk(collection, (), tree)

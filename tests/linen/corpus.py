@@ -266,6 +266,23 @@ class Transformer(nn.Module):
     return nn.Dense(10)(nn.LayerNorm()(x))
 
 
+class WeightNormed(nn.Module):
+  """`nn.WeightNorm` names its parameter "Dense_0/kernel/scale": one key holding "/"."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.WeightNorm(nn.Dense(8))(nn.relu(nn.WeightNorm(nn.Dense(8))(x)))
+
+
+class SpectralNormed(nn.Module):
+  """`nn.SpectralNorm` keeps "Dense_0/kernel/u" and ".../sigma" in `batch_stats`."""
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.SpectralNorm(nn.Dense(8))(x, update_stats=train)
+    return nn.SpectralNorm(nn.Dense(4), n_steps=2)(nn.relu(x), update_stats=train)
+
+
 def _case(name, module, *args, init_kwargs=None, **fields) -> Case:
   init_kwargs = init_kwargs if init_kwargs is not None else fields.get("kwargs", {})
   variables = _init(module, *args, method=fields.get("method"), **init_kwargs)
@@ -291,6 +308,7 @@ CALL_KWARGS: dict[str, Sequence[dict[str, Any]]] = {
   "batchnorm_eval": ({"train": True},),
   "dropout": ({"train": False},),
   "branch": ({"mode": "b"},),
+  "spectral_norm_train": ({"train": False},),
 }
 
 
@@ -348,6 +366,14 @@ def build() -> dict[str, Case]:
     lambda: _case("rnn_lstm", RNNModel(), jnp.ones((2, 5, 3))),
     lambda: _case("partitioned", Partitioned(), X),
     lambda: _case("transformer", Transformer(), TOKENS),
+    lambda: _case("weight_norm", WeightNormed(), X),
+    lambda: _case(
+      "spectral_norm_train",
+      SpectralNormed(),
+      X,
+      kwargs={"train": True},
+      mutable=["batch_stats"],
+    ),
   ]
   cases = [b() for b in builders]
   return {c.name: c for c in cases}
@@ -380,4 +406,6 @@ NAMES = [
   "rnn_lstm",
   "partitioned",
   "transformer",
+  "weight_norm",
+  "spectral_norm_train",
 ]

@@ -26,6 +26,8 @@ SAVED = [
   ("created_during_apply", None),
   ("partitioned", None),
   ("dropout", None),
+  ("spectral_norm_train", None),
+  ("weight_norm", None),
 ]
 
 

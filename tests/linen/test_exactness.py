@@ -42,7 +42,14 @@ def test_call_time_arguments_other_than_at_conversion_match_apply(cases, name):
 
 
 @pytest.mark.parametrize(
-  "name", ["batchnorm_train", "created_during_apply", "sow_new_collection", "collections"]
+  "name",
+  [
+    "batchnorm_train",
+    "created_during_apply",
+    "sow_new_collection",
+    "collections",
+    "spectral_norm_train",
+  ],
 )
 def test_second_call_continues_from_updated_state(cases, name):
   case = cases[name]

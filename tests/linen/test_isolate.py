@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import flax.linen as nn
@@ -30,6 +31,8 @@ SINGLE = [
   ("collections", None),
   ("partitioned", None),
   ("self_method_calls", "embed.attend"),
+  ("weight_norm", "Dense_1.__call__"),
+  ("spectral_norm_train", "Dense_1.__call__"),
 ]
 
 
@@ -236,3 +239,17 @@ def test_a_replay_report_names_the_leaf_that_differs(cases):
   assert not report
   assert report.max_abs_diff["['output']"] == pytest.approx(0.5)
   assert "MISMATCH" in str(report)
+
+
+def test_an_isolated_call_with_an_edited_setting_replays_with_it(cases):
+  case = cases["mlp"]
+  tree = (
+    convert(case)
+    .select()
+    .at_path("Dense_1")
+    .apply(lambda n: dataclasses.replace(n, module=n.module.clone(dtype=jnp.bfloat16)))
+  )
+  isolated = fl.isolate_submodel(tree.select().at_path("Dense_1"), _argument(case))
+  assert isolated.submodel.module.dtype == jnp.bfloat16
+  assert isolated.saved_output.dtype == jnp.bfloat16
+  assert isolated.replay()

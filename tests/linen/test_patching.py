@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import pytest
 from replacements import PlusOne, Recorder
@@ -10,7 +14,7 @@ from replacements import PlusOne, Recorder
 import flaxlens as fl
 
 from . import corpus
-from .conftest import assert_trees_equal, call, convert
+from .conftest import assert_trees_equal, call, convert, flat_collections, tree_state
 
 
 class Zeros(fl.Layer):
@@ -117,6 +121,56 @@ def test_wrapping_a_call_inside_scan_keeps_it_exact(cases):
   assert_trees_equal(call(_patch(convert(case), "layers/Dense_0", PlusOne), case), expected)
 
 
+@pytest.mark.parametrize(
+  "name, path, module_name",
+  [("weight_norm", "WeightNorm_1", "WeightNorm_1"), ("spectral_norm_train", "Dense_1", "Dense_1")],
+)
+def test_wrapping_a_call_whose_variable_names_hold_slashes_keeps_it_exact(
+  cases, name, path, module_name
+):
+  case = cases[name]
+
+  def plus_one(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    wanted = context.module.name == module_name and context.method_name == "__call__"
+    return out + 1.0 if wanted else out
+
+  with nn.intercept_methods(plus_one):
+    expected, _ = case.apply() if case.mutable else (case.apply(), None)
+  wrapped = _patch(convert(case), path, PlusOne)
+  assert_trees_equal(call(wrapped, case), expected)
+
+
+def test_capture_intermediates_leaves_out_a_call_whose_replacement_skips_it(cases):
+  case = cases["capture_intermediates"]
+  patched = _patch(convert(case), "Dense_0", lambda _: Zeros((2, 16)))
+
+  def zeros_instead(next_fun, args, kwargs, context):
+    if context.module.name == "Dense_0" and context.method_name == "__call__":
+      return jnp.zeros((2, 16))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(zeros_instead):
+    expected_out, expected_state = case.apply()
+  del expected_state["intermediates"]["Dense_0"]
+  assert_trees_equal(call(patched, case), expected_out)
+  assert_trees_equal(tree_state(patched), flat_collections(expected_state))
+
+
+def test_capture_intermediates_captures_what_a_wrapper_returns(cases):
+  case = cases["capture_intermediates"]
+
+  def plus_one(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    return out + 1.0 if context.module.name == "Dense_0" else out
+
+  with nn.intercept_methods(plus_one):
+    expected_out, expected_state = case.apply()
+  wrapped = _patch(convert(case), "Dense_0", PlusOne)
+  assert_trees_equal(call(wrapped, case), expected_out)
+  assert_trees_equal(tree_state(wrapped), flat_collections(expected_state))
+
+
 def test_patching_one_call_of_a_module_called_twice_leaves_the_other(cases):
   case = cases["shared_child_called_twice"]
   tree = convert(case)
@@ -153,7 +207,8 @@ def test_every_corpus_tree_survives_wrapping_every_call(cases):
     def __call__(self, argument, /, **side_inputs):
       return self.inner(argument, **side_inputs)
 
-  for name in ("transformer", "scan", "rnn_lstm", "batchnorm_train", "dropout"):
+  names = ("transformer", "scan", "rnn_lstm", "batchnorm_train", "dropout", "spectral_norm_train")
+  for name in names + ("weight_norm",):
     case = cases[name]
     tree = convert(case)
     wrapped = (
@@ -176,3 +231,58 @@ def test_module_names_are_stable_keys(cases):
     (4, "Dense_0.__call__"),
   ]
   assert corpus.Transformer
+
+
+class Configured(nn.Module):
+  """Two Dense layers; the first one's dtype is a setting of the model."""
+
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(8, dtype=self.dtype, name="first")(x))
+    return nn.Dense(4, name="second")(h)
+
+
+def _edit_module(tree, path, **settings):
+  return _patch(tree, path, lambda n: dataclasses.replace(n, module=n.module.clone(**settings)))
+
+
+def test_an_edited_module_setting_takes_effect_in_the_whole_tree():
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  variables = Configured().init(jax.random.key(0), x)
+  tree = _edit_module(fl.unflaxify(Configured(), variables, x), "first", dtype=jnp.bfloat16)
+  expected = Configured(dtype=jnp.bfloat16).apply(variables, x)
+  assert_trees_equal(tree(fl.ArgsAndKwargs.capture(x)), expected)
+
+
+def test_an_edit_that_changes_the_modules_variables_is_refused():
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  variables = Configured().init(jax.random.key(0), x)
+  tree = _edit_module(fl.unflaxify(Configured(), variables, x), "first", features=5)
+  with pytest.raises(fl.FlaxlensError, match=r"^first\.__call__: the edited settings \['features"):
+    tree(fl.ArgsAndKwargs.capture(x))
+
+
+class ScaledDense(nn.Module):
+  scale: float = 1.0
+
+  def setup(self):
+    self.dense = nn.Dense(4)
+
+  def __call__(self, x):
+    return self.dense(x) * self.scale
+
+
+class WithSetupChild(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return ScaledDense(name="scaled")(x)
+
+
+def test_an_edit_of_a_module_with_setup_is_refused():
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  variables = WithSetupChild().init(jax.random.key(0), x)
+  tree = _edit_module(fl.unflaxify(WithSetupChild(), variables, x), "scaled", scale=2.0)
+  with pytest.raises(fl.FlaxlensError, match=r"^scaled\.__call__: .*setup"):
+    tree(fl.ArgsAndKwargs.capture(x))

@@ -32,9 +32,16 @@ def tree_state(tree) -> dict[str, object]:
   }
 
 
+def _key(key) -> str:
+  return str(key).replace("~", "~0").replace("/", "~1")
+
+
 def model_state(model: nnx.Module) -> dict[str, object]:
-  """All variables of an NNX model as {"Type:path": value}, as the tree labels them."""
+  """All variables of an NNX model as {"Type:path": value}, as the tree labels them.
+
+  Path keys are joined by "/"; a "/" inside a key is written "~1", a "~" "~0".
+  """
   return {
-    f"{type(v).__name__}:{'/'.join(map(str, path))}": v.get_raw_value()
+    f"{type(v).__name__}:{'/'.join(map(_key, path))}": v.get_raw_value()
     for path, v in nnx.to_flat_state(nnx.state(model))
   }

@@ -276,6 +276,57 @@ class Bridged(nnx.Module):
     return self.linear(nnx.relu(self.dense(x)))
 
 
+class LinenNormed(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.BatchNorm(use_running_average=False, momentum=0.8, name="bn")(nn.Dense(8)(x))
+
+
+class BridgedBatchStats(nnx.Module):
+  """Linen BatchNorm in training mode through `nnx.bridge.ToNNX`, `mutable=["batch_stats"]`.
+
+  The bridge stores a nested Linen collection as a dict of NNX variables marked as data.
+  """
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.bn = nnx.bridge.ToNNX(nn.BatchNorm(use_running_average=False), rngs=rngs)
+    nnx.bridge.lazy_init(self.bn, X)
+    self.net = nnx.bridge.lazy_init(nnx.bridge.ToNNX(LinenNormed(), rngs=rngs), X)
+
+  def __call__(self, x):
+    return self.net(self.bn(x, mutable=["batch_stats"]), mutable=["batch_stats"])
+
+
+class LinenWeightNormed(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.WeightNorm(nn.Dense(4))(x)
+
+
+class BridgedWeightNorm(nnx.Module):
+  """`nn.WeightNorm` through the bridge: an NNX path key "Dense_0/kernel/scale"."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.norm = nnx.bridge.lazy_init(nnx.bridge.ToNNX(LinenWeightNormed(), rngs=rngs), X)
+
+  def __call__(self, x):
+    return self.norm(x)
+
+
+class Configured(nnx.Module):
+  """Static attributes NNX cannot hash: a dict of settings and a list."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.config = {"scale": 0.5, "activation": "gelu"}
+    self.widths = [4, 4]
+    self.linear = nnx.Linear(4, self.widths[-1], rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    activation = getattr(nnx, self.config["activation"])
+    return self.drop(activation(self.linear(x))) * self.config["scale"]
+
+
 class ByModules(nnx.Module):
   """Finds the layers to call with `nnx.iter_modules`."""
 
@@ -353,6 +404,9 @@ def build() -> dict[str, Case]:
     lambda: Case("nnx_jit_inside", Jitted(RNGS()), (X,)),
     lambda: Case("jit_method", JitMethod(RNGS()), (X,)),
     lambda: Case("linen_bridge", Bridged(RNGS()), (X,)),
+    lambda: Case("linen_bridge_batch_stats", BridgedBatchStats(RNGS()), (X,)),
+    lambda: Case("linen_bridge_weight_norm", BridgedWeightNorm(RNGS()), (X,)),
+    lambda: Case("unhashable_static_attributes", Configured(RNGS()), (X,)),
     lambda: Case("iter_modules", ByModules(RNGS()), (X,)),
     lambda: Case("view", nnx.view(ConvNet(RNGS()), deterministic=True), (IMG,)),
     lambda: Case(
@@ -389,6 +443,9 @@ NAMES = [
   "nnx_jit_inside",
   "jit_method",
   "linen_bridge",
+  "linen_bridge_batch_stats",
+  "linen_bridge_weight_norm",
+  "unhashable_static_attributes",
   "iter_modules",
   "view",
   "with_attributes",

@@ -26,6 +26,9 @@ SINGLE = [
   ("remat", None),
   ("linen_bridge", None),
   ("rngs_argument", None),
+  ("unhashable_static_attributes", None),
+  ("linen_bridge_batch_stats", "net"),
+  ("linen_bridge_weight_norm", None),
 ]
 
 

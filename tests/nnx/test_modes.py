@@ -27,6 +27,7 @@ from .conftest import assert_trees_equal, call, convert, model_state, tree_state
       lambda m: nnx.view(m, use_running_average=True),
     ),
     ("scan", lambda t: t.eval(), lambda m: m.eval()),
+    ("unhashable_static_attributes", lambda t: t.eval(), lambda m: m.eval()),
   ],
 )
 def test_switching_mode_on_the_tree_matches_switching_it_on_the_model(
@@ -79,3 +80,28 @@ def test_an_unknown_attribute_is_refused_as_nnx_refuses_it(cases):
   tree = convert(cases["mlp"])
   with pytest.raises(ValueError, match="no_such_flag"):
     tree.set_attributes(no_such_flag=True)
+
+
+@pytest.mark.parametrize(
+  "path, on_node, on_model",
+  [
+    ("drop", lambda n: n.eval(), lambda m: m.drop.eval()),
+    (
+      "drop",
+      lambda n: n.set_attributes(deterministic=True),
+      lambda m: m.drop.set_attributes(deterministic=True),
+    ),
+    ("norm", lambda n: n.eval(), lambda m: m.norm.eval()),
+  ],
+)
+def test_switching_mode_of_one_call_grafted_into_the_tree_matches_switching_that_module(
+  cases, path, on_node, on_model
+):
+  case = cases["convnet_train"]
+  tree = convert(case).select().at_path(path).apply(on_node)
+  reference = nnx.clone(case.model)
+  on_model(reference)
+  for _ in range(2):
+    assert_trees_equal(call(tree, case), case.native(reference))
+  assert_trees_equal(tree_state(tree), model_state(reference))
+  assert_trees_equal(tree.nnx_module()(*case.args), case.native(reference))

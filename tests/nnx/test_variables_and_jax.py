@@ -73,8 +73,9 @@ def test_dropout_masks_follow_the_trees_rng_state(cases):
   assert_trees_equal(call(tree, case), case.native(reference))
 
 
-def test_variable_jit_matches_nnx_jit_and_writes_state_back(cases):
-  case = cases["convnet_train"]
+@pytest.mark.parametrize("name", ["convnet_train", "unhashable_static_attributes"])
+def test_variable_jit_matches_nnx_jit_and_writes_state_back(cases, name):
+  case = cases[name]
   tree = convert(case)
   run = fl.variable_jit(lambda t, x: t(fl.ArgsAndKwargs.capture(x)))
   reference = nnx.clone(case.model)
