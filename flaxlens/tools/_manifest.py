@@ -335,11 +335,12 @@ def references_of(manifest: dict) -> list[tuple[str, str, str]]:
 
 
 def _check_arrays(arrays: dict, found: Found, source: str) -> None:
-  """Every array is used and every use names an array; keys fit their implementation."""
-  if set(arrays) != set(found.arrays):
+  """Every array a value uses is in the table; keys fit their implementation."""
+  if not set(found.arrays) <= set(arrays):
     raise ArtifactError(
-      f"{source}: manifest.json's values use arrays {sorted(found.arrays)[:8]} but its"
-      f" table lists {sorted(arrays)[:8]}; the manifest is corrupted."
+      f"{source}: manifest.json's values use arrays"
+      f" {sorted(set(found.arrays) - set(arrays))[:8]} that its table does not list; the"
+      " manifest is corrupted."
     )
   for name, impl in found.arrays.items():
     info = arrays[name]
