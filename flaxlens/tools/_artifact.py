@@ -224,13 +224,13 @@ def _check_target(target: pathlib.Path, overwrite: bool) -> None:
   )
   try:
     with _Directory(target) as directory:
-      entries = set(os.listdir(directory.fd))
-      if not entries <= {MANIFEST, ARRAYS}:
-        raise ArtifactError(f"{refuse} (It holds {sorted(entries - {MANIFEST, ARRAYS})[:5]}.)")
+      others = sorted(set(os.listdir(directory.fd)) - {MANIFEST, ARRAYS})
       raw = directory.read(MANIFEST, MAX_MANIFEST_BYTES)
     marker = json.loads(raw).get("format")
   except (ArtifactError, ValueError, AttributeError, RecursionError):
     raise ArtifactError(refuse) from None
+  if others:
+    raise ArtifactError(f"{refuse} (It holds {others[:5]}.)")
   if marker != FORMAT:
     raise ArtifactError(refuse)
 
@@ -416,7 +416,9 @@ class _Directory:
     try:
       mode = os.lstat(self.path).st_mode
     except FileNotFoundError:
-      raise ArtifactError(f"{self.path} is not an artifact directory (it does not exist).") from None
+      raise ArtifactError(
+        f"{self.path} is not an artifact directory (it does not exist)."
+      ) from None
     except OSError as e:
       raise ArtifactError(f"{self.path} cannot be read ({e}).") from None
     if stat.S_ISLNK(mode):

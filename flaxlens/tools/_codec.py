@@ -237,8 +237,9 @@ _BUILTIN = [
   ),
   ValueCodec(
     "dtype",
-    matches=lambda v: isinstance(v, np.dtype)
-    or (isinstance(v, type) and issubclass(v, np.generic)),
+    matches=lambda v: (
+      isinstance(v, np.dtype) or (isinstance(v, type) and issubclass(v, np.generic))
+    ),
     to_data=lambda v: np.dtype(v).name,
     from_data=_dtype,
     role=None,
@@ -317,8 +318,7 @@ class Encoder:
 
   def _pairs(self, value: Mapping, where: str) -> list:
     return [
-      [self.encode(k, f"{where} key"), self.encode(v, f"{where}[{k!r}]")]
-      for k, v in value.items()
+      [self.encode(k, f"{where} key"), self.encode(v, f"{where}[{k!r}]")] for k, v in value.items()
     ]
 
   def _object(self, codec: ValueCodec, value: Any, where: str) -> dict:

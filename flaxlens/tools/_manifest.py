@@ -345,8 +345,7 @@ def _check_arrays(arrays: dict, found: Found, source: str) -> None:
   for name, impl in found.arrays.items():
     info = arrays[name]
     if impl != "array" and (
-      info["dtype"] != "uint32"
-      or tuple(info["shape"][-len(KEY_IMPLS[impl]) :]) != KEY_IMPLS[impl]
+      info["dtype"] != "uint32" or tuple(info["shape"][-len(KEY_IMPLS[impl]) :]) != KEY_IMPLS[impl]
     ):
       raise ArtifactError(
         f"{source}: array {name!r} holds {impl} keys but has dtype {info['dtype']} and"

@@ -130,8 +130,7 @@ class LoadPolicy:
     for package in packages:
       if not isinstance(package, str) or not re.fullmatch(_NAME, package):
         raise ArtifactError(
-          f"allow= takes top-level package names such as 'transformers'; {package!r} is not"
-          " one."
+          f"allow= takes top-level package names such as 'transformers'; {package!r} is not one."
         )
     return cls(packages)
 
@@ -194,8 +193,10 @@ class LoadPolicy:
     if role == "namedtuple":
       return _is_namedtuple(obj)
     if role == "dataclass":
-      return _subclass(obj, object) and dataclasses.is_dataclass(obj) and (
-        trusted or issubclass(obj, bases["dataclass"])
+      return (
+        _subclass(obj, object)
+        and dataclasses.is_dataclass(obj)
+        and (trusted or issubclass(obj, bases["dataclass"]))
       )
     if role == "mapping":
       return _subclass(obj, Mapping) and (trusted or issubclass(obj, bases["mapping"]))

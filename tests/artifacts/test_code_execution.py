@@ -96,10 +96,7 @@ def side_effect_package(tmp_path, monkeypatch):
   package.mkdir()
   marker = tmp_path / "IMPORTED"
   (package / "sideeffect_mod.py").write_text(
-    f"open({str(marker)!r}, 'w').close()\n"
-    "import flax.linen as nn\n"
-    "class Block(nn.Dense):\n"
-    "  pass\n"
+    f"open({str(marker)!r}, 'w').close()\nimport flax.linen as nn\nclass Block(nn.Dense):\n  pass\n"
   )
   monkeypatch.syspath_prepend(str(package))
   yield marker

@@ -132,7 +132,9 @@ JSON_VALUES = st.recursive(
   | st.floats(allow_nan=False, allow_infinity=False)
   | st.sampled_from(["", "a0", "a99", "os:system", "flax.linen.linear:Dense", "float32", "dict"])
   | st.text(max_size=8),
-  lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+  lambda inner: (
+    st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+  ),
   max_leaves=6,
 )
 

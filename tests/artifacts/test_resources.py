@@ -11,9 +11,9 @@ import json
 import os
 import pathlib
 import struct
-import zipfile
 import subprocess
 import sys
+import zipfile
 import zlib
 
 import numpy as np
@@ -69,16 +69,34 @@ def _zip_bomb(path: pathlib.Path) -> None:
   packed = len(head) + blocks * len(block) + len(tail)
   name = b"a0.npy"
   zip64 = struct.pack("<HHQQ", 1, 16, size, packed)
-  local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 0, 8, 0, 0x21, crc, *[0xFFFFFFFF] * 2,
-                      len(name), len(zip64))
+  local = struct.pack(
+    "<IHHHHHIIIHH", 0x04034B50, 45, 0, 8, 0, 0x21, crc, *[0xFFFFFFFF] * 2, len(name), len(zip64)
+  )
   with open(path, "wb") as f:
     f.write(local + name + zip64 + head)
     for _ in range(blocks):
       f.write(block)
     f.write(tail)
     start = f.tell()
-    central = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, 0, 8, 0, 0x21, crc,
-                          *[0xFFFFFFFF] * 2, len(name), len(zip64), 0, 0, 0, 0, 0)
+    central = struct.pack(
+      "<IHHHHHHIIIHHHHHII",
+      0x02014B50,
+      45,
+      45,
+      0,
+      8,
+      0,
+      0x21,
+      crc,
+      *[0xFFFFFFFF] * 2,
+      len(name),
+      len(zip64),
+      0,
+      0,
+      0,
+      0,
+      0,
+    )
     f.write(central + name + zip64)
     end = f.tell()
     f.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, 1, 1, end - start, start))
