@@ -526,7 +526,9 @@ class Decoder:
         jax.tree_util.default_registry, node, children
       )
     except (TypeError, ValueError) as e:
-      raise ArtifactError(f"Malformed artifact at {where}: not a pytree definition ({e}).")
+      raise ArtifactError(
+        f"Malformed artifact at {where}: not a pytree definition ({e})."
+      ) from None
 
 
 def _hashable(key: Any) -> Any:

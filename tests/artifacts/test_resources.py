@@ -53,7 +53,7 @@ def _load_in_child(path: pathlib.Path) -> dict:
 def _zip_bomb(path: pathlib.Path) -> None:
   """A valid zip64 archive whose one .npy member (4 GiB of uint8 zeros) is deflated to a
   few MB: one compressed block of zeros, ended by a full flush, repeated."""
-  text = "{'descr': '|u1', 'fortran_order': False, 'shape': (%d,), }" % GiB4
+  text = f"{{'descr': '|u1', 'fortran_order': False, 'shape': ({GiB4},), }}"
   text = text.ljust(127 - 10) + "\n"
   header = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode()
   zeros = bytes(2**24)
