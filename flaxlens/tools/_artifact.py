@@ -476,7 +476,7 @@ def _read_arrays(directory: _Directory, expected: dict, max_bytes: int) -> dict[
   """
   where = f"{directory.path}: {ARRAYS}"
   sizes = {
-    name: int(np.prod(info["shape"], dtype=object)) * np.dtype(_np_dtype(info["dtype"])).itemsize
+    name: int(np.prod(info["shape"], dtype=object)) * jax.numpy.dtype(info["dtype"]).itemsize
     for name, info in expected.items()
   }
   total = sum(sizes.values())
@@ -505,10 +505,6 @@ def _read_arrays(directory: _Directory, expected: dict, max_bytes: int) -> dict[
         }
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError) as e:
       raise ArtifactError(f"{where} is corrupted or truncated ({e}).") from None
-
-
-def _np_dtype(name: str) -> Any:
-  return jax.numpy.dtype(name)
 
 
 def _read_member(
@@ -555,4 +551,4 @@ def _read_member(
       f"{where}: array {name.removesuffix('.npy')!r} does not match its checksum; the"
       " artifact is corrupted or was tampered with."
     )
-  return data.view(_np_dtype(info["dtype"])).reshape(info["shape"])
+  return data.view(jax.numpy.dtype(info["dtype"])).reshape(info["shape"])

@@ -18,6 +18,7 @@ import enum
 import functools
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,7 +30,9 @@ from flaxlens.tools._policy import (
   ArtifactError,
   LoadPolicy,
   check_reference_syntax,
+  package_of,
   reference,
+  resolve_imported,
 )
 
 # Array dtypes an artifact may hold, by numpy name (no object, void or structured dtypes).
@@ -62,16 +65,6 @@ class ValueCodec:
   from_data: Callable[[Any, Any], Any]
   role: str | None = "subclass"
   base: type | str | None = None
-
-  def base_class(self) -> type | None:
-    """The base class, or None on the save side while its package is not imported."""
-    if not isinstance(self.base, str):
-      return self.base
-    import sys
-
-    from flaxlens.tools._policy import _import, package_of
-
-    return _import(self.base, "") if package_of(self.base) in sys.modules else None
 
 
 _CODECS: list[ValueCodec] = []
@@ -131,8 +124,12 @@ def register_value_codec(
 
 
 def _isinstance_lazy(value: Any, base: type | str) -> bool:
-  cls = ValueCodec("", bool, bool, bool, base=base).base_class()
-  return cls is not None and isinstance(value, cls)
+  """isinstance for a base given by reference: False while its package is not imported."""
+  if isinstance(base, str):
+    if package_of(base) not in sys.modules:
+      return False
+    base = resolve_imported(base)
+  return isinstance(value, base)
 
 
 def _is_namedtuple_value(value: Any) -> bool:
@@ -552,6 +549,5 @@ def resolve_references(
         obj = policy.resolve(ref, codec.role, where)
     else:
       obj = policy.resolve(ref, role, where)
-    if resolved.setdefault(ref, obj) is not obj:
-      raise AssertionError(ref)
+    resolved[ref] = obj
   return resolved

@@ -118,6 +118,18 @@ def _either(*checks: Check) -> Check:
   return check
 
 
+def _by_kind(schemas: dict[str, Check]) -> Check:
+  """An object checked by the schema its `kind` field selects."""
+
+  def check(value: Any, where: str, found: Found) -> None:
+    kind = value.get("kind") if isinstance(value, dict) else None
+    if kind not in schemas:
+      raise _fail(where, f"must be an object whose 'kind' is one of {sorted(schemas)}")
+    schemas[kind](value, where, found)
+
+  return check
+
+
 def _value(value: Any, where: str, found: Found) -> None:
   validate(value, where, found)
 
@@ -214,7 +226,7 @@ _SCHEMA = _object(
     "call": _is(str, "a string"),
     "call_number": _natural,
     "calls": _list_of(_is(str, "a string")),
-    "recipe": _either(_LINEN, _NNX),
+    "recipe": _by_kind({"linen": _LINEN, "nnx": _NNX}),
     "saved": _object(
       {
         "args": _tagged("tuple"),

@@ -262,6 +262,11 @@ def _import(ref: str, where: str) -> Any:
   return obj
 
 
+def resolve_imported(ref: str) -> Any:
+  """The object `ref` names, for references the running code itself chose (save side)."""
+  return _import(ref, "")
+
+
 def reference(obj: Any) -> str | None:
   """`"module:qualname"` under which `obj` can be imported again, or None (save side)."""
   module = getattr(obj, "__module__", None)
