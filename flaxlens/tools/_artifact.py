@@ -308,7 +308,7 @@ def load_isolated(
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp, tempfile
     >>> model = nn.Sequential([nn.Dense(4), nn.gelu, nn.Dense(2)])
     >>> x = jnp.ones((1, 3))
-    >>> isolated = fl.isolate(model, model.init(jax.random.key(0), x), x)
+    >>> isolated = fl.isolate(model, model.init(jax.random.key(0), x), x, at="")
     >>> path = tempfile.mkdtemp() + "/mlp"
     >>> fl.save_isolated(isolated, path)
     >>> loaded = fl.load_isolated(path, max_bytes=2**20)

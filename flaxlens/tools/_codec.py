@@ -98,10 +98,9 @@ def register_value_codec(
     ...   "fraction", fractions.Fraction,
     ...   to_data=lambda f: [f.numerator, f.denominator],
     ...   from_data=lambda cls, data: cls(*data))
-    >>> model = nn.Sequential([nn.Dense(3), nn.Dropout(fractions.Fraction(1, 4))])
-    >>> x = jnp.ones((2, 3))
-    >>> isolated = fl.isolate(model, model.init(jax.random.key(0), x), x, at="layers_1",
-    ...                       deterministic=False, rngs={"dropout": jax.random.key(1)})
+    >>> model = nn.Dropout(fractions.Fraction(1, 4), deterministic=False)
+    >>> x, rngs = jnp.ones((2, 3)), {"dropout": jax.random.key(1)}
+    >>> isolated = fl.isolate(model, {}, x, at="", rngs=rngs)
     >>> path = tempfile.mkdtemp() + "/dropout"
     >>> fl.save_isolated(isolated, path)
     >>> loaded = fl.load_isolated(path, allow=["fractions"])
