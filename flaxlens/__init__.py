@@ -32,7 +32,7 @@ from flaxlens.linen._tree import (
 )
 from flaxlens.nnx._tree import InterceptedNNXModuleMethod, NNXModuleDef, NNXVariableSpec
 from flaxlens.tools._artifact import load_isolated, save_isolated
-from flaxlens.tools._codec import ArtifactError
+from flaxlens.tools._codec import register_value_codec
 from flaxlens.tools._isolate import (
   IsolatedSubmodel,
   ReplayReport,
@@ -40,6 +40,7 @@ from flaxlens.tools._isolate import (
   isolate_calls,
   isolate_submodel,
 )
+from flaxlens.tools._policy import ArtifactError
 from flaxlens.tools._summary import summary
 
 __version__ = "0.1.0"
@@ -47,6 +48,7 @@ __version__ = "0.1.0"
 __all__ = [
   "ArtifactError",
   "load_isolated",
+  "register_value_codec",
   "save_isolated",
   "ArgsAndKwargs",
   "CallStructureError",

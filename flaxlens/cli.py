@@ -1,8 +1,9 @@
 """The `flaxlens` command line.
 
 `flaxlens demo` converts an embedded model, checks it against Flax, patches and edits
-it; `flaxlens replay PATH` re-runs a saved isolated call and compares it with what was
-saved (exit status 0 only on an exact match).
+it; `flaxlens replay PATH [--allow PKG]` re-runs a saved isolated call and compares it with
+what was saved (exit status 0 on an exact match, 1 if it differs, 2 if the artifact is
+refused).
 """
 
 from __future__ import annotations
@@ -52,19 +53,27 @@ def demo() -> int:
   return 0 if exact else 1
 
 
-def replay(path: str, jit: bool | None) -> int:
-  """Loads an isolated-call artifact, replays it and prints the per-leaf comparison."""
+def replay(path: str, jit: bool | None, allow: list[str]) -> int:
+  """Loads an isolated-call artifact, replays it and prints the per-leaf comparison.
+
+  Exit status: 0 exact replay, 1 replay differs, 2 the artifact was refused or its call
+  could not be replayed.
+  """
   from rich.console import Console
 
   import flaxlens as fl
 
   console = Console()
   try:
-    isolated = fl.load_isolated(path)
+    isolated = fl.load_isolated(path, allow=allow)
   except fl.ArtifactError as e:
     print(f"flaxlens replay: {e}", file=sys.stderr)
     return 2
-  report = isolated.replay(jit=jit)
+  try:
+    report = isolated.replay(jit=jit)
+  except Exception as e:
+    print(f"flaxlens replay: the saved call raised {type(e).__name__}: {e}", file=sys.stderr)
+    return 2
   for leaf, same in report.identical.items():
     verdict = "[green]match[/]" if same else f"[red]{report.verdict(leaf)}[/]"
     console.print(f"{leaf}  {verdict}", highlight=False)
@@ -89,11 +98,19 @@ def main(argv: list[str] | None = None) -> int:
   mode.add_argument(
     "--eager", dest="jit", action="store_const", const=False, help="force an eager replay"
   )
+  replay_parser.add_argument(
+    "--allow",
+    action="append",
+    default=[],
+    metavar="PKG",
+    help="let the artifact import classes and functions from package PKG (repeatable);"
+    " only for artifacts from a source you trust",
+  )
   args = parser.parse_args(argv)
   if args.command == "demo":
     return demo()
   if args.command == "replay":
-    return replay(args.path, args.jit)
+    return replay(args.path, args.jit, args.allow)
   return 2
 
 

@@ -1,15 +1,17 @@
-"""Saving an isolated call as a self-contained directory, and loading it elsewhere.
+"""Saving an isolated call as a self-contained directory, and loading it safely elsewhere.
 
-An artifact is a directory with `manifest.json` (format version, library versions, the
-recipe of the call: for Linen the module class by import reference and its settings,
-the variables and the rng state; for NNX the module's `GraphDef`, whose classes are
-import references too, and its variables; then the method, arguments and saved
-results, and shapes, dtypes and a SHA-256 per array) and
-`arrays.npz` (each array as raw bytes; loaded with `allow_pickle=False`). Loading
-verifies every checksum and imports only the classes and functions the manifest names,
-then rebuilds the submodel exactly as isolation built it. Writes go to a temporary
-directory renamed into place, so a crash leaves no half artifact. Flax internals: the rng
-counters' encoding, through `flaxlens._flax_internals`.
+An artifact is a directory with `manifest.json` (the recipe of the call: for Linen the
+module class by import reference and its settings, the variables and the rng state; for
+NNX the module's `GraphDef` and its variables; the arguments and saved results; shape,
+dtype and SHA-256 of each array; a SHA-256 of the manifest itself) and `arrays.npz` (each
+array as raw bytes, stored uncompressed). Loading treats the directory as hostile:
+it opens only regular files (never following a symlink, never blocking on a FIFO),
+bounds every size before reading, validates the whole manifest (`_manifest`), checks
+every referenced package against the loading policy (`_policy`), streams and verifies
+every array, and only then imports the checked references and rebuilds the submodel
+exactly as isolation built it. docs/artifacts.md documents the format and the policy.
+Writes go to a temporary directory renamed into place, so a crash leaves no half
+artifact. Flax internals: the rng counters' encoding, through `flaxlens._flax_internals`.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import os
 import pathlib
 import platform
 import shutil
+import stat
 import tempfile
 import zipfile
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, BinaryIO
 
 import flax
 import jax
@@ -35,12 +39,25 @@ from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import iter_call_nodes
 from flaxlens.core._variables import StateVariableValue, bind_variables
 from flaxlens.linen._tree import InterceptedFlaxModuleMethod, RngSnapshot, _gather
-from flaxlens.tools._codec import ArtifactError, Decoder, Encoder
+from flaxlens.tools._codec import Decoder, Encoder, resolve_references
 from flaxlens.tools._isolate import IsolatedSubmodel, linen_submodel
+from flaxlens.tools._manifest import (
+  FORMAT,
+  FORMAT_VERSION,
+  Manifest,
+  checksum,
+  parse_manifest,
+  references_of,
+)
+from flaxlens.tools._policy import DEFAULT_PACKAGES, ArtifactError, LoadPolicy, package_of
 
-FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ARRAYS = "arrays.npz"
+MAX_MANIFEST_BYTES = 64 * 2**20
+DEFAULT_MAX_BYTES = 16 * 2**30
+_CHUNK = 2**20
+# Bytes an uncompressed npz adds per member (zip headers, name, .npy header), at most.
+_MEMBER_OVERHEAD = 4096
 
 
 def save_isolated(
@@ -48,14 +65,19 @@ def save_isolated(
 ) -> None:
   """Writes `isolated` to the directory `path`, atomically.
 
+  The manifest records in `requires` the packages beyond jax, flax, numpy and flaxlens
+  that loading will need to be allowed (`load_isolated(path, allow=[...])`).
+
   Args:
     isolated: from `fl.isolate_submodel` (Linen or NNX calls).
     path: the artifact directory to create.
-    overwrite: replace an existing artifact at `path`.
+    overwrite: replace an existing flaxlens artifact at `path`; anything else there (a
+      file, a symlink, a directory that is not an artifact) is never replaced.
 
   Raises:
-    ArtifactError: if `path` exists (and not `overwrite`) or a value cannot be saved
-      without pickling code (the message names the value).
+    ArtifactError: if `path` exists (and not `overwrite`, or it is not an artifact), a
+      value cannot be saved without pickling code (the message names the value), or the
+      directory cannot be written.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp, tempfile
@@ -64,14 +86,14 @@ def save_isolated(
     >>> isolated = fl.isolate(model, model.init(jax.random.key(0), x), x, at="layers_2")
     >>> path = tempfile.mkdtemp() + "/dense"
     >>> fl.save_isolated(isolated, path)
+    >>> fl.save_isolated(isolated, path, overwrite=True)
     >>> bool(fl.load_isolated(path).replay())
     True
   """
   from flaxlens.nnx._tree import InterceptedNNXModuleMethod
 
   target = pathlib.Path(path)
-  if target.exists() and not overwrite:
-    raise ArtifactError(f"{target} exists; pass overwrite=True to replace it.")
+  _check_target(target, overwrite)
   submodel = isolated.submodel
   encoder = Encoder()
   if isinstance(submodel, InterceptedFlaxModuleMethod):
@@ -92,7 +114,7 @@ def save_isolated(
     "final": _encode_values(encoder, isolated.final_var_values, "final_var_values"),
   }
   manifest = {
-    "format": "flaxlens-isolated",
+    "format": FORMAT,
     "format_version": FORMAT_VERSION,
     "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "versions": {
@@ -101,6 +123,7 @@ def save_isolated(
       "flax": flax.__version__,
       "python": platform.python_version(),
     },
+    "requires": [],
     "call": "/".join(submodel.readable_path()),
     "call_number": isolated.call_number,
     "replay": {"jit": isolated.recorded_compiled},
@@ -111,12 +134,44 @@ def save_isolated(
       name: {
         "shape": list(a.shape),
         "dtype": a.dtype.name,
-        "sha256": hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest(),
+        "sha256": _array_digest(
+          a.dtype.name, a.shape, np.ascontiguousarray(a).tobytes()
+        ).hexdigest(),
       }
       for name, a in encoder.arrays.items()
     },
   }
-  _write_atomically(target, manifest, encoder.arrays, overwrite)
+  manifest["requires"] = _requires(references_of(manifest))
+  manifest["manifest_sha256"] = checksum(manifest)
+  raw = json.dumps(manifest, indent=1, allow_nan=False).encode()
+  try:
+    parse_manifest(raw, str(target))
+  except ArtifactError as e:
+    raise ArtifactError(f"Cannot save {target}: its manifest would not load ({e}).") from None
+  _write_atomically(target, raw, encoder.arrays, overwrite)
+
+
+def _requires(references: list[tuple[str, str, str]]) -> list[str]:
+  """Packages to allow on load: those outside the defaults, and default packages whose
+  objects the default policy does not accept in the role they play here."""
+  needed = set()
+  default = LoadPolicy()
+  for ref, role, where in references:
+    package = package_of(ref)
+    if package not in DEFAULT_PACKAGES:
+      needed.add(package)
+      continue
+    try:
+      resolve_references(default, [(ref, role, where)])
+    except ArtifactError:
+      needed.add(package)
+  return sorted(needed)
+
+
+def _array_digest(dtype: str, shape: Iterable[int], data: bytes = b"") -> Any:
+  """SHA-256 over an array's dtype, shape and bytes (`update` it with more bytes), so that
+  none of the three can change unnoticed."""
+  return hashlib.sha256(f"flaxlens-array {dtype} {list(shape)}\n".encode() + data)
 
 
 def _linen_recipe(encoder: Encoder, submodel: Any, initial: tuple[Any, ...]) -> dict:
@@ -126,7 +181,7 @@ def _linen_recipe(encoder: Encoder, submodel: Any, initial: tuple[Any, ...]) -> 
     "kind": "linen",
     "module": encoder.encode(submodel.module, "module"),
     "method": encoder.encode(submodel.method_name, "method"),
-    "variables": encoder.encode(variables, "variables"),
+    "variables": encoder.encode(dict(variables), "variables"),
     "rngs": None
     if snapshot is None
     else {
@@ -134,7 +189,7 @@ def _linen_recipe(encoder: Encoder, submodel: Any, initial: tuple[Any, ...]) -> 
       "suffixes": encoder.encode(dict(snapshot.suffixes), "rng suffixes"),
       "counters": fi.counters_to_data(snapshot.counters),
     },
-    "mutable": list(submodel.mutable),
+    "mutable": submodel.mutable if isinstance(submodel.mutable, bool) else list(submodel.mutable),
     "capture_intermediates": encoder.encode(submodel.capture_intermediates, "capture"),
   }
 
@@ -158,12 +213,41 @@ def _encode_values(encoder: Encoder, values: tuple[Any, ...], where: str) -> lis
   return [[v.label, encoder.encode(v.value, f"{where}[{v.label!r}]")] for v in values]
 
 
-def _write_atomically(
-  target: pathlib.Path, manifest: dict, arrays: dict[str, np.ndarray], overwrite: bool
-) -> None:
-  target.parent.mkdir(parents=True, exist_ok=True)
-  staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+def _check_target(target: pathlib.Path, overwrite: bool) -> None:
+  """Refuses to write over anything but, with `overwrite`, a flaxlens artifact."""
+  if not os.path.lexists(target):
+    return
+  if not overwrite:
+    raise ArtifactError(f"{target} exists; pass overwrite=True to replace it.")
+  refuse = (
+    f"{target} is not a flaxlens artifact, so save_isolated(overwrite=True) does not"
+    " replace it: remove it yourself or choose another path."
+  )
   try:
+    with _Directory(target) as directory:
+      others = sorted(set(os.listdir(directory.fd)) - {MANIFEST, ARRAYS})
+      raw = directory.read(MANIFEST, MAX_MANIFEST_BYTES)
+    marker = json.loads(raw).get("format")
+  except (ArtifactError, ValueError, AttributeError, RecursionError):
+    raise ArtifactError(refuse) from None
+  if others:
+    raise ArtifactError(f"{refuse} (It holds {others[:5]}.)")
+  if marker != FORMAT:
+    raise ArtifactError(refuse)
+
+
+def _write_atomically(
+  target: pathlib.Path, manifest: bytes, arrays: dict[str, np.ndarray], overwrite: bool
+) -> None:
+  """Writes into a fresh hidden directory, then renames it into place.
+
+  Every temporary name is unique (`mkdtemp`), so a leftover from a crash never blocks a
+  later save; on any failure the temporaries are removed and an old artifact restored.
+  """
+  staging = old = None
+  try:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     raw = {
       name: np.frombuffer(np.ascontiguousarray(a).tobytes(), np.uint8) for name, a in arrays.items()
     }
@@ -171,46 +255,99 @@ def _write_atomically(
       np.savez(f, **raw)
       f.flush()
       os.fsync(f.fileno())
-    with open(staging / MANIFEST, "w") as f:
-      json.dump(manifest, f, indent=1)
+    with open(staging / MANIFEST, "wb") as f:
+      f.write(manifest)
       f.flush()
       os.fsync(f.fileno())
-    if target.exists() and overwrite:
-      old = target.with_name(f".{target.name}.old")
+    if overwrite and os.path.lexists(target):
+      _check_target(target, overwrite)
+      old = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
       os.replace(target, old)
-      os.replace(staging, target)
-      shutil.rmtree(old)
+      try:
+        os.replace(staging, target)
+      except BaseException:
+        os.replace(old, target)
+        raise
     else:
       os.replace(staging, target)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
+    staging = None
+  except OSError as e:
+    raise ArtifactError(f"Cannot write the artifact {target} ({e}).") from None
+  finally:
+    for leftover in (staging, old):
+      if leftover is not None:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
-def load_isolated(path: str | os.PathLike) -> IsolatedSubmodel:
+def load_isolated(
+  path: str | os.PathLike,
+  allow: Iterable[str] | None = None,
+  max_bytes: int = DEFAULT_MAX_BYTES,
+) -> IsolatedSubmodel:
   """Reads an artifact written by `save_isolated` and rebuilds the isolated call.
 
+  The artifact is treated as untrusted. Before anything is imported, the whole manifest
+  is validated and every package it references must be allowed: jax, flax, numpy and
+  flaxlens by default (and from them only Flax modules and data types, and a vetted set
+  of functions), plus the packages in `allow`, whose code you thereby trust. Sizes are
+  checked before reading and arrays are verified against their checksums (which cover
+  shape and dtype). See docs/artifacts.md.
+
+  Args:
+    path: the artifact directory.
+    allow: top-level packages whose classes and functions the artifact may import, for
+      example `["transformers"]` or the package defining your own modules. The refusal
+      message names the packages an artifact needs.
+    max_bytes: refuse artifacts whose arrays hold more bytes than this.
+
   Raises:
-    ArtifactError: if the artifact is missing files, truncated, corrupted or tampered
-      with (a checksum differs), from a newer format, or names a class that cannot be
-      imported. The message says which.
+    ArtifactError: the artifact is missing files, not regular files, truncated, too
+      large, corrupted or tampered with, from another format version, or references code
+      the policy does not allow. The message says which, and how to allow a package.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp, tempfile
+    >>> model = nn.Sequential([nn.Dense(4), nn.gelu, nn.Dense(2)])
+    >>> x = jnp.ones((1, 3))
+    >>> isolated = fl.isolate(model, model.init(jax.random.key(0), x), x, at="")
+    >>> path = tempfile.mkdtemp() + "/mlp"
+    >>> fl.save_isolated(isolated, path)
+    >>> loaded = fl.load_isolated(path, max_bytes=2**20)
+    >>> bool(loaded.replay())
+    True
   """
+  policy = LoadPolicy.create(allow)
+  if type(max_bytes) is not int or max_bytes < 0:
+    raise ArtifactError(f"max_bytes must be a non-negative integer, not {max_bytes!r}.")
   source = pathlib.Path(path)
-  manifest = _read_manifest(source)
-  arrays = _read_arrays(source, manifest)
-  decoder = Decoder(arrays)
-  recipe, saved = manifest["recipe"], manifest["saved"]
+  with _Directory(source) as directory:
+    manifest = parse_manifest(directory.read(MANIFEST, MAX_MANIFEST_BYTES), str(source))
+    for ref, _, where in manifest.references:
+      policy.check_package(ref, where, manifest.requires)
+    arrays = _read_arrays(directory, manifest.data["arrays"], max_bytes)
+  resolved = resolve_references(policy, manifest.references)
+  return _rebuild(source, manifest, Decoder(arrays, resolved))
+
+
+def _rebuild(source: pathlib.Path, manifest: Manifest, decoder: Decoder) -> IsolatedSubmodel:
+  recipe, saved = manifest.data["recipe"], manifest.data["saved"]
   argument = ArgsAndKwargs(
-    args=decoder.decode(saved["args"]), kwargs=decoder.decode(saved["kwargs"])
+    args=decoder.decode(saved["args"], "saved.args"),
+    kwargs=decoder.decode(saved["kwargs"], "saved.kwargs"),
   )
-  side_inputs = decoder.decode(saved["side_inputs"])
-  kind = recipe.get("kind")
-  if kind == "linen":
-    submodel, initial = _linen_submodel(source, decoder, recipe, argument, side_inputs)
-  elif kind == "nnx":
-    submodel, initial = _nnx_submodel(source, decoder, recipe, argument)
-  else:
-    raise ArtifactError(f"{source}: unknown artifact kind {kind!r}.")
+  side_inputs = decoder.decode(saved["side_inputs"], "saved.side_inputs")
+  try:
+    if recipe["kind"] == "linen":
+      submodel, initial = _linen_submodel(source, decoder, recipe, argument, side_inputs)
+    else:
+      submodel, initial = _nnx_submodel(source, decoder, recipe, argument)
+  except ArtifactError:
+    raise
+  except Exception as e:
+    raise ArtifactError(
+      f"{source}: the saved call cannot be rebuilt ({type(e).__name__}: {e}); the artifact"
+      " is inconsistent or needs other versions of the packages it names."
+    ) from e
   saved_initial = _decode_values(decoder, saved["initial"])
   if [v.label for v in initial] != [v.label for v in saved_initial]:
     raise ArtifactError(
@@ -221,11 +358,11 @@ def load_isolated(path: str | os.PathLike) -> IsolatedSubmodel:
     submodel=submodel,
     saved_arg=argument,
     saved_side_inputs=side_inputs,
-    saved_output=decoder.decode(saved["output"]),
+    saved_output=decoder.decode(saved["output"], "saved.output"),
     initial_var_values=saved_initial,
     final_var_values=_decode_values(decoder, saved["final"]),
-    call_number=manifest.get("call_number", 0),
-    recorded_compiled=manifest.get("replay", {}).get("jit", False) is True,
+    call_number=manifest.data["call_number"],
+    recorded_compiled=bool(manifest.replay_jit),
   )
 
 
@@ -234,20 +371,17 @@ def _nnx_submodel(source, decoder, recipe, argument):
 
   from flaxlens.tools._isolate_nnx import nnx_submodel
 
-  graphdef = decoder.decode(recipe["graphdef"])
+  graphdef = decoder.decode(recipe["graphdef"], "recipe.graphdef")
   if not isinstance(graphdef, nnx.graph.GraphDef):
     raise ArtifactError(f"{source}: the recipe's graphdef is not an NNX GraphDef.")
-  try:
-    module = nnx.merge(graphdef, list(decoder.decode(recipe["leaves"])))
-  except Exception as e:
-    raise ArtifactError(f"{source}: the NNX module cannot be rebuilt ({e}).") from None
+  module = nnx.merge(graphdef, list(decoder.decode(recipe["leaves"], "recipe.leaves")))
   if not isinstance(module, nnx.Module):
     raise ArtifactError(f"{source}: the recipe does not describe an nnx.Module.")
   return nnx_submodel(module, decoder.decode(recipe["method"]), argument)
 
 
 def _linen_submodel(source, decoder, recipe, argument, side_inputs):
-  module = decoder.decode(recipe["module"])
+  module = decoder.decode(recipe["module"], "recipe.module")
   if not isinstance(module, flax.linen.Module):
     raise ArtifactError(f"{source}: the recipe's module is not a flax.linen.Module.")
   rngs = recipe["rngs"]
@@ -261,10 +395,10 @@ def _linen_submodel(source, decoder, recipe, argument, side_inputs):
   return linen_submodel(
     module,
     decoder.decode(recipe["method"]),
-    decoder.decode(recipe["variables"]),
+    decoder.decode(recipe["variables"], "recipe.variables"),
     argument,
     snapshot if snapshot is not None else side_inputs.get("random_streams"),
-    list(recipe["mutable"]),
+    recipe["mutable"],
     decoder.decode(recipe["capture_intermediates"]),
   )
 
@@ -273,51 +407,150 @@ def _decode_values(decoder: Decoder, entries: list) -> tuple[StateVariableValue,
   return tuple(StateVariableValue(value=decoder.decode(v), label=label) for label, v in entries)
 
 
-def _read_manifest(source: pathlib.Path) -> dict:
-  if not source.is_dir():
-    raise ArtifactError(f"{source} is not an artifact directory (it does not exist).")
-  try:
-    manifest = json.loads((source / MANIFEST).read_text())
-  except FileNotFoundError:
-    raise ArtifactError(f"{source}: {MANIFEST} is missing; the artifact is incomplete.") from None
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ArtifactError(f"{source}: {MANIFEST} is corrupted or truncated ({e}).") from None
-  if not isinstance(manifest, dict) or manifest.get("format") != "flaxlens-isolated":
-    raise ArtifactError(f"{source}: {MANIFEST} is not a flaxlens artifact manifest.")
-  version = manifest.get("format_version")
-  if not isinstance(version, int) or version > FORMAT_VERSION:
-    raise ArtifactError(
-      f"{source} uses artifact format {version!r}, newer than this flaxlens reads"
-      f" ({FORMAT_VERSION}). Upgrade flaxlens to load it."
-    )
-  for key in ("recipe", "saved", "arrays"):
-    if key not in manifest:
-      raise ArtifactError(f"{source}: {MANIFEST} lacks {key!r}; the artifact is corrupted.")
-  return manifest
+class _Directory:
+  """An artifact directory opened without following symlinks; reads only regular files."""
 
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+    self.fd = -1
 
-def _read_arrays(source: pathlib.Path, manifest: dict) -> dict[str, np.ndarray]:
-  expected = manifest["arrays"]
-  try:
-    with np.load(source / ARRAYS, allow_pickle=False) as npz:
-      raw = {name: npz[name] for name in npz.files}
-  except FileNotFoundError:
-    raise ArtifactError(f"{source}: {ARRAYS} is missing; the artifact is incomplete.") from None
-  except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
-    raise ArtifactError(f"{source}: {ARRAYS} is corrupted or truncated ({e}).") from None
-  if set(raw) != set(expected):
-    raise ArtifactError(
-      f"{source}: {ARRAYS} holds arrays {sorted(raw)[:5]}..., but the manifest lists"
-      f" {sorted(expected)[:5]}...; the artifact is corrupted or was tampered with."
-    )
-  arrays = {}
-  for name, info in expected.items():
-    data = raw[name]
-    if hashlib.sha256(data.tobytes()).hexdigest() != info["sha256"]:
+  def __enter__(self) -> _Directory:
+    try:
+      mode = os.lstat(self.path).st_mode
+    except FileNotFoundError:
       raise ArtifactError(
-        f"{source}: array {name!r} does not match its checksum; the artifact is corrupted"
-        " or was tampered with."
+        f"{self.path} is not an artifact directory (it does not exist)."
+      ) from None
+    except OSError as e:
+      raise ArtifactError(f"{self.path} cannot be read ({e}).") from None
+    if stat.S_ISLNK(mode):
+      raise ArtifactError(
+        f"{self.path} is a symbolic link; artifacts are opened only as real directories."
+        " Pass the directory it points to if you trust it."
       )
-    dtype = jax.numpy.dtype(info["dtype"])
-    arrays[name] = data.view(dtype).reshape(info["shape"])
-  return arrays
+    if not stat.S_ISDIR(mode):
+      raise ArtifactError(f"{self.path} is not an artifact directory.")
+    try:
+      self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+      raise ArtifactError(f"{self.path} cannot be opened as a directory ({e}).") from None
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    os.close(self.fd)
+
+  def open(self, name: str, limit: int) -> tuple[BinaryIO, int]:
+    """Opens the regular file `name` of at most `limit` bytes; never blocks or follows."""
+    where = f"{self.path}: {name}"
+    try:
+      mode = os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+      raise ArtifactError(f"{where} is missing; the artifact is incomplete.") from None
+    except OSError as e:
+      raise ArtifactError(f"{where} cannot be read ({e}).") from None
+    if not stat.S_ISREG(mode):
+      kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+      raise ArtifactError(f"{where} is {kind}; an artifact holds only regular files.")
+    try:
+      fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=self.fd)
+    except OSError as e:
+      raise ArtifactError(f"{where} cannot be opened ({e}).") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+      os.close(fd)
+      raise ArtifactError(
+        f"{where} is {'not a regular file' if not stat.S_ISREG(info.st_mode) else 'too large'}"
+        f" ({info.st_size} bytes, at most {limit} allowed); it is not a valid artifact file."
+      )
+    return os.fdopen(fd, "rb"), info.st_size
+
+  def read(self, name: str, limit: int) -> bytes:
+    f, _ = self.open(name, limit)
+    with f:
+      return f.read(limit + 1)
+
+
+def _read_arrays(directory: _Directory, expected: dict, max_bytes: int) -> dict[str, np.ndarray]:
+  """Reads each array after checking its zip entry and .npy header against the manifest.
+
+  Members must be stored uncompressed, so no entry can inflate: sizes are known from the
+  zip directory before anything is read, and bytes are hashed as they stream in.
+  """
+  where = f"{directory.path}: {ARRAYS}"
+  sizes = {
+    name: int(np.prod(info["shape"], dtype=object)) * jax.numpy.dtype(info["dtype"]).itemsize
+    for name, info in expected.items()
+  }
+  total = sum(sizes.values())
+  if total > max_bytes:
+    raise ArtifactError(
+      f"{where}: the manifest declares {total} bytes of arrays, more than max_bytes="
+      f"{max_bytes}; pass a larger max_bytes to load_isolated if you expect that much."
+    )
+  f, size = directory.open(ARRAYS, total + _MEMBER_OVERHEAD * (len(sizes) + 1))
+  with f:
+    if size < total:
+      raise ArtifactError(f"{where} is smaller than the arrays it should hold; it is truncated.")
+    try:
+      with zipfile.ZipFile(f) as archive:
+        members = {info.filename: info for info in archive.infolist()}
+        if len(members) != len(archive.infolist()) or set(members) != {
+          f"{n}.npy" for n in expected
+        }:
+          raise ArtifactError(
+            f"{where} holds {sorted(members)[:5]}, but the manifest lists"
+            f" {sorted(expected)[:5]}; the artifact is corrupted or was tampered with."
+          )
+        return {
+          name: _read_member(archive, members[f"{name}.npy"], info, sizes[name], where)
+          for name, info in expected.items()
+        }
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError) as e:
+      raise ArtifactError(f"{where} is corrupted or truncated ({e}).") from None
+
+
+def _read_member(
+  archive: zipfile.ZipFile, member: zipfile.ZipInfo, info: dict, nbytes: int, where: str
+) -> np.ndarray:
+  name = member.filename
+  if (
+    member.compress_type != zipfile.ZIP_STORED
+    or member.file_size != member.compress_size
+    or not nbytes <= member.file_size <= nbytes + _MEMBER_OVERHEAD
+  ):
+    raise ArtifactError(
+      f"{where}: {name} is compressed or declares {member.file_size} bytes where the"
+      f" manifest's {info['dtype']}{info['shape']} needs {nbytes}; refused unread."
+    )
+  with archive.open(member) as stream:
+    version = np.lib.format.read_magic(stream)
+    if version not in ((1, 0), (2, 0)):
+      raise ArtifactError(f"{where}: {name} has .npy version {version}.")
+    shape, fortran, dtype = (
+      np.lib.format.read_array_header_1_0(stream, max_header_size=_MEMBER_OVERHEAD)
+      if version == (1, 0)
+      else np.lib.format.read_array_header_2_0(stream, max_header_size=_MEMBER_OVERHEAD)
+    )
+    if shape != (nbytes,) or dtype != np.uint8 or stream.tell() + nbytes != member.file_size:
+      raise ArtifactError(
+        f"{where}: {name} declares a {dtype}{shape} array where the manifest's"
+        f" {info['dtype']}{info['shape']} needs {nbytes} raw bytes; refused unread."
+      )
+    data = np.empty(nbytes, np.uint8)
+    view = memoryview(data)
+    position = 0
+    digest = _array_digest(info["dtype"], info["shape"])
+    while position < nbytes:
+      chunk = stream.read(min(_CHUNK, nbytes - position))
+      if not chunk:
+        raise ArtifactError(f"{where}: {name} is truncated.")
+      view[position : position + len(chunk)] = chunk
+      digest.update(chunk)
+      position += len(chunk)
+    stream.read(1)  # Reaching the end makes zipfile check the member's CRC.
+  if digest.hexdigest() != info["sha256"]:
+    raise ArtifactError(
+      f"{where}: array {name.removesuffix('.npy')!r} does not match its checksum; the"
+      " artifact is corrupted or was tampered with."
+    )
+  return data.view(jax.numpy.dtype(info["dtype"])).reshape(info["shape"])

@@ -1,11 +1,14 @@
 """JSON encoding of the Python values an isolated call needs, with arrays kept aside.
 
-`Encoder.encode(value)` turns a value into JSON-compatible data; arrays (and JAX keys)
-are replaced by references into an array table, and code is referenced by import path
-(`"package.module:Qualified.name"`), never pickled. `Decoder.decode` reverses it, importing
-only the referenced classes and functions. What cannot be referenced (a closure, an
-object of an unknown type) raises `ArtifactError` at save time naming where it sits.
-No Flax internals here; Flax modules are dataclasses like any other.
+`Encoder.encode(value)` turns a value into JSON-compatible data: plain data as itself,
+containers, arrays and keys (by name in an array table) by a tag, functions and classes
+by import reference, and every other object through a registered `ValueCodec` (enums,
+NamedTuples, mappings, dataclasses and Flax modules, `functools.partial`, dtypes, Hugging
+Face configs; `register_value_codec` adds more) as `{"object": codec, "class": ref, "data":
+value}`. Loading is in two steps: `validate` walks the JSON, checks every tag and shape
+and lists each reference with the role it plays, without importing anything; `Decoder`
+then rebuilds values from references the loading policy (`_policy`) has already
+imported and checked. No Flax internals here; Flax modules are dataclasses like any other.
 """
 
 from __future__ import annotations
@@ -13,48 +16,254 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import importlib
 import math
-from collections.abc import Mapping
+import re
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxlens._errors import FlaxlensError
+from flaxlens.tools._policy import (
+  ArtifactError,
+  LoadPolicy,
+  check_reference_syntax,
+  package_of,
+  reference,
+  resolve_imported,
+)
+
+# Array dtypes an artifact may hold, by numpy name (no object, void or structured dtypes).
+DTYPES = frozenset(
+  np.dtype(getattr(jnp, t)).name
+  for t in (
+    "bool_ int4 int8 int16 int32 int64 uint4 uint8 uint16 uint32 uint64 bfloat16 float16"
+    " float32 float64 complex64 complex128 float8_e4m3fn float8_e5m2"
+  ).split()
+)
+# PRNG implementations a saved key may use, with the shape of one key's data.
+KEY_IMPLS = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
+ARRAY_NAME = re.compile(r"a[0-9]{1,9}")
+MAX_DEPTH = 200
 
 
-class ArtifactError(FlaxlensError):
-  """An artifact could not be written or read; the message says what and where."""
+@dataclasses.dataclass(frozen=True)
+class ValueCodec:
+  """How objects of one kind are saved as data and rebuilt; see `register_value_codec`.
+
+  `role` names the loading-policy check a saved class must pass after import and before
+  `from_data` runs ("subclass": a subclass of `base`; None: the codec has one fixed type
+  and saves no class). `base` is a class or a `"module:qualname"` string, so that a codec
+  for an optional library does not import it.
+  """
+
+  name: str
+  matches: Callable[[Any], bool]
+  to_data: Callable[[Any], Any]
+  from_data: Callable[[Any, Any], Any]
+  role: str | None = "subclass"
+  base: type | str | None = None
 
 
-def reference(obj: Any) -> str | None:
-  """`"module:qualname"` under which `obj` can be imported again, or None."""
-  module = getattr(obj, "__module__", None)
-  qualname = getattr(obj, "__qualname__", None)
-  if not module or not qualname or "<" in qualname:
-    return None
+_CODECS: list[ValueCodec] = []
+
+
+def register_value_codec(
+  name: str,
+  base: type | str,
+  to_data: Callable[[Any], Any],
+  from_data: Callable[[type, Any], Any],
+) -> None:
+  """Lets artifacts hold objects of `base` (and its subclasses) as plain data.
+
+  Saving records the object's class by import reference and `to_data(obj)`, which must be
+  savable itself (numbers, strings, lists, dicts, arrays, or objects another codec
+  saves). Loading imports the class only if its package is allowed
+  (`load_isolated(..., allow=[...])`), checks that it subclasses `base`, and calls
+  `from_data(cls, data)`. Codecs registered later are tried first; a name registered again
+  replaces the earlier codec. Register the codec in the loading process too.
+
+  Args:
+    name: stored in the artifact as the object's codec; choose a unique, stable name.
+    base: the class (or `"module:qualname"`, imported only when needed) the codec handles.
+    to_data: object -> data.
+    from_data: (class, data) -> object.
+
+  Example:
+    >>> import fractions, tempfile, flax.linen as nn, jax, jax.numpy as jnp
+    >>> import flaxlens as fl
+    >>> fl.register_value_codec(
+    ...   "fraction", fractions.Fraction,
+    ...   to_data=lambda f: [f.numerator, f.denominator],
+    ...   from_data=lambda cls, data: cls(*data))
+    >>> model = nn.Dropout(fractions.Fraction(1, 4), deterministic=False)
+    >>> x, rngs = jnp.ones((2, 3)), {"dropout": jax.random.key(1)}
+    >>> isolated = fl.isolate(model, {}, x, at="", rngs=rngs)
+    >>> path = tempfile.mkdtemp() + "/dropout"
+    >>> fl.save_isolated(isolated, path)
+    >>> loaded = fl.load_isolated(path, allow=["fractions"])
+    >>> loaded.submodel.module.rate, bool(loaded.replay())
+    (Fraction(1, 4), True)
+  """
+  if not isinstance(name, str) or not name or name in _BUILTIN_NAMES:
+    raise ArtifactError(f"A value codec needs a new, non-empty name; {name!r} is taken.")
+  _CODECS[:] = [c for c in _CODECS if c.name != name]
+  _CODECS.insert(
+    0,
+    ValueCodec(
+      name,
+      matches=lambda value: _isinstance_lazy(value, base),
+      to_data=to_data,
+      from_data=from_data,
+      base=base,
+    ),
+  )
+
+
+def _isinstance_lazy(value: Any, base: type | str) -> bool:
+  """isinstance for a base given by reference: False while its package is not imported."""
+  if isinstance(base, str):
+    if package_of(base) not in sys.modules:
+      return False
+    base = resolve_imported(base)
+  return isinstance(value, base)
+
+
+def _is_namedtuple_value(value: Any) -> bool:
+  return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _namedtuple(cls: type, items: Any) -> Any:
+  if not isinstance(items, list) or len(items) != len(cls._fields):
+    raise ArtifactError(f"{cls.__name__} has {len(cls._fields)} fields, not {len(items)}.")
+  return tuple.__new__(cls, items)  # No user code runs, unlike a custom __new__.
+
+
+def _dtype(_: Any, name: Any) -> Any:
+  if not (isinstance(name, str) and name in DTYPES):
+    raise ArtifactError(f"{name!r} is not a dtype an artifact may hold ({sorted(DTYPES)}).")
+  return jnp.dtype(name).type
+
+
+def _partial(_: Any, data: Any) -> Any:
+  if not (isinstance(data, list) and len(data) == 3 and callable(data[0])):
+    raise ArtifactError("a partial's data must be [function, args, kwargs].")
+  func, args, kwargs = data
+  return functools.partial(func, *args, **kwargs)
+
+
+def _hf_config_to_data(config: Any) -> Any:
+  return config.to_dict()
+
+
+def _hf_config_from_data(cls: Any, data: Any) -> Any:
+  return cls.from_dict(data)
+
+
+def _dataclass_fields(value: Any) -> dict[str, Any]:
+  """Init fields that differ from their defaults (a Linen module's `parent` left out).
+
+  An initializer field (`*_init`) holding a closure is left out too: Flax calls it only for
+  variables that do not exist yet, and a replay reports any difference it makes.
+  """
+  fields = {}
+  for field in dataclasses.fields(value):
+    if not field.init or field.name == "parent":
+      continue
+    current = getattr(value, field.name)
+    if _is_default(field, current):
+      continue
+    if field.name.endswith("_init") and callable(current) and reference(current) is None:
+      continue
+    fields[field.name] = current
+  return fields
+
+
+def _is_default(field: dataclasses.Field, current: Any) -> bool:
+  if field.default is not dataclasses.MISSING:
+    default = field.default
+  elif field.default_factory is not dataclasses.MISSING:
+    default = field.default_factory()
+  else:
+    return False
+  if current is default:
+    return True
   try:
-    found = resolve(f"{module}:{qualname}")
-  except ArtifactError:
-    return None
-  return f"{module}:{qualname}" if found is obj else None
+    return bool(type(current) is type(default) and current == default)
+  except Exception:
+    return False
 
 
-def resolve(ref: str) -> Any:
-  """Imports the object named by a `"module:qualname"` reference."""
-  module_name, _, qualname = ref.partition(":")
-  try:
-    obj = importlib.import_module(module_name)
-    for part in qualname.split("."):
-      obj = getattr(obj, part)
-  except (ImportError, AttributeError) as e:
-    raise ArtifactError(
-      f"Cannot import {ref!r} named by the artifact ({e}). Install the package that"
-      " defines it (at a compatible version) where you load the artifact."
-    ) from None
-  return obj
+def _construct(cls: Any, fields: Any) -> Any:
+  if not isinstance(fields, dict) or not all(isinstance(k, str) for k in fields):
+    raise ArtifactError("a dataclass's data must map field names to values.")
+  return cls(**fields)
+
+
+_BUILTIN = [
+  ValueCodec(
+    "hf_config",
+    matches=lambda v: _isinstance_lazy(v, "transformers:PretrainedConfig"),
+    to_data=_hf_config_to_data,
+    from_data=_hf_config_from_data,
+    base="transformers:PretrainedConfig",
+  ),
+  ValueCodec(
+    "enum",
+    matches=lambda v: isinstance(v, enum.Enum),
+    to_data=lambda v: v.name,
+    from_data=lambda cls, name: cls.__members__[name],
+    role="enum",
+  ),
+  ValueCodec(
+    "namedtuple",
+    matches=_is_namedtuple_value,
+    to_data=list,
+    from_data=_namedtuple,
+    role="namedtuple",
+  ),
+  ValueCodec(
+    "partial",
+    matches=lambda v: type(v) is functools.partial,
+    to_data=lambda v: [v.func, tuple(v.args), dict(v.keywords)],
+    from_data=_partial,
+    role=None,
+  ),
+  ValueCodec(
+    "dtype",
+    matches=lambda v: (
+      isinstance(v, np.dtype) or (isinstance(v, type) and issubclass(v, np.generic))
+    ),
+    to_data=lambda v: np.dtype(v).name,
+    from_data=_dtype,
+    role=None,
+  ),
+  ValueCodec(
+    "mapping",
+    matches=lambda v: isinstance(v, Mapping) and type(v) is not dict,
+    to_data=dict,
+    from_data=lambda cls, items: cls(items),
+    role="mapping",
+  ),
+  ValueCodec(
+    "dataclass",
+    matches=lambda v: dataclasses.is_dataclass(v) and not isinstance(v, type),
+    to_data=_dataclass_fields,
+    from_data=_construct,
+    role="dataclass",
+  ),
+]
+_BUILTIN_NAMES = frozenset(c.name for c in _BUILTIN)
+
+
+def _codecs() -> list[ValueCodec]:
+  return [*_CODECS, *_BUILTIN]
+
+
+def _codec(name: str) -> ValueCodec | None:
+  return next((c for c in _codecs() if c.name == name), None)
 
 
 def _is_key(x: Any) -> bool:
@@ -75,9 +284,7 @@ class Encoder:
   def encode(self, value: Any, where: str = "") -> Any:
     if value is None or isinstance(value, bool | str):
       return value
-    if isinstance(value, enum.Enum):
-      return {"enum": self._ref(type(value), where), "name": value.name}
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, enum.Enum):
       return value
     if isinstance(value, float):
       return value if math.isfinite(value) else {"float": repr(value)}
@@ -86,45 +293,39 @@ class Encoder:
       return {"key": self._array(jax.random.key_data(value)), "impl": impl}
     if isinstance(value, jax.Array | np.ndarray | np.generic):
       return {"array": self._array(value)}
-    if isinstance(value, type) and issubclass(value, np.generic):
-      return {"dtype": np.dtype(value).name}
-    if isinstance(value, np.dtype):
-      return {"dtype": value.name}
-    if isinstance(value, tuple | list):
-      items = [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
-      if type(value) in (tuple, list):
-        return {"tuple": items} if isinstance(value, tuple) else {"list": items}
-      if hasattr(type(value), "_fields"):  # A NamedTuple.
-        return {"namedtuple": self._ref(type(value), where), "tuple": items}
-      raise ArtifactError(f"Cannot save {where}: a {type(value).__name__} sequence.")
-    if isinstance(value, Mapping):
-      encoded = {
-        "dict": [
-          [self.encode(k, f"{where} key"), self.encode(v, f"{where}[{k!r}]")]
-          for k, v in value.items()
-        ]
-      }
-      if type(value) is not dict:  # FrozenDict, NNX's HashableMapping, ...
-        encoded["mapping"] = self._ref(type(value), where)
-      return encoded
+    if type(value) in (tuple, list):
+      tag = "tuple" if isinstance(value, tuple) else "list"
+      return {tag: [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if type(value) is dict:
+      return {"dict": self._pairs(value, where)}
     if isinstance(value, jax.tree_util.PyTreeDef):
       return {"treedef": self._treedef(value, where)}
     if value is type(None):
       return {"none_type": True}
-    if isinstance(value, functools.partial):
-      return {
-        "partial": self.encode(value.func, where),
-        "args": self.encode(tuple(value.args), where),
-        "kwargs": self.encode(dict(value.keywords), where),
-      }
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-      return self._dataclass(value, where)
+    for codec in _codecs():
+      if codec.matches(value):
+        return self._object(codec, value, where)
     if callable(value):
       return {"ref": self._ref(value, where)}
     raise ArtifactError(
       f"Cannot save {where or 'a value'}: a {type(value).__name__} is neither data, an"
-      " array, nor importable code."
+      " array, nor importable code. Register how to save it with fl.register_value_codec."
     )
+
+  def _pairs(self, value: Mapping, where: str) -> list:
+    return [
+      [self.encode(k, f"{where} key"), self.encode(v, f"{where}[{k!r}]")] for k, v in value.items()
+    ]
+
+  def _object(self, codec: ValueCodec, value: Any, where: str) -> dict:
+    data = codec.to_data(value)
+    if codec.name == "dataclass":  # Field by field, so errors name the field.
+      encoded_data = {"dict": [[k, self.encode(v, f"{where}.{k}")] for k, v in data.items()]}
+    else:
+      encoded_data = self.encode(data, where)
+    if codec.role is None:
+      return {"object": codec.name, "data": encoded_data}
+    return {"object": codec.name, "class": self._ref(type(value), where), "data": encoded_data}
 
   def _treedef(self, treedef: Any, where: str) -> Any:
     """A PyTreeDef as its node type, auxiliary data and children (None for a leaf)."""
@@ -147,118 +348,205 @@ class Encoder:
       )
     return ref
 
-  def _dataclass(self, value: Any, where: str) -> Any:
-    """Dataclasses (Flax modules included) by class and non-default init fields.
 
-    A field still holding its default is left out and comes back from the class. An
-    initializer field (`*_init`) holding a closure is left out too: Flax calls it only
-    for variables that do not exist yet, and a replay reports any difference it makes.
-    """
-    cls = type(value)
-    fields = {}
-    for field in dataclasses.fields(value):
-      if not field.init or field.name == "parent":
-        continue
-      current = getattr(value, field.name)
-      if _is_default(field, current):
-        continue
-      if field.name.endswith("_init") and callable(current) and reference(current) is None:
-        continue
-      fields[field.name] = self.encode(current, f"{where}.{field.name}")
-    return {"dataclass": self._ref(cls, where), "fields": fields}
+@dataclasses.dataclass
+class Found:
+  """What `validate` found in a value: references with their roles, and array names."""
+
+  references: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+  arrays: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> "array"|impl
 
 
-def _is_default(field: dataclasses.Field, current: Any) -> bool:
-  if field.default is not dataclasses.MISSING:
-    default = field.default
-  elif field.default_factory is not dataclasses.MISSING:
-    default = field.default_factory()
+def _malformed(where: str, what: str) -> ArtifactError:
+  return ArtifactError(f"Malformed artifact at {where}: {what}.")
+
+
+def _tagged(data: Any, where: str, keys: set[str]) -> None:
+  if set(data) != keys:
+    raise _malformed(where, f"a {next(iter(data))!r} value has keys {sorted(data)}")
+
+
+def validate(data: Any, where: str, found: Found, depth: int = 0) -> None:
+  """Checks that `data` is a well-formed encoded value, importing nothing."""
+  if depth > MAX_DEPTH:
+    raise _malformed(where, f"values nest deeper than {MAX_DEPTH}")
+  if data is None or isinstance(data, bool | str | int | float):
+    return
+  if not isinstance(data, dict) or not data:
+    raise _malformed(where, "a bare list where a tagged value belongs")
+  tag = next(iter(data))
+  down = depth + 1
+  if tag in ("tuple", "list"):
+    _tagged(data, where, {tag})
+    if not isinstance(data[tag], list):
+      raise _malformed(where, f"{tag!r} must hold a list")
+    for i, item in enumerate(data[tag]):
+      validate(item, f"{where}[{i}]", found, down)
+  elif tag == "dict":
+    _tagged(data, where, {"dict"})
+    for pair in _list(data["dict"], where):
+      if not (isinstance(pair, list) and len(pair) == 2):
+        raise _malformed(where, "a dict entry must be a [key, value] pair")
+      _validate_key(pair[0], f"{where} key", down)
+      validate(pair[1], f"{where}[{pair[0]!r}]", found, down)
+  elif tag == "float":
+    _tagged(data, where, {"float"})
+    if data["float"] not in ("nan", "inf", "-inf"):
+      raise _malformed(where, f"{data['float']!r} is not nan, inf or -inf")
+  elif tag in ("array", "key"):
+    _tagged(data, where, {"array"} if tag == "array" else {"key", "impl"})
+    name = data[tag]
+    if not (isinstance(name, str) and ARRAY_NAME.fullmatch(name)):
+      raise _malformed(where, f"{name!r} is not an array name")
+    if tag == "key" and not (isinstance(data["impl"], str) and data["impl"] in KEY_IMPLS):
+      raise _malformed(where, f"{data['impl']!r} is not a PRNG implementation")
+    found.arrays[name] = data.get("impl", "array")
+  elif tag == "none_type":
+    _tagged(data, where, {"none_type"})
+    if data["none_type"] is not True:
+      raise _malformed(where, "'none_type' must be true")
+  elif tag == "ref":
+    _tagged(data, where, {"ref"})
+    check_reference_syntax(data["ref"], where)
+    found.references.append((data["ref"], "value", where))
+  elif tag == "treedef":
+    _tagged(data, where, {"treedef"})
+    _validate_treedef(data["treedef"], where, found, down)
+  elif tag == "object":
+    _validate_object(data, where, found, down)
   else:
-    return False
-  if current is default:
-    return True
-  try:
-    return bool(type(current) is type(default) and current == default)
-  except Exception:
-    return False
+    raise _malformed(where, f"unknown value tag {tag!r}")
+
+
+def _list(data: Any, where: str) -> list:
+  if not isinstance(data, list):
+    raise _malformed(where, "expected a list")
+  return data
+
+
+def _validate_key(key: Any, where: str, depth: int) -> None:
+  """Dict keys are scalars or tuples of keys: nothing to import, always hashable."""
+  if depth > MAX_DEPTH:
+    raise _malformed(where, f"values nest deeper than {MAX_DEPTH}")
+  if key is None or isinstance(key, bool | str | int | float):
+    return
+  if isinstance(key, dict) and set(key) == {"tuple"} and isinstance(key["tuple"], list):
+    for i, k in enumerate(key["tuple"]):
+      _validate_key(k, f"{where}[{i}]", depth + 1)
+    return
+  raise _malformed(where, "a dict key must be a scalar or a tuple of scalars")
+
+
+def _validate_treedef(data: Any, where: str, found: Found, depth: int) -> None:
+  if data is None:
+    return
+  if depth > MAX_DEPTH:
+    raise _malformed(where, f"values nest deeper than {MAX_DEPTH}")
+  if not (isinstance(data, dict) and set(data) == {"type", "aux", "children"}):
+    raise _malformed(where, "a treedef node needs exactly 'type', 'aux' and 'children'")
+  node = data["type"]
+  if not (isinstance(node, dict) and (set(node) in ({"ref"}, {"none_type"}))):
+    raise _malformed(where, "a treedef node type must be a class reference")
+  validate(node, where, found, depth)
+  validate(data["aux"], where, found, depth)
+  for child in _list(data["children"], where):
+    _validate_treedef(child, where, found, depth + 1)
+
+
+def _validate_object(data: dict, where: str, found: Found, depth: int) -> None:
+  codec = _codec(data["object"]) if isinstance(data["object"], str) else None
+  if codec is None:
+    raise _malformed(
+      where,
+      f"no value codec named {data['object']!r} (one registered with"
+      " fl.register_value_codec must be registered before loading too)",
+    )
+  _tagged(data, where, {"object", "data"} if codec.role is None else {"object", "class", "data"})
+  if codec.role is not None:
+    check_reference_syntax(data["class"], where)
+    if isinstance(codec.base, str):
+      found.references.append((codec.base, "value", f"{where} (base of {codec.name})"))
+    found.references.append((data["class"], f"codec:{codec.name}", where))
+  validate(data["data"], f"{where}.data", found, depth)
 
 
 class Decoder:
-  """Decodes what `Encoder` produced, reading arrays from a table."""
+  """Rebuilds values that `validate` accepted, from checked references and read arrays."""
 
-  def __init__(self, arrays: Mapping[str, np.ndarray]):
+  def __init__(self, arrays: Mapping[str, np.ndarray], resolved: Mapping[str, Any]):
     self.arrays = arrays
+    self.resolved = resolved
 
-  def _array(self, name: str) -> np.ndarray:
-    if name not in self.arrays:
-      raise ArtifactError(f"The artifact refers to array {name!r}, which it does not hold.")
-    return self.arrays[name]
-
-  def decode(self, data: Any) -> Any:
+  def decode(self, data: Any, where: str = "") -> Any:
     if data is None or isinstance(data, bool | str | int | float):
       return data
-    if isinstance(data, list):
-      raise ArtifactError("Malformed artifact: a bare list where a tagged value belongs.")
-    (tag, _), *_ = data.items()
-    if "array" in data:
-      return jnp.asarray(self._array(data["array"]))
-    if "key" in data:
-      return jax.random.wrap_key_data(jnp.asarray(self._array(data["key"])), impl=data["impl"])
-    if "namedtuple" in data:
-      cls = resolve(data["namedtuple"])
-      if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
-        raise ArtifactError(f"{data['namedtuple']!r} named as a NamedTuple is not one.")
-      return cls(*(self.decode(v) for v in data["tuple"]))
-    if "tuple" in data:
-      return tuple(self.decode(v) for v in data["tuple"])
-    if "list" in data:
-      return [self.decode(v) for v in data["list"]]
-    if "dict" in data:
-      items = {_hashable(self.decode(k)): self.decode(v) for k, v in data["dict"]}
-      if "mapping" in data:
-        cls = resolve(data["mapping"])
-        if not (isinstance(cls, type) and issubclass(cls, Mapping)):
-          raise ArtifactError(f"{data['mapping']!r} named as a mapping is not one.")
-        return cls(items)
-      return items
-    if "float" in data:
+    tag = next(iter(data))
+    if tag == "tuple":
+      return tuple(self.decode(v, where) for v in data["tuple"])
+    if tag == "list":
+      return [self.decode(v, where) for v in data["list"]]
+    if tag == "dict":
+      return {_hashable(k): self.decode(v, where) for k, v in data["dict"]}
+    if tag == "float":
       return float(data["float"])
-    if "dtype" in data:
-      return jnp.dtype(data["dtype"]).type
-    if "enum" in data:
-      cls = resolve(data["enum"])
-      if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
-        raise ArtifactError(f"{data['enum']!r} named as an enum is not one.")
-      return cls[data["name"]]
-    if "treedef" in data:
-      return self._treedef(data["treedef"])
-    if "none_type" in data:
+    if tag == "array":
+      return jnp.asarray(self.arrays[data["array"]])
+    if tag == "key":
+      return jax.random.wrap_key_data(jnp.asarray(self.arrays[data["key"]]), impl=data["impl"])
+    if tag == "none_type":
       return type(None)
-    if "partial" in data:
-      return functools.partial(
-        self.decode(data["partial"]), *self.decode(data["args"]), **self.decode(data["kwargs"])
-      )
-    if "ref" in data:
-      obj = resolve(data["ref"])
-      if not callable(obj):
-        raise ArtifactError(f"{data['ref']!r} named as a function is not callable.")
-      return obj
-    if "dataclass" in data:
-      cls = resolve(data["dataclass"])
-      if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-        raise ArtifactError(f"{data['dataclass']!r} named as a dataclass is not one.")
-      return cls(**{k: self.decode(v) for k, v in data["fields"].items()})
-    raise ArtifactError(f"Malformed artifact: unknown value tag {tag!r}.")
+    if tag == "ref":
+      return self.resolved[data["ref"]]
+    if tag == "treedef":
+      return self._treedef(data["treedef"], where)
+    codec = _codec(data["object"])
+    cls = None if codec.role is None else self.resolved[data["class"]]
+    value = self.decode(data["data"], where)
+    try:
+      return codec.from_data(cls, value)
+    except ArtifactError as e:
+      raise ArtifactError(f"Malformed artifact at {where}: {e}") from None
+    except Exception as e:
+      raise ArtifactError(
+        f"The artifact's {codec.name} object at {where} cannot be rebuilt from its data"
+        f" ({type(e).__name__}: {e}); it is corrupted or was written for another version."
+      ) from None
 
-  def _treedef(self, data: Any) -> Any:
+  def _treedef(self, data: Any, where: str) -> Any:
     if data is None:
       return jax.tree_util.tree_structure(0)
-    children = [self._treedef(c) for c in data["children"]]
-    node = (self.decode(data["type"]), self.decode(data["aux"]))
-    return jax.tree_util.PyTreeDef.from_node_data_and_children(
-      jax.tree_util.default_registry, node, children
-    )
+    children = [self._treedef(c, where) for c in data["children"]]
+    node = (self.decode(data["type"], where), self.decode(data["aux"], where))
+    try:
+      return jax.tree_util.PyTreeDef.from_node_data_and_children(
+        jax.tree_util.default_registry, node, children
+      )
+    except (TypeError, ValueError) as e:
+      raise ArtifactError(
+        f"Malformed artifact at {where}: not a pytree definition ({e})."
+      ) from None
 
 
 def _hashable(key: Any) -> Any:
-  return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+  if isinstance(key, dict):
+    return tuple(_hashable(k) for k in key["tuple"])
+  return key
+
+
+def resolve_references(
+  policy: LoadPolicy, references: list[tuple[str, str, str]]
+) -> dict[str, Any]:
+  """Imports every reference (packages already checked) and checks its role."""
+  resolved: dict[str, Any] = {}
+  for ref, role, where in references:
+    if role.startswith("codec:"):
+      codec = _codec(role.partition(":")[2])
+      if codec.role == "subclass":
+        base = codec.base if isinstance(codec.base, type) else resolved[codec.base]
+        obj = policy.resolve(ref, "subclass", where, base=base)
+      else:
+        obj = policy.resolve(ref, codec.role, where)
+    else:
+      obj = policy.resolve(ref, role, where)
+    resolved[ref] = obj
+  return resolved

@@ -126,7 +126,7 @@ def test_isolate_from_a_plain_nnx_model_in_one_call():
 def test_a_saved_nnx_call_loads_and_replays_exactly(cases, tmp_path, name, path):
   isolated = _isolate(cases[name], path)
   fl.save_isolated(isolated, tmp_path / "call")
-  loaded = fl.load_isolated(tmp_path / "call")
+  loaded = fl.load_isolated(tmp_path / "call", allow=["nnx"])
   assert loaded.replay()
   assert_trees_equal(loaded.saved_output, isolated.saved_output)
 
@@ -135,6 +135,6 @@ def test_a_saved_scan_iteration_loads_and_replays_exactly(cases, tmp_path):
   case = cases["scan"]
   found = fl.isolate_calls(convert(case).select().at_path("blocks/linear"), _argument(case))
   fl.save_isolated(found[2], tmp_path / "iteration")
-  loaded = fl.load_isolated(tmp_path / "iteration")
+  loaded = fl.load_isolated(tmp_path / "iteration", allow=["nnx"])
   assert loaded.call_number == 2
   assert loaded.replay()

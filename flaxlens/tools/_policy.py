@@ -1,0 +1,283 @@
+"""What an artifact may make flaxlens import: the loading policy, checked before any import.
+
+An artifact names code by `"package.module:Qualified.name"` references. A reference is
+imported only if its top-level package is allowed: `DEFAULT_PACKAGES` (the libraries
+flaxlens itself runs on) or a package the user names (`allow=[...]`, `--allow PKG`). The
+package name never comes from the artifact: the manifest's own `requires` list only
+serves to tell the user what `allow=` would load it. After import, each object is
+checked for the role it plays (a module class, a data type, a function) before anything
+is constructed or called; objects from user-allowed packages are trusted in every role,
+objects from the default packages only in the vetted roles below. No Flax internals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import importlib
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from flaxlens._errors import FlaxlensError
+
+
+class ArtifactError(FlaxlensError):
+  """An artifact could not be written or read; the message says what and where."""
+
+
+# The packages flaxlens runs on: importing their modules runs nothing a user of flaxlens
+# has not already run. Objects from them are still checked role by role.
+DEFAULT_PACKAGES = frozenset({"jax", "flax", "numpy", "flaxlens"})
+
+_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+_REFERENCE = re.compile(rf"({_NAME}(?:\.{_NAME})*):({_NAME}(?:\.{_NAME})*)")
+# Built-in container types a pytree definition may name; resolved without any import.
+_BUILTIN_TYPES = {"builtins:tuple": tuple, "builtins:list": list, "builtins:dict": dict}
+
+# Functions a module field may hold, by namespace (checked by identity after import).
+_FUNCTIONS = {
+  "jax.nn": (
+    "celu elu gelu glu hard_sigmoid hard_silu hard_swish hard_tanh identity leaky_relu"
+    " log_sigmoid log_softmax logsumexp mish one_hot relu relu6 selu sigmoid silu soft_sign"
+    " softmax softplus sparse_plus sparse_sigmoid squareplus standardize swish tanh"
+    " dot_product_attention"
+  ),
+  "jax.nn.initializers": (
+    "constant delta_orthogonal glorot_normal glorot_uniform he_normal he_uniform"
+    " kaiming_normal kaiming_uniform lecun_normal lecun_uniform normal ones orthogonal"
+    " truncated_normal uniform variance_scaling xavier_normal xavier_uniform zeros"
+  ),
+  "flax.linen.activation": (
+    "celu elu gelu glu hard_sigmoid hard_silu hard_swish hard_tanh leaky_relu log_sigmoid"
+    " log_softmax logsumexp one_hot relu relu6 selu sigmoid silu soft_sign softmax softplus"
+    " standardize swish tanh"
+  ),
+  "flax.linen.attention": "dot_product_attention dot_product_attention_weights",
+  "flax.linen.dtypes": "promote_dtype",
+  "flax.nnx.nn.activations": (
+    "celu elu gelu glu hard_sigmoid hard_silu hard_swish hard_tanh identity leaky_relu"
+    " log_sigmoid log_softmax logsumexp one_hot relu relu6 selu sigmoid silu soft_sign"
+    " softmax softplus standardize swish tanh"
+  ),
+  "flax.nnx.nn.attention": "dot_product_attention dot_product_attention_weights",
+  "flax.nnx.nn.dtypes": "promote_dtype",
+  # Pure, elementwise or contraction functions only: no I/O (`jnp.load`, `np.save`).
+  "jax.numpy": (
+    "abs absolute exp exp2 expm1 log log1p log2 log10 sqrt cbrt square sign sin cos tan sinh"
+    " cosh tanh arcsin arccos arctan arcsinh arccosh arctanh maximum minimum add subtract"
+    " multiply divide true_divide negative reciprocal power floor ceil round clip where"
+    " matmul dot einsum sum mean max min prod var std logaddexp"
+    " bool_ int4 int8 int16 int32 int64 uint4 uint8 uint16 uint32 uint64 bfloat16 float16"
+    " float32 float64 complex64 complex128 float8_e4m3fn float8_e5m2"
+  ),
+  "jax.lax": (
+    "dot_general conv_general_dilated batch_matmul dot abs exp log log1p expm1 sqrt rsqrt"
+    " tanh logistic erf erf_inv sin cos max min add sub mul div neg sign square integer_pow"
+  ),
+}
+
+
+@functools.cache
+def _vetted_functions() -> frozenset[int]:
+  ids = set()
+  for namespace, names in _FUNCTIONS.items():
+    module = importlib.import_module(namespace)
+    ids.update(id(getattr(module, name)) for name in names.split())
+  return frozenset(ids)
+
+
+@functools.cache
+def _vetted_bases() -> dict[str, tuple[type, ...]]:
+  """Per role, the classes of the default packages a reference may name (or subclass)."""
+  import flax.linen as nn
+  from flax import nnx
+  from flax.core import frozen_dict, meta
+  from flax.nnx import graphlib, pytreelib
+  from flax.typing import HashableMapping
+
+  from flaxlens.core._variables import Uninitialized
+
+  graph_data = tuple(
+    getattr(graphlib, name)
+    for name in ("GraphDef", "NodeDef", "VariableDef", "NodeAttr", "Static", "ArrayRefDef")
+  )
+  graph_nodes = (nn.Module, nnx.Pytree, nnx.Variable, graphlib.GenericPytree)
+  return {
+    # A class used as a value (a module field, a GraphDef node type, a pytree node type).
+    "type": (*graph_nodes, pytreelib.PytreeState, enum.Enum),
+    "dataclass": (nn.Module, meta.AxisMetadata, *graph_data, Uninitialized),
+    "mapping": (frozen_dict.FrozenDict, HashableMapping),
+  }
+
+
+def _is_namedtuple(cls: Any) -> bool:
+  return isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPolicy:
+  """The packages an artifact may import from: the defaults plus those the user allowed."""
+
+  allowed: frozenset[str] = frozenset()
+
+  @classmethod
+  def create(cls, allow: Iterable[str] | None) -> LoadPolicy:
+    if isinstance(allow, str):
+      raise ArtifactError(f"allow= takes a list of package names, e.g. allow=[{allow!r}].")
+    packages = frozenset(allow or ())
+    for package in packages:
+      if not isinstance(package, str) or not re.fullmatch(_NAME, package):
+        raise ArtifactError(
+          f"allow= takes top-level package names such as 'transformers'; {package!r} is not one."
+        )
+    return cls(packages)
+
+  def user_allowed(self, ref: str) -> bool:
+    return package_of(ref) in self.allowed
+
+  def check_package(self, ref: str, where: str, needed: Iterable[str]) -> None:
+    """Refuses `ref` unless its package may be imported; names the flag that allows it."""
+    if ref in _BUILTIN_TYPES or package_of(ref) in DEFAULT_PACKAGES | self.allowed:
+      return
+    if ref.startswith("builtins:"):
+      raise ArtifactError(
+        f"The artifact names {ref!r} at {where}; built-in functions are never loaded. Only"
+        " an artifact crafted by hand names them: do not use it."
+      )
+    missing = sorted(set(needed) - DEFAULT_PACKAGES - self.allowed)
+    flags = " ".join(f"--allow {p}" for p in missing)
+    raise ArtifactError(
+      f"The artifact references {ref!r} at {where}, from package {package_of(ref)!r}, which"
+      " is not allowed to be imported (loading imports code). If you trust where this"
+      f" artifact comes from and that package, load it with allow={missing!r} (CLI:"
+      f" `flaxlens replay PATH {flags}`)."
+    )
+
+  def resolve(self, ref: str, role: str, where: str, base: type | None = None) -> Any:
+    """Imports `ref` (its package already checked) and checks it may play `role`.
+
+    Roles: "value" (a function or class held as data), "method" (a Linen method given as
+    a function), "enum", "namedtuple", "dataclass", "mapping" (classes whose instances
+    are rebuilt), "subclass" (a class that must subclass `base`, for registered codecs).
+    """
+    obj = _BUILTIN_TYPES.get(ref)
+    if obj is None:
+      obj = _import(ref, where)
+    if not self._fits(obj, ref, role, base):
+      fix = _ROLE_FIX.get(role, f"It must subclass {getattr(base, '__qualname__', base)}.")
+      raise ArtifactError(
+        f"The artifact names {ref!r} at {where} as {_ROLES[role]}, which the loading policy"
+        f" does not accept from {package_of(ref)!r}. {fix}"
+      )
+    return obj
+
+  def _fits(self, obj: Any, ref: str, role: str, base: type | None) -> bool:
+    trusted = self.user_allowed(ref)
+    bases = _vetted_bases()
+    if role == "value":
+      if id(obj) in _vetted_functions() or obj in _BUILTIN_TYPES.values():
+        return True
+      if isinstance(obj, type):
+        return trusted or issubclass(obj, bases["type"]) or _is_namedtuple(obj)
+      return trusted and callable(obj)
+    if role == "method":
+      import flax.linen as nn
+
+      owner_ref = ref.rpartition(".")[0]
+      owner = _import(owner_ref, "") if ":" in owner_ref else None
+      return _subclass(owner, nn.Module) and callable(obj) and not isinstance(obj, type)
+    if role == "enum":
+      return _subclass(obj, enum.Enum)
+    if role == "namedtuple":
+      return _is_namedtuple(obj)
+    if role == "dataclass":
+      return (
+        _subclass(obj, object)
+        and dataclasses.is_dataclass(obj)
+        and (trusted or issubclass(obj, bases["dataclass"]))
+      )
+    if role == "mapping":
+      return _subclass(obj, Mapping) and (trusted or issubclass(obj, bases["mapping"]))
+    if role == "subclass":
+      return _subclass(obj, base)
+    raise AssertionError(role)
+
+
+def _subclass(obj: Any, base: type) -> bool:
+  return isinstance(obj, type) and issubclass(obj, base)
+
+
+_ROLES = {
+  "value": "a function or class held as a value",
+  "method": "a module method",
+  "enum": "an enum",
+  "namedtuple": "a NamedTuple",
+  "dataclass": "a dataclass to construct",
+  "mapping": "a mapping type to construct",
+  "subclass": "the class of a saved configuration object",
+}
+_ROLE_FIX = {
+  "value": "Functions must come from jax.nn, its initializers, Flax's activations and"
+  " attention functions or a vetted set of jax.numpy/jax.lax functions; anything else only"
+  " from a package you allow with allow=[...] (CLI: --allow PKG).",
+  "method": "A method must be a function defined on a flax.linen.Module subclass.",
+  "enum": "It is not an enum.",
+  "namedtuple": "It is not a NamedTuple.",
+  "dataclass": "Only flax.linen.Module subclasses, Flax's own data types, and dataclasses"
+  " from packages you allow with allow=[...] (CLI: --allow PKG) are constructed.",
+  "mapping": "Only Flax's FrozenDict/HashableMapping and mapping types from packages you"
+  " allow with allow=[...] (CLI: --allow PKG) are constructed.",
+}
+
+
+def package_of(ref: str) -> str:
+  return ref.partition(":")[0].partition(".")[0]
+
+
+def check_reference_syntax(ref: Any, where: str) -> None:
+  """A reference must read `package.module:Qualified.name`, with no private dunder parts."""
+  match = isinstance(ref, str) and _REFERENCE.fullmatch(ref)
+  if not match or any(
+    part.startswith("__") and part != "__call__" for part in match.group(2).split(".")
+  ):
+    raise ArtifactError(
+      f"Malformed artifact: {ref!r} at {where} is not an import reference"
+      " ('package.module:Qualified.name')."
+    )
+
+
+def _import(ref: str, where: str) -> Any:
+  module_name, _, qualname = ref.partition(":")
+  try:
+    obj = importlib.import_module(module_name)
+    for part in qualname.split("."):
+      obj = getattr(obj, part)
+  except (ImportError, AttributeError) as e:
+    raise ArtifactError(
+      f"Cannot import {ref!r} named by the artifact at {where} ({e}). Install the package"
+      " that defines it (at a compatible version) where you load the artifact."
+    ) from None
+  return obj
+
+
+def resolve_imported(ref: str) -> Any:
+  """The object `ref` names, for references the running code itself chose (save side)."""
+  return _import(ref, "")
+
+
+def reference(obj: Any) -> str | None:
+  """`"module:qualname"` under which `obj` can be imported again, or None (save side)."""
+  module = getattr(obj, "__module__", None)
+  qualname = getattr(obj, "__qualname__", None)
+  if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
+    return None
+  ref = f"{module}:{qualname}"
+  if ref in _BUILTIN_TYPES:
+    return ref if _BUILTIN_TYPES[ref] is obj else None
+  try:
+    found = _import(ref, "")
+  except ArtifactError:
+    return None
+  return ref if found is obj else None
