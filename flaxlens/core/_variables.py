@@ -16,20 +16,60 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import numpy as np
+from jax.extend import core as jax_core
 
+from flaxlens._errors import VariableError
 from flaxlens.core._struct import Struct, static_field
 
 _label_counter = itertools.count()
 
 
-class VariableError(ValueError):
-  """A variable, slot or label was used inconsistently."""
+def _current_trace() -> Any:
+  return jax_core.get_opaque_trace_state(convention="flaxlens")
+
+
+def _holds_tracer(value: Any) -> bool:
+  if isinstance(value, jax.core.Tracer):
+    return True
+  if isinstance(value, jax.Array | np.ndarray | int | float | bool | str | type(None)):
+    return False
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(value))
+
+
+def check_storable(variable: AbstractVariable, value: Any, where: str | None = None) -> None:
+  """Refuses to store a JAX tracer in a variable that would outlive the tracer's trace.
+
+  A variable may hold a traced value only while the transformation it was created in
+  is running: `fl.variable_jit` and `stateless_call` create fresh variables inside the
+  trace, so their writes are fine. Writing a tracer into a variable made outside (a
+  tree called under `jax.jit`, a stateful replacement inside an `nn.scan` body) would
+  leave a dead tracer in it that breaks every later call.
+
+  Raises:
+    VariableError: naming the variable, `where` it happened and what to use instead.
+  """
+  if variable._trace == _current_trace() or not _holds_tracer(value):
+    return
+  at = f"{where}: " if where else ""
+  raise VariableError(
+    f"{at}storing a traced value in the {type(variable).__name__} {variable.label!r},"
+    " which was created outside the JAX transformation (jax.jit, grad, vmap, a lifted"
+    " nn.scan/nnx.scan body...) being traced; the tracer would outlive its trace and"
+    " break every later call. Run the tree under fl.variable_jit instead of jax.jit, or"
+    " transform tree.stateless_call(values, argument) (it returns the new state); inside"
+    " scan or vmap bodies, keep per-iteration state in the model's own variables."
+  )
 
 
 class AbstractVariable:
-  """Base class of the mutable holders `Parameter` and `StateVariable`."""
+  """Base class of the mutable holders `Parameter` and `StateVariable`.
 
-  __slots__ = ("label", "value")
+  Assigning a JAX tracer to `.value` is refused (`VariableError`) unless the variable
+  was created inside the transformation being traced; see `check_storable`.
+  """
+
+  __slots__ = ("label", "_value", "_trace")
 
   def __init__(self, value: Any, label: str | None = None):
     if label is None:
@@ -37,7 +77,18 @@ class AbstractVariable:
     if not isinstance(label, str):
       raise TypeError(f"A variable label must be a string, got {label!r}.")
     self.label = label
-    self.value = value
+    self._trace = _current_trace()
+    self._value = value
+
+  @property
+  def value(self) -> Any:
+    """The current value."""
+    return self._value
+
+  @value.setter
+  def value(self, value: Any) -> None:
+    check_storable(self, value)
+    self._value = value
 
   def freeze(self) -> AbstractVariableValue:
     """Returns an immutable snapshot (a pytree) of this variable's current value."""

@@ -36,7 +36,13 @@ from flaxlens.core._calls import (
 )
 from flaxlens.core._random import RandomStream
 from flaxlens.core._struct import ShortRepr, Struct, static_field
-from flaxlens.core._variables import StateVariable, Uninitialized, same_entry, value_of
+from flaxlens.core._variables import (
+  StateVariable,
+  Uninitialized,
+  check_storable,
+  same_entry,
+  value_of,
+)
 
 
 class InterceptedFlaxScopeData(Struct):
@@ -290,6 +296,9 @@ def _write_back(
       f" {names}. Convert with example arguments that create them (for example the"
       " same flags), so the tree has state variables to hold them."
     )
+  where = root._where()
+  for key, value in flat.items():
+    check_storable(gathered.state[key], value, where)
   for key, value in flat.items():
     gathered.state[key].value = value
 

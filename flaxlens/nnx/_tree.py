@@ -39,7 +39,13 @@ from flaxlens.core._calls import (
   iter_call_nodes,
 )
 from flaxlens.core._struct import ShortRepr, static_field
-from flaxlens.core._variables import AbstractVariable, Uninitialized, same_entry, value_of
+from flaxlens.core._variables import (
+  AbstractVariable,
+  Uninitialized,
+  check_storable,
+  same_entry,
+  value_of,
+)
 
 
 class NNXVariableSpec(NamedTuple):
@@ -446,10 +452,16 @@ def _write_back(
       f" {names}. Convert with example arguments that create them (for example the"
       " same flags), so the tree has state variables to hold them."
     )
-  for path, value in updates.items():
-    entry = gathered.entries.get(path)
-    if isinstance(entry, AbstractVariable) and value is not values.get(path, _ABSENT):
-      entry.value = value
+  changed = [
+    (entry, value)
+    for path, value in updates.items()
+    if isinstance(entry := gathered.entries.get(path), AbstractVariable)
+    and value is not values.get(path, _ABSENT)
+  ]
+  for entry, value in changed:
+    check_storable(entry, value, root._where())
+  for entry, value in changed:
+    entry.value = value
 
 
 def _restatic(
