@@ -18,7 +18,7 @@ import jax
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.core._calls import CallRecord, Frame, Path, owner_of
+from flaxlens.core._calls import CallRecord, Frame, Path, new_origin, owner_of
 from flaxlens.core._jit import split_static
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.linen._tree import (
@@ -156,6 +156,9 @@ def _build_tree(
       capture_intermediates=capture_intermediates,
       mutable=tuple(sorted(mutable_collections)),
       lifted_by=record.extra.get("lifted_by", ()),
+      call_specs=record.call_specs(),
+      origin=origin,
     )
 
+  origin = new_origin()
   return build(root)

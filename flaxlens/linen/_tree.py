@@ -29,10 +29,11 @@ from flaxlens.core._calls import (
   CallInterceptor,
   CallNode,
   CallRecord,
+  CallSpec,
   Frame,
   Path,
   current_interceptor,
-  iter_call_nodes,
+  own_call_nodes,
 )
 from flaxlens.core._random import RandomStream
 from flaxlens.core._struct import ShortRepr, Struct, static_field
@@ -102,6 +103,10 @@ class InterceptedFlaxModuleMethod(CallNode):
     mutable: the collections the apply treats as mutable (besides those holding
       state variables), from the `mutable=` given at conversion.
     lifted_by: the lifted transforms (`"scan"`, `"vmap"`, ...) the call runs inside.
+    call_specs: what conversion saw of each submodule call (arguments and output,
+      abstractly); replacement outputs are checked against it.
+    origin: the id of the conversion that made the node; a replacement continues a
+      call natively only through a node of the same conversion.
   """
 
   module: Any = static_field()
@@ -112,6 +117,8 @@ class InterceptedFlaxModuleMethod(CallNode):
   capture_intermediates: Any = static_field(default=False)
   mutable: tuple[str, ...] = static_field(default=())
   lifted_by: tuple[str, ...] = static_field(default=())
+  call_specs: tuple[CallSpec, ...] = static_field(default=())
+  origin: int = static_field(default=0)
 
   def _module_type_name(self) -> str:
     return type(self.module).__name__
@@ -119,6 +126,7 @@ class InterceptedFlaxModuleMethod(CallNode):
   def _treescope_attributes(self) -> dict[str, Any]:
     attrs = self.attributes_dict()
     attrs["module"] = ShortRepr(f"{type(self.module).__name__}(name={self.module.name!r})")
+    del attrs["call_specs"], attrs["origin"]
     return attrs
 
   def flax_variables(self) -> dict[str, Any]:
@@ -180,7 +188,7 @@ class _Gathered:
 def _gather(root: InterceptedFlaxModuleMethod) -> _Gathered:
   gathered = _Gathered()
   prefix = root.path
-  for node in iter_call_nodes(root):
+  for node in own_call_nodes(root):
     if node.path[: len(prefix)] != prefix:
       raise UnsupportedFlaxFeatureError(
         f"{root._where()}: this call uses the module at {'/'.join(node.path)!r}, which"
@@ -262,9 +270,8 @@ def apply_tree(
   state = interceptor or LinenInterceptor(side_inputs, building=False, prefix=root.path)
   state.mutable = mutable
   method = root.method_name
-  state.frames.append(
-    Frame(path=root.path, node=root, absorb=method if isinstance(method, str) else None)
-  )
+  frame = Frame(path=root.path, node=root, absorb=method if isinstance(method, str) else None)
+  state.frames.append(frame)
   with state.active():
     result = fi.apply_fresh(
       root.module,
@@ -277,6 +284,7 @@ def apply_tree(
       rng_snapshot=snapshot.as_flax() if snapshot is not None else None,
       **argument.kwargs,
     )
+  state.check_reached(frame)
   if not mutable:
     return result
   output, updates = result

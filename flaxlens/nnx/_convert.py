@@ -20,7 +20,7 @@ from flax import nnx
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.core._calls import CallRecord, Frame, Path, owner_of
+from flaxlens.core._calls import CallRecord, Frame, Path, new_origin, owner_of
 from flaxlens.core._jit import split_static
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.nnx._tree import (
@@ -189,6 +189,9 @@ def _build_tree(
       definition=definitions[record.path],
       specs=tuple(specs),
       sliced=record.extra.get("sliced", False),
+      call_specs=record.call_specs(),
+      origin=origin,
     )
 
+  origin = new_origin()
   return build(root)

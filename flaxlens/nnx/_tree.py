@@ -33,10 +33,11 @@ from flaxlens.core._calls import (
   CallInterceptor,
   CallNode,
   CallRecord,
+  CallSpec,
   Frame,
   Path,
   is_call_node,
-  iter_call_nodes,
+  own_call_nodes,
 )
 from flaxlens.core._struct import ShortRepr, static_field
 from flaxlens.core._variables import (
@@ -90,6 +91,10 @@ class InterceptedNNXModuleMethod(CallNode):
     specs: one `NNXVariableSpec` per entry of `parameters` and `variables`.
     sliced: whether the call runs inside an NNX transform that slices its variables
       (`nnx.scan`, `nnx.vmap`); such a node runs only as part of its tree.
+    call_specs: what conversion saw of each submodule call (arguments and output,
+      abstractly); replacement outputs are checked against it.
+    origin: the id of the conversion that made the node; a replacement continues a
+      call natively only through a node of the same conversion.
   """
 
   module_type: type = static_field()
@@ -101,6 +106,8 @@ class InterceptedNNXModuleMethod(CallNode):
   definition: NNXModuleDef = static_field()
   specs: tuple[NNXVariableSpec, ...] = static_field(default=())
   sliced: bool = static_field(default=False)
+  call_specs: tuple[CallSpec, ...] = static_field(default=())
+  origin: int = static_field(default=0)
 
   def _module_type_name(self) -> str:
     return self.module_type.__name__
@@ -108,7 +115,7 @@ class InterceptedNNXModuleMethod(CallNode):
   def _treescope_attributes(self) -> dict[str, Any]:
     attrs = self.attributes_dict()
     attrs["module_type"] = ShortRepr(self.module_type.__name__)
-    del attrs["specs"]
+    del attrs["specs"], attrs["call_specs"], attrs["origin"]
     return attrs
 
   def _run_root(
@@ -351,7 +358,7 @@ class _Gathered:
     self.specs: dict[Path, NNXVariableSpec] = {}
     self.entries: dict[Path, Any] = {}
     prefix = root.path
-    for node in iter_call_nodes(root):
+    for node in own_call_nodes(root):
       if node.path[: len(prefix)] != prefix:
         raise UnsupportedFlaxFeatureError(
           f"{root._where()}: this call uses the module at"
@@ -427,11 +434,11 @@ def _run(
   interceptor = interceptor or NNXInterceptor(side_inputs=side_inputs, building=False)
   interceptor.instrument(model, root.path)
   method = root.method_name
-  interceptor.frames.append(
-    Frame(root.path, node=root, absorb=method if isinstance(method, str) else None)
-  )
+  frame = Frame(root.path, node=root, absorb=method if isinstance(method, str) else None)
+  interceptor.frames.append(frame)
   with interceptor.active():
     output = call_method(model, method, argument.args, argument.kwargs)
+  interceptor.check_reached(frame)
   _write_back(root, gathered, values, orphans, model)
   return output
 
