@@ -1,6 +1,14 @@
 """flaxlens: turn any Flax model into an explicit tree of layers you can see and edit."""
 
-from flaxlens._errors import CallStructureError, FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens._errors import (
+  ArgumentError,
+  CallStructureError,
+  FlaxlensError,
+  ReplacementError,
+  SelectionError,
+  UnsupportedFlaxFeatureError,
+  VariableError,
+)
 from flaxlens._unflaxify import unflaxify
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._jit import variable_jit
@@ -19,7 +27,6 @@ from flaxlens.core._variables import (
   StateVariableSlot,
   StateVariableValue,
   Uninitialized,
-  VariableError,
   bind_variables,
   freeze_variables,
   unbind_variables,
@@ -49,11 +56,13 @@ __all__ = [
   "load_isolated",
   "save_isolated",
   "ArgsAndKwargs",
+  "ArgumentError",
   "CallStructureError",
   "FlaxlensError",
   "InterceptedFlaxModuleMethod",
   "InterceptedFlaxScopeData",
   "IsolatedSubmodel",
+  "ReplacementError",
   "ReplayReport",
   "RngSnapshot",
   "InterceptedNNXModuleMethod",
@@ -71,6 +80,7 @@ __all__ = [
   "ParameterValue",
   "RandomStream",
   "Selection",
+  "SelectionError",
   "StateVariable",
   "StateVariableSlot",
   "StateVariableValue",

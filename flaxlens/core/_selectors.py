@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from flaxlens._errors import SelectionError
+
 KeyPath = tuple[Any, ...]
 
 
@@ -108,7 +110,7 @@ class Selection:
   Example:
     >>> import flaxlens as fl
     >>> tree = {"a": [1, 2], "b": 3}
-    >>> fl.select(tree).at_subtrees_where(lambda x: x == 2).set(20)
+    >>> fl.select(tree).at_subtrees_where(lambda x: x == 2).expect().set(20)
     {'a': [1, 20], 'b': 3}
   """
 
@@ -184,7 +186,7 @@ class Selection:
 
     Example:
       >>> import flaxlens as fl
-      >>> fl.select({"a": (1, 2.0), "b": 3.0}).at_instances_of(float).get_sequence()
+      >>> fl.select({"a": (1, 2.0), "b": 3.0}).at_instances_of(float).expect().get_sequence()
       (2.0, 3.0)
     """
     return self._search(lambda _, node: isinstance(node, cls), innermost)
@@ -214,7 +216,9 @@ class Selection:
         try:
           _get(node, rel)
         except KeyError:
-          raise KeyError(f"Selection.at_keypaths: no node at {_format_path(path + rel)}.") from None
+          raise SelectionError(
+            f"Selection.at_keypaths: no node at {_format_path(path + rel)}."
+          ) from None
       return [path + rel for rel in keypaths]
 
     selection = self._narrow(find)
@@ -229,7 +233,7 @@ class Selection:
     `**` across segments. The outermost matching calls are selected.
 
     Raises:
-      KeyError: if nothing matches, listing a few of the paths that exist.
+      SelectionError: if nothing matches, listing a few of the paths that exist.
     """
 
     def hit(_: KeyPath, node: Any) -> bool:
@@ -248,7 +252,7 @@ class Selection:
           if callable(getattr(node, "readable_path", None))
         }
       )
-      raise KeyError(
+      raise SelectionError(
         f"No call matches the path pattern {pattern!r}. Known calls include: {known[:12]}"
       )
     return selection
@@ -262,6 +266,42 @@ class Selection:
       if (predicate(p, _get(self._root, p)) if with_keypath else predicate(_get(self._root, p)))
     ]
     return Selection(self._root, kept)
+
+  def expect(self, count: int | None = None) -> Selection:
+    """Returns this selection if it holds `count` nodes (default: at least one).
+
+    Narrowing methods may select nothing, and editing an empty selection changes
+    nothing; put `.expect()` before an edit to make a selection that went wrong (a
+    class the tree does not use, a predicate that never holds) an error instead.
+    `at_path` does this check already.
+
+    Raises:
+      SelectionError: if no node is selected, or not exactly `count`.
+
+    Example:
+      >>> import flaxlens as fl
+      >>> fl.select({"a": 1.0, "b": 2}).at_instances_of(float).expect().set(0.0)
+      {'a': 0.0, 'b': 2}
+      >>> fl.select({"a": 1.0}).at_instances_of(str).expect()
+      Traceback (most recent call last):
+      ...
+      flaxlens._errors.SelectionError: The selection of a dict is empty, but at least one...
+    """
+    found = len(self._paths)
+    if found > 0 if count is None else found == count:
+      return self
+    where = getattr(self._root, "_where", None)
+    subject = (
+      "the selection" if callable(where) else f"The selection of a {type(self._root).__name__}"
+    )
+    if callable(where):
+      subject = f"{where()}: {subject}"
+    state = "is empty" if not found else f"holds {found} nodes"
+    wanted = "at least one node" if count is None else f"exactly {count} node(s)"
+    raise SelectionError(
+      f"{subject} {state}, but {wanted} was expected. Check what you selected with (the"
+      " class, predicate or path), or drop .expect() if selecting nothing is fine."
+    )
 
   def deselect(self) -> Any:
     """Returns the whole tree, unchanged."""
