@@ -492,7 +492,9 @@ def _restatic(
     fields["definition"] = node.definition.with_graphdef(graphdefs[rel])
     fields["submodule_calls"] = {
       key: jax.tree_util.tree_map(
-        lambda x: regraph(x) if is_call_node(x) else x, child, is_leaf=is_call_node
+        lambda x: regraph(x) if is_call_node(x) and x.origin == root.origin else x,
+        child,
+        is_leaf=is_call_node,
       )
       for key, child in node.submodule_calls.items()
     }

@@ -368,3 +368,11 @@ def test_args_and_kwargs_survives_jax_tree_maps():
   doubled = jax.tree_util.tree_map(lambda a: a * 2, argument)
   assert_trees_equal(doubled.args[0], X * 2)
   assert doubled.kwargs == {"scale": 4.0}
+
+
+def test_changing_nnx_attributes_leaves_a_node_of_another_tree_as_it_is():
+  host, teacher = NNX(0), NNX(1, dtype=jnp.bfloat16)
+  teacher_node = teacher.convert(X).submodule_calls[teacher.key(1)]
+  patched = replace(host.convert(X), host.key(1), CallOther(teacher_node)).eval()
+  expected = host.native(X, patch={1: lambda x, out: teacher.block(1, x).astype(x.dtype)})
+  assert_trees_equal(run(patched, X), expected)
