@@ -320,6 +320,8 @@ def _leaf_type(leaf: Any) -> tuple[tuple[int, ...], Any, bool]:
     return (), None, True
   shape = tuple(np.shape(leaf))
   dtype = getattr(leaf, "dtype", None)
+  if dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    dtype = jax.dtypes.canonicalize_dtype(dtype)  # NumPy float64 is float32 to JAX.
   weak = bool(getattr(leaf, "weak_type", False))
   return shape, dtype, weak
 

@@ -49,7 +49,7 @@ def check_storable(variable: AbstractVariable, value: Any, where: str | None = N
   Raises:
     VariableError: naming the variable, `where` it happened and what to use instead.
   """
-  if variable._trace == _current_trace() or not _holds_tracer(value):
+  if not _holds_tracer(value) or variable._trace == _current_trace():
     return
   at = f"{where}: " if where else ""
   raise VariableError(
@@ -84,6 +84,14 @@ class AbstractVariable:
   def value(self) -> Any:
     """The current value."""
     return self._value
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"label": self.label, "value": self._value}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.label = state["label"]
+    self._trace = _current_trace()
+    self._value = state["value"]
 
   @value.setter
   def value(self, value: Any) -> None:

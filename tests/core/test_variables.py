@@ -262,3 +262,11 @@ def test_variable_errors_stay_value_errors():
   w1, w2 = fl.Parameter(1.0, label="w"), fl.Parameter(2.0, label="w")
   with pytest.raises(ValueError, match="share the label 'w'"):
     fl.variables_in([w1, w2])
+
+
+def test_variables_survive_pickling():
+  import pickle
+
+  w = fl.Parameter(jnp.arange(3.0), label="w")
+  copy = pickle.loads(pickle.dumps(w))
+  assert copy.label == "w" and (copy.value == w.value).all()
