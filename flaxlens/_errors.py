@@ -32,8 +32,8 @@ class VariableError(FlaxlensError, ValueError):
   """A variable, slot or label was used inconsistently, or would hold a leaked tracer."""
 
 
-class SelectionError(FlaxlensError, KeyError):
-  """A selection found other nodes than asked for (none, or not the expected number)."""
+class SelectionError(FlaxlensError, KeyError, ValueError):
+  """A selection found other nodes than asked for, or cannot make the edit asked for."""
 
   def __str__(self) -> str:
     return str(self.args[0]) if self.args else ""

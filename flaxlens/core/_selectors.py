@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from flaxlens._errors import SelectionError
+from flaxlens._errors import ArgumentError, SelectionError
 
 KeyPath = tuple[Any, ...]
 
@@ -36,7 +36,7 @@ def _child(node: Any, key: Any) -> Any:
     for k, child in level[0]:
       if k == key:
         return child
-  raise KeyError(f"No child {key} in {type(node).__name__}.")
+  raise SelectionError(f"No child {key} in {type(node).__name__}.")
 
 
 def _get(root: Any, path: KeyPath) -> Any:
@@ -61,7 +61,7 @@ def _replace(node: Any, updates: dict[KeyPath, Any]) -> Any:
     return updates[()]
   level = _children(node)
   if level is None:
-    raise KeyError(f"Cannot descend into leaf {type(node).__name__} at {list(updates)}.")
+    raise SelectionError(f"Cannot descend into leaf {type(node).__name__} at {list(updates)}.")
   pairs, treedef = level
   grouped: dict[Any, dict[KeyPath, Any]] = {}
   for path, value in updates.items():
@@ -70,7 +70,7 @@ def _replace(node: Any, updates: dict[KeyPath, Any]) -> Any:
     _replace(child, grouped.pop(key)) if key in grouped else child for key, child in pairs
   ]
   if grouped:
-    raise KeyError(f"No child {list(grouped)} in {type(node).__name__}.")
+    raise SelectionError(f"No child {list(grouped)} in {type(node).__name__}.")
   return jax.tree_util.tree_unflatten(treedef, new_children)
 
 
@@ -101,7 +101,7 @@ def _marked_copy(node: Any, path: KeyPath, ids: dict[int, KeyPath]) -> Any:
 
 def _check_callable(fn: Any, method: str) -> None:
   if not callable(fn):
-    raise TypeError(f"Selection.{method} needs a callable, got {type(fn).__name__}: {fn!r}.")
+    raise ArgumentError(f"Selection.{method} needs a callable, got {type(fn).__name__}: {fn!r}.")
 
 
 class Selection:
@@ -158,7 +158,7 @@ class Selection:
       try:
         result = accessor(marked)
       except (AttributeError, TypeError) as e:
-        raise ValueError(
+        raise SelectionError(
           f"Selection.at: the accessor failed while navigating {_format_path(path)}"
           f" ({e}). It may only use attribute, key and index access."
         ) from e
@@ -170,7 +170,7 @@ class Selection:
         elif id(r) in ids:
           paths.append(ids[id(r)])
         else:
-          raise ValueError(
+          raise SelectionError(
             "Selection.at: the accessor returned something that is not a node of the"
             f" tree under {_format_path(path)}: {type(r).__name__}. Return a part of"
             " the tree itself (pass multiple=True to return several)."
@@ -325,10 +325,10 @@ class Selection:
     """The single selected node.
 
     Raises:
-      ValueError: if the selection holds zero or several nodes.
+      SelectionError: if the selection holds zero or several nodes.
     """
     if len(self._paths) != 1:
-      raise ValueError(
+      raise SelectionError(
         f"Selection.get needs exactly one selected node, but {len(self._paths)} are"
         f" selected: {[_format_path(p) for p in self._paths[:8]]}. Narrow the"
         " selection, or use get_sequence()."
@@ -371,7 +371,7 @@ class Selection:
     by_parent: dict[KeyPath, list[Any]] = {}
     for p in self._paths:
       if not p:
-        raise ValueError(f"Selection.{method}: the root of the tree has no parent.")
+        raise SelectionError(f"Selection.{method}: the root of the tree has no parent.")
       by_parent.setdefault(p[:-1], []).append(p[-1])
     updates = {}
     for parent_path, keys in by_parent.items():
@@ -382,7 +382,7 @@ class Selection:
         updates[parent_path] = type(parent)((k, v) for k, v in parent.items() if k not in drop)
         continue
       if type(parent) not in (list, tuple):
-        raise TypeError(
+        raise ArgumentError(
           f"Selection.{method}: the parent at {where} is a {type(parent).__name__};"
           " only lists and tuples (and dicts, for removal) support this."
         )
@@ -417,7 +417,7 @@ def _check_disjoint(paths: Sequence[KeyPath]) -> None:
   for i, short in enumerate(ordered):
     for long in ordered[i + 1 :]:
       if long[: len(short)] == short:
-        raise ValueError(
+        raise SelectionError(
           f"Selected nodes overlap: {_format_path(short)} contains {_format_path(long)}."
         )
 

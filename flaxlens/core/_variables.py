@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.extend import core as jax_core
 
-from flaxlens._errors import VariableError
+from flaxlens._errors import ArgumentError, VariableError
 from flaxlens.core._struct import Struct, static_field
 
 _label_counter = itertools.count()
@@ -75,7 +75,7 @@ class AbstractVariable:
     if label is None:
       label = f"{type(self).__name__.lower()}_{next(_label_counter)}"
     if not isinstance(label, str):
-      raise TypeError(f"A variable label must be a string, got {label!r}.")
+      raise ArgumentError(f"A variable label must be a string, got {label!r}.")
     self.label = label
     self._trace = _current_trace()
     self._value = value
@@ -268,7 +268,7 @@ def unbind_variables(
     (ParameterSlot(label='w'), True)
   """
   if predicate is not None and not callable(predicate):
-    raise TypeError(f"unbind_variables: predicate must be callable, got {predicate!r}.")
+    raise ArgumentError(f"unbind_variables: predicate must be callable, got {predicate!r}.")
   chosen = [v for v in variables_in(tree) if predicate is None or predicate(v)]
   chosen_ids = {id(v) for v in chosen}
 
@@ -311,7 +311,7 @@ def bind_variables(
     if isinstance(var, AbstractVariableValue):
       var = var.unfreeze_as_copy()
     if not isinstance(var, AbstractVariable):
-      raise TypeError(
+      raise ArgumentError(
         f"bind_variables expects Parameters, StateVariables or their frozen values,"
         f" got {type(var).__name__}."
       )

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens._errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._calls import CallRecord, Frame, Path, new_origin, owner_of
 from flaxlens.core._jit import split_static
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
@@ -48,7 +48,7 @@ def unflaxify_linen(
       " one is bound. Use module.unbind() to get the module and its variables."
     )
   if not isinstance(variables, Mapping):
-    raise TypeError(
+    raise ArgumentError(
       f"{where}: variables must be a dict of collections (as returned by"
       f" module.init), got {type(variables).__name__}."
     )

@@ -23,7 +23,12 @@ from typing import Any
 import jax
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import CallStructureError, FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens._errors import (
+  ArgumentError,
+  CallStructureError,
+  FlaxlensError,
+  UnsupportedFlaxFeatureError,
+)
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import (
   CallInterceptor,
@@ -240,7 +245,7 @@ def _resolve_rngs(random_streams: Any, where: str) -> Any:
     elif isinstance(stream, jax.Array):
       keys[name] = stream
     else:
-      raise TypeError(
+      raise ArgumentError(
         f"{where}: random_streams[{name!r}] must be a JAX key or an fl.RandomStream,"
         f" got {type(stream).__name__}."
       )

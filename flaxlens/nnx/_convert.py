@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens._errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._calls import CallRecord, Frame, Path, new_origin, owner_of
 from flaxlens.core._jit import split_static
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
@@ -52,7 +52,7 @@ def unflaxify_nnx(
     if not callable(getattr(model, method, None)):
       raise FlaxlensError(f"{where}: the module has no method {method!r}.")
   elif not callable(method):
-    raise TypeError(
+    raise ArgumentError(
       f"{where}: method must be a method name or a function taking the module first,"
       f" got {type(method).__name__}."
     )
