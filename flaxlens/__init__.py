@@ -29,6 +29,7 @@ from flaxlens.core._variables import (
   Uninitialized,
   bind_variables,
   freeze_variables,
+  relabel_variables,
   unbind_variables,
   variables_in,
 )
@@ -91,6 +92,7 @@ __all__ = [
   "isolate",
   "isolate_calls",
   "isolate_submodel",
+  "relabel_variables",
   "select",
   "static_field",
   "summary",

@@ -134,7 +134,8 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
           if labels.setdefault(leaf.label, leaf) is not leaf:
             raise VariableError(
               f"Two different variables share the label {leaf.label!r}; labels identify"
-              " variables, so each must be unique."
+              " variables, so each must be unique (for a second converted model:"
+              " other = fl.relabel_variables(other, 'teacher/'))."
             )
           k = index[id(leaf)] = len(variables)
           variables.append(leaf)

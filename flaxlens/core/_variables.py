@@ -230,7 +230,8 @@ def variables_in(tree: Any) -> tuple[AbstractVariable, ...]:
       if seen is not leaf:
         raise VariableError(
           f"Two different variables share the label {leaf.label!r}. Labels identify"
-          " variables, so each must be unique; give one of them another label."
+          " variables, so each must be unique; give one of them another label (for a"
+          " second converted model: other = fl.relabel_variables(other, 'teacher/'))."
         )
   return tuple(found.values())
 
@@ -342,6 +343,37 @@ def bind_variables(
       " or pass allow_unused=True to ignore them."
     )
   return new_tree
+
+
+def relabel_variables(tree: Any, prefix: str) -> Any:
+  """A copy of `tree` whose variables and slots have `prefix` put before their labels.
+
+  Every variable is replaced by a new one holding the same value (a variable reachable
+  twice becomes one new variable reachable twice); `tree` itself is left as it is.
+  Labels identify variables, so two trees converted from models of the same
+  architecture cannot be used together (a teacher inside a replacement, under
+  `fl.variable_jit` or `stateless_call`) until one of them is relabelled.
+
+  Example:
+    >>> import flaxlens as fl
+    >>> tree = fl.relabel_variables({"w": fl.Parameter(1.0, label="w")}, "teacher/")
+    >>> tree["w"].label
+    'teacher/w'
+  """
+  if not isinstance(prefix, str):
+    raise ArgumentError(f"relabel_variables: prefix must be a string, got {prefix!r}.")
+  made: dict[int, Any] = {}
+
+  def relabel(x: Any) -> Any:
+    if isinstance(x, AbstractVariableSlot):
+      return type(x)(label=prefix + x.label)
+    if not isinstance(x, AbstractVariable):
+      return x
+    if id(x) not in made:
+      made[id(x)] = type(x)(x.value, label=prefix + x.label)
+    return made[id(x)]
+
+  return jax.tree_util.tree_map(relabel, tree, is_leaf=_is_variable_or_slot)
 
 
 def freeze_variables(tree: Any, predicate: Callable[[AbstractVariable], bool] | None = None) -> Any:

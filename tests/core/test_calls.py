@@ -376,3 +376,23 @@ def test_changing_nnx_attributes_leaves_a_node_of_another_tree_as_it_is():
   patched = replace(host.convert(X), host.key(1), CallOther(teacher_node)).eval()
   expected = host.native(X, patch={1: lambda x, out: teacher.block(1, x).astype(x.dtype)})
   assert_trees_equal(run(patched, X), expected)
+
+
+def test_two_trees_of_one_architecture_share_labels_until_one_is_relabelled(fw):
+  host, teacher = fw(0), fw(1)
+  tree = host.convert(X)
+  teacher_node = teacher.convert(X).submodule_calls[teacher.key(1)]
+  patched = replace(tree, host.key(1), PlusOther(tree.submodule_calls[host.key(1)], teacher_node))
+  with pytest.raises(fl.VariableError, match="fl.relabel_variables"):
+    fl.variable_jit(run)(patched, X)
+
+
+def test_a_relabelled_tree_inside_a_replacement_runs_under_variable_jit(fw):
+  host, teacher = fw(0), fw(1)
+  tree = host.convert(X)
+  teacher_node = fl.relabel_variables(teacher.convert(X), "teacher/").submodule_calls[
+    teacher.key(1)
+  ]
+  patched = replace(tree, host.key(1), PlusOther(tree.submodule_calls[host.key(1)], teacher_node))
+  expected = jax.jit(lambda x: host.native(x, patch={1: lambda x, out: out + teacher.block(1, x)}))
+  assert_trees_equal(fl.variable_jit(run)(patched, X), expected(X))

@@ -490,3 +490,8 @@ def test_an_unmatched_path_is_a_flaxlens_selection_error_and_a_key_error(calls):
   with pytest.raises(fl.SelectionError) as info:
     fl.select(calls).at_path("Nowhere")
   assert isinstance(info.value, fl.FlaxlensError) and isinstance(info.value, KeyError)
+
+
+def test_selection_misuse_is_a_flaxlens_error():
+  with pytest.raises(fl.FlaxlensError, match="exactly one selected node"):
+    fl.select([1, 2]).at_instances_of(int).get()
