@@ -12,6 +12,8 @@ from flax import nnx
 
 import flaxlens as fl
 
+from .models import X, scanned_tree
+
 
 class LinenBlocks(nn.Module):
   """Up to four Dense blocks; how many run is chosen at call time."""
@@ -101,9 +103,6 @@ class NNX:
 @pytest.fixture(params=[Linen, NNX], ids=["linen", "nnx"])
 def fw(request):
   return request.param
-
-
-X = jnp.arange(8.0).reshape(2, 4) / 8
 
 
 def run(tree, x, n_blocks=3):
@@ -330,22 +329,10 @@ def test_a_right_replacement_output_for_another_batch_size_runs(fw):
   assert_trees_equal(run(patched, x), expected)
 
 
-def test_a_replacement_inside_a_scan_body_is_checked_per_iteration():
-  class Body(nn.Module):
-    @nn.compact
-    def __call__(self, carry, _):
-      return nn.Dense(4)(carry), None
-
-  class Scanned(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      scan = nn.scan(Body, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
-      return scan(name="layers")(x, None)[0]
-
-  module = Scanned()
-  variables = module.init(jax.random.key(0), X)
-  tree = fl.unflaxify(module, variables, X)
-  wrong = tree.select().at_path("layers/Dense_0").apply(lambda n: Returns(n, lambda o: o[:, :2]))
+@pytest.mark.parametrize("name", ["linen", "nnx"])
+def test_a_replacement_inside_a_scan_body_is_checked_per_iteration(name):
+  tree, path = scanned_tree(name)
+  wrong = tree.select().at_path(path).apply(lambda n: Returns(n, lambda o: o[:, :2]))
   with pytest.raises(fl.ReplacementError, match=r"float32\[2, 2\].*float32\[2, 4\]"):
     wrong(fl.ArgsAndKwargs.capture(X))
 

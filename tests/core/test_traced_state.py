@@ -12,7 +12,7 @@ from flax import nnx
 
 import flaxlens as fl
 
-X = jnp.arange(8.0).reshape(2, 4) / 8
+from .models import X, scanned_tree
 
 
 class LinenNormed(nn.Module):
@@ -118,48 +118,9 @@ class Summing(fl.Layer):
     return out
 
 
-class LinenScanBlock(nn.Module):
-  @nn.compact
-  def __call__(self, x, _):
-    return nn.Dense(4)(x), None
-
-
-class LinenScanned(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    scan = nn.scan(
-      LinenScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
-    )
-    return scan(name="layers")(x, None)[0]
-
-
-class NNXScanned(nnx.Module):
-  def __init__(self, rngs):
-    @nnx.split_rngs(splits=3)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def create(rngs):
-      return nnx.Linear(4, 4, rngs=rngs)
-
-    self.layers = create(rngs)
-
-  def __call__(self, x):
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    def forward(x, layer):
-      return layer(x)
-
-    return forward(x, self.layers)
-
-
-def _scanned_tree(name):
-  if name == "linen":
-    module = LinenScanned()
-    return fl.unflaxify(module, module.init(jax.random.key(0), X), X), "layers/Dense_0"
-  return fl.unflaxify(NNXScanned(nnx.Rngs(0)), X), "layers"
-
-
 @pytest.mark.parametrize("name", ["linen", "nnx"])
 def test_a_stateful_replacement_inside_a_scan_body_is_refused(name):
-  tree, path = _scanned_tree(name)
+  tree, path = scanned_tree(name)
   total = fl.StateVariable(jnp.zeros(()), label="total")
   patched = tree.select().at_path(path).apply(lambda node: Summing(node, total))
   with pytest.raises(fl.VariableError, match="'total'"):
