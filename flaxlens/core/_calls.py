@@ -236,8 +236,10 @@ class CallSpec:
     return self is other or (
       type(other) is CallSpec
       and self._hash == other._hash
-      and (self.key, self.path, self.inputs, self.output)
-      == (other.key, other.path, other.inputs, other.output)
+      and _same_static(
+        (self.key, self.path, self.inputs, self.output),
+        (other.key, other.path, other.inputs, other.output),
+      )
     )
 
   def __repr__(self) -> str:
@@ -269,7 +271,7 @@ class CallSpec:
     if self.inputs is None or self.output is None:
       return None
     given = _signature((tuple(args), dict(kwargs)))
-    if given is None or given[0] != self.inputs[0]:
+    if given is None or not _same_static(given[0], self.inputs[0]):
       return None
     arrays = []
     for a, b in zip(given[1], self.inputs[1], strict=True):
@@ -290,7 +292,7 @@ class CallSpec:
       leaves, treedef = jax.tree_util.tree_flatten(output)
     except Exception:
       return f"a {type(output).__name__} that is not a pytree, where the call returns {expected}"
-    if treedef != self.output[0]:
+    if not _same_static(treedef, self.output[0]):
       got = _show_signature((treedef, tuple(_summary(x) for x in leaves)))
       return f"{got}, where the call returns {expected} (another structure)"
     for leaf, want in zip(leaves, self.output[1], strict=True):
@@ -306,6 +308,7 @@ class CallSpec:
 
 
 def _same_static(a: Any, b: Any) -> bool:
+  """Equality that is False for values of other types or that cannot be compared."""
   if type(a) is not type(b):
     return False
   try:
@@ -536,6 +539,9 @@ class CallInterceptor:
       return self.run_frame(Frame(path), next_fun, args, kwargs)
     frame.reached.add(key)
     child = node.submodule_calls.get(key, _MISSING)
+    spec = node._call_spec(key)
+    if child is _MISSING and spec is not None and (spec.path, spec.method_name) == (path, name):
+      child = None  # Conversion saw this call: its entry was deleted.
     if is_call_node(child) and child.origin == node.origin:
       if child.path == path and child.method_name == name and self.same_module(child, module):
         return self.run_node(child, module, next_fun, args, kwargs)
@@ -544,7 +550,7 @@ class CallInterceptor:
       self._diverged(frame, key)
       return self.run_frame(Frame(path), next_fun, args, kwargs)
     if child is None or not callable(child):
-      what = "removed (set to None)" if child is None else f"a {type(child).__name__}"
+      what = "removed (None or deleted)" if child is None else f"a {type(child).__name__}"
       raise ReplacementError(
         f"{node._describe(key)} is {what}, which cannot run in its place. A call cannot be"
         " removed from a tree; replace it with an fl.Layer (any callable taking"
@@ -555,7 +561,6 @@ class CallInterceptor:
       output = child(ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs)), **self.side_inputs)
     finally:
       self.pending.pop()
-    spec = node._call_spec(key)
     problem = spec.check(output, args, kwargs) if spec is not None else None
     if problem is not None:
       raise ReplacementError(

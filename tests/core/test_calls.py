@@ -277,6 +277,17 @@ def test_a_removed_call_is_an_error_saying_to_replace_it(fw):
     run(patched, X)
 
 
+def test_a_call_deleted_from_submodule_calls_is_an_error(fw):
+  host = fw(0)
+  patched = (
+    host.convert(X).select().at(lambda t: t.submodule_calls[host.key(1)]).remove_from_parent()
+  )
+  with pytest.raises(
+    fl.ReplacementError, match=r"call \(1, .*removed.*replace it with an fl.Layer"
+  ):
+    run(patched, X)
+
+
 def test_a_non_callable_entry_is_an_error_naming_the_call(fw):
   host = fw(0)
   patched = replace(host.convert(X), host.key(1), jnp.zeros((2, 4)))
