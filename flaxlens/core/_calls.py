@@ -287,23 +287,21 @@ class CallSpec:
       for a, b in arrays
     )
     same_shapes = same_kind and all(a.shape == b.shape for a, b in arrays)
-    expected = _show_signature(self.output)
-    try:
-      leaves, treedef = jax.tree_util.tree_flatten(output)
-    except Exception:
-      return f"a {type(output).__name__} that is not a pytree, where the call returns {expected}"
+    leaves, treedef = jax.tree_util.tree_flatten(output)
+
+    def got() -> str:
+      return _show_signature((treedef, tuple(_summary(x) for x in leaves)))
+
     if not _same_static(treedef, self.output[0]):
-      got = _show_signature((treedef, tuple(_summary(x) for x in leaves)))
-      return f"{got}, where the call returns {expected} (another structure)"
+      return f"{got()}, where the call returns {_show_signature(self.output)} (another structure)"
     for leaf, want in zip(leaves, self.output[1], strict=True):
       if not isinstance(want, jax.ShapeDtypeStruct) or not same_kind:
         continue
       shape, dtype, weak = _leaf_type(leaf)
       wrong = len(shape) != len(want.shape) or (same_shapes and shape != want.shape)
-      wrong = wrong or (not weak and dtype != want.dtype)
-      if wrong:
-        got = _show_signature((treedef, tuple(_summary(x) for x in leaves)))
-        return f"{got}, where the call returns {expected} for these arguments"
+      if wrong or (not weak and dtype != want.dtype):
+        expected = _show_signature(self.output)
+        return f"{got()}, where the call returns {expected} for these arguments"
     return None
 
 
