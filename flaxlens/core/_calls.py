@@ -537,13 +537,14 @@ class CallInterceptor:
       return self.run_frame(Frame(path), next_fun, args, kwargs)
     frame.reached.add(key)
     child = node.submodule_calls.get(key, _MISSING)
-    spec = node._call_spec(key)
-    if child is _MISSING and spec is not None and (spec.path, spec.method_name) == (path, name):
-      child = None  # Conversion saw this call: its entry was deleted.
     if is_call_node(child) and child.origin == node.origin:
       if child.path == path and child.method_name == name and self.same_module(child, module):
         return self.run_node(child, module, next_fun, args, kwargs)
-      child = _MISSING
+      child = _MISSING  # A node of this tree made for another call: the calls changed.
+    spec = node._call_spec(key)
+    deleted = key not in node.submodule_calls and spec is not None
+    if deleted and (spec.path, spec.method_name) == (path, name):
+      child = None  # Conversion saw this very call: its entry was deleted.
     if child is _MISSING:
       self._diverged(frame, key)
       return self.run_frame(Frame(path), next_fun, args, kwargs)
