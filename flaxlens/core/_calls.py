@@ -14,9 +14,9 @@ Rules of the dispatch, each enforced here for both frameworks:
   another call of this one) called inside a replacement runs as a tree of its own.
 - A replaced call must be reached: a frame that ends without making a call whose entry
   was replaced raises `CallStructureError` (unreplaced calls may be skipped freely).
-- A replacement must be callable, and its output must have the structure, dtype and
-  shape the replaced call had at conversion for the same kind of arguments
-  (`CallSpec.check`).
+- An entry cannot be removed (None, or deleted from `submodule_calls`); a replacement
+  must be callable, and its output must have the structure, dtype and shape the
+  replaced call had at conversion for the same kind of arguments (`CallSpec.check`).
 """
 
 from __future__ import annotations
