@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 from comparisons import assert_trees_equal
 from flax import nnx
+from replacements import PlusOne
 
 import flaxlens as fl
 
@@ -111,15 +112,6 @@ def run(tree, x, n_blocks=3):
 
 def replace(tree, key, layer):
   return tree.select().at(lambda t: t.submodule_calls[key]).set(layer)
-
-
-class PlusOne(fl.Layer):
-  """Continues the call it wraps, then adds one."""
-
-  inner: object
-
-  def __call__(self, argument, /, **side_inputs):
-    return self.inner(argument, **side_inputs) + 1.0
 
 
 class CallOther(fl.Layer):
@@ -394,3 +386,10 @@ def test_a_relabelled_tree_inside_a_replacement_runs_under_variable_jit(fw):
   patched = replace(tree, host.key(1), PlusOther(tree.submodule_calls[host.key(1)], teacher_node))
   expected = jax.jit(lambda x: host.native(x, patch={1: lambda x, out: out + teacher.block(1, x)}))
   assert_trees_equal(fl.variable_jit(run)(patched, X), expected(X))
+
+
+def test_a_weakly_typed_replacement_output_runs(fw):
+  host = fw(0, dtype=jnp.bfloat16)
+  patched = _wrap(host.convert(X), host.key(1), lambda out: jnp.full(out.shape, 0.5))
+  expected = host.native(X, patch={1: lambda _, out: jnp.full(out.shape, 0.5)})
+  assert_trees_equal(run(patched, X), expected)
