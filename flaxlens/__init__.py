@@ -1,6 +1,14 @@
 """flaxlens: turn any Flax model into an explicit tree of layers you can see and edit."""
 
-from flaxlens._errors import CallStructureError, FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens._errors import (
+  ArgumentError,
+  CallStructureError,
+  FlaxlensError,
+  ReplacementError,
+  SelectionError,
+  UnsupportedFlaxFeatureError,
+  VariableError,
+)
 from flaxlens._unflaxify import unflaxify
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._jit import variable_jit
@@ -19,9 +27,9 @@ from flaxlens.core._variables import (
   StateVariableSlot,
   StateVariableValue,
   Uninitialized,
-  VariableError,
   bind_variables,
   freeze_variables,
+  relabel_variables,
   unbind_variables,
   variables_in,
 )
@@ -51,11 +59,13 @@ __all__ = [
   "register_value_codec",
   "save_isolated",
   "ArgsAndKwargs",
+  "ArgumentError",
   "CallStructureError",
   "FlaxlensError",
   "InterceptedFlaxModuleMethod",
   "InterceptedFlaxScopeData",
   "IsolatedSubmodel",
+  "ReplacementError",
   "ReplayReport",
   "RngSnapshot",
   "InterceptedNNXModuleMethod",
@@ -73,6 +83,7 @@ __all__ = [
   "ParameterValue",
   "RandomStream",
   "Selection",
+  "SelectionError",
   "StateVariable",
   "StateVariableSlot",
   "StateVariableValue",
@@ -83,6 +94,7 @@ __all__ = [
   "isolate",
   "isolate_calls",
   "isolate_submodel",
+  "relabel_variables",
   "select",
   "static_field",
   "summary",

@@ -7,6 +7,8 @@ from typing import Any
 import flax.linen as nn
 from flax import nnx
 
+from flaxlens._errors import ArgumentError
+
 
 def unflaxify(model: Any, *args: Any, **kwargs: Any) -> Any:
   """Converts a Flax model into an explicit tree of its calls.
@@ -50,7 +52,7 @@ def unflaxify(model: Any, *args: Any, **kwargs: Any) -> Any:
     from flaxlens.linen._convert import unflaxify_linen
 
     if not args:
-      raise TypeError(
+      raise ArgumentError(
         f"unflaxify({type(model).__name__}): a Linen module needs its variables as the"
         " second argument: fl.unflaxify(module, variables, *example_args)."
       )
@@ -59,7 +61,7 @@ def unflaxify(model: Any, *args: Any, **kwargs: Any) -> Any:
     from flaxlens.nnx._convert import unflaxify_nnx
 
     return unflaxify_nnx(model, *args, **kwargs)
-  raise TypeError(
+  raise ArgumentError(
     f"unflaxify expects a flax.linen.Module (with its variables) or a flax.nnx.Module,"
     f" got {type(model).__name__}."
   )

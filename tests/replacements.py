@@ -15,10 +15,11 @@ class PlusOne(fl.Layer):
 
 
 class Recorder(fl.Layer):
-  """Replacement that remembers what it received and passes its input through."""
+  """Wraps a call: remembers what it received, then runs the original node."""
 
   seen: list
+  inner: object
 
   def __call__(self, argument, /, **side_inputs):
     self.seen.append((argument, side_inputs))
-    return argument.args[0]
+    return self.inner(argument, **side_inputs)

@@ -156,9 +156,16 @@ def test_a_changed_side_input_gives_a_new_result(fw):
     assert_trees_equal(_call(tree, shift=shift), expected)
 
 
+def _warm(tree):
+  # Flax's nn.jit keys a tied application on the rng counters left by the one before;
+  # those settle after one call that replays the first application from the cache.
+  for _ in range(2):
+    _call(tree)
+
+
 def test_an_edited_parameter_gives_a_new_result_without_retracing(fw):
   tree = fw.convert()
-  _call(tree)
+  _warm(tree)
   traces = TRACES[fw.name]
   node = tree.select().at_path(fw.inner_path).get_sequence()[0]
   parameters = node.scope_data.parameters if fw.name == "linen" else node.parameters
@@ -171,10 +178,11 @@ def test_an_edited_parameter_gives_a_new_result_without_retracing(fw):
 
 def test_repeated_eager_calls_of_an_unchanged_tree_do_not_retrace(fw):
   tree = fw.convert()
-  _call(tree)
+  expected = fw.native()
+  _warm(tree)
   traces = TRACES[fw.name]
   for _ in range(5):
-    assert_trees_equal(_call(tree), fw.native())
+    assert_trees_equal(_call(tree), expected)
   assert TRACES[fw.name] == traces
 
 

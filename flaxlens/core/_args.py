@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from flaxlens._errors import ArgumentError
 from flaxlens.core._struct import Struct
 
 
@@ -19,6 +20,17 @@ class ArgsAndKwargs(Struct):
 
   args: tuple[Any, ...]
   kwargs: dict[str, Any]
+
+  def __post_init__(self) -> None:
+    # Only direct construction is checked: JAX rebuilds instances (with placeholders
+    # for leaves, or prefix trees such as in_axes) through `tree_unflatten`.
+    if type(self.args) is not tuple or not isinstance(self.kwargs, dict):
+      raise ArgumentError(
+        "ArgsAndKwargs(args, kwargs) takes a tuple of positional arguments and a dict of"
+        f" keyword arguments, got a {type(self.args).__name__} and a"
+        f" {type(self.kwargs).__name__}. To pass arrays as arguments, write"
+        " fl.ArgsAndKwargs.capture(*args, **kwargs)."
+      )
 
   @classmethod
   def capture(cls, *args: Any, **kwargs: Any) -> ArgsAndKwargs:

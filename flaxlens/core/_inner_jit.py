@@ -164,6 +164,7 @@ def inner_jit(frame: Any, call_path: tuple[Any, ...], token: RunToken, trace: An
   else:
     reported = recorded.get(position, ())
     for name in reported:
-      frame.next_key(name)
+      key, _ = frame.next_key(name)
+      frame.reached.add(key)
   if outer_log is not None:
     outer_log.extend(reported)

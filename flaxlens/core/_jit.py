@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from flaxlens._errors import ArgumentError
 from flaxlens.core._variables import (
   AbstractVariable,
   AbstractVariableSlot,
@@ -45,7 +46,7 @@ class _Static:
     try:
       hash(values)
     except TypeError as e:
-      raise TypeError(
+      raise ArgumentError(
         "variable_jit treats non-array leaves as static, and they must be hashable;"
         f" got an unhashable leaf ({e}). Convert it to an array or a tuple."
       ) from None
@@ -89,7 +90,7 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
     return functools.partial(variable_jit, **jit_kwargs)
   refused = sorted(k for k in jit_kwargs if k.startswith(("static_arg", "donate_arg")))
   if refused:
-    raise TypeError(
+    raise ArgumentError(
       f"variable_jit does not take {refused}: non-array leaves of the arguments are static"
       " already and array leaves are always traced. Pass Python values for static inputs."
     )
@@ -133,7 +134,8 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
           if labels.setdefault(leaf.label, leaf) is not leaf:
             raise VariableError(
               f"Two different variables share the label {leaf.label!r}; labels identify"
-              " variables, so each must be unique."
+              " variables, so each must be unique (for a second converted model:"
+              " other = fl.relabel_variables(other, 'teacher/'))."
             )
           k = index[id(leaf)] = len(variables)
           variables.append(leaf)

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from flaxlens._errors import ArgumentError
 from flaxlens.core._struct import Struct
 from flaxlens.core._variables import StateVariable
 
@@ -38,7 +39,7 @@ class RandomStream(Struct):
   def next_key(self) -> jax.Array:
     """Returns the next key and advances the counter."""
     if not isinstance(self.offset, StateVariable):
-      raise TypeError(
+      raise ArgumentError(
         "RandomStream.next_key needs a bound StateVariable counter; this stream's"
         f" offset is a {type(self.offset).__name__}. Bind its variables first."
       )

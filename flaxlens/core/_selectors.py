@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from flaxlens._errors import ArgumentError, SelectionError
+
 KeyPath = tuple[Any, ...]
 
 
@@ -34,7 +36,7 @@ def _child(node: Any, key: Any) -> Any:
     for k, child in level[0]:
       if k == key:
         return child
-  raise KeyError(f"No child {key} in {type(node).__name__}.")
+  raise SelectionError(f"No child {key} in {type(node).__name__}.")
 
 
 def _get(root: Any, path: KeyPath) -> Any:
@@ -59,7 +61,7 @@ def _replace(node: Any, updates: dict[KeyPath, Any]) -> Any:
     return updates[()]
   level = _children(node)
   if level is None:
-    raise KeyError(f"Cannot descend into leaf {type(node).__name__} at {list(updates)}.")
+    raise SelectionError(f"Cannot descend into leaf {type(node).__name__} at {list(updates)}.")
   pairs, treedef = level
   grouped: dict[Any, dict[KeyPath, Any]] = {}
   for path, value in updates.items():
@@ -68,7 +70,7 @@ def _replace(node: Any, updates: dict[KeyPath, Any]) -> Any:
     _replace(child, grouped.pop(key)) if key in grouped else child for key, child in pairs
   ]
   if grouped:
-    raise KeyError(f"No child {list(grouped)} in {type(node).__name__}.")
+    raise SelectionError(f"No child {list(grouped)} in {type(node).__name__}.")
   return jax.tree_util.tree_unflatten(treedef, new_children)
 
 
@@ -99,7 +101,7 @@ def _marked_copy(node: Any, path: KeyPath, ids: dict[int, KeyPath]) -> Any:
 
 def _check_callable(fn: Any, method: str) -> None:
   if not callable(fn):
-    raise TypeError(f"Selection.{method} needs a callable, got {type(fn).__name__}: {fn!r}.")
+    raise ArgumentError(f"Selection.{method} needs a callable, got {type(fn).__name__}: {fn!r}.")
 
 
 class Selection:
@@ -108,7 +110,7 @@ class Selection:
   Example:
     >>> import flaxlens as fl
     >>> tree = {"a": [1, 2], "b": 3}
-    >>> fl.select(tree).at_subtrees_where(lambda x: x == 2).set(20)
+    >>> fl.select(tree).at_subtrees_where(lambda x: x == 2).expect().set(20)
     {'a': [1, 20], 'b': 3}
   """
 
@@ -156,7 +158,7 @@ class Selection:
       try:
         result = accessor(marked)
       except (AttributeError, TypeError) as e:
-        raise ValueError(
+        raise SelectionError(
           f"Selection.at: the accessor failed while navigating {_format_path(path)}"
           f" ({e}). It may only use attribute, key and index access."
         ) from e
@@ -168,7 +170,7 @@ class Selection:
         elif id(r) in ids:
           paths.append(ids[id(r)])
         else:
-          raise ValueError(
+          raise SelectionError(
             "Selection.at: the accessor returned something that is not a node of the"
             f" tree under {_format_path(path)}: {type(r).__name__}. Return a part of"
             " the tree itself (pass multiple=True to return several)."
@@ -184,7 +186,7 @@ class Selection:
 
     Example:
       >>> import flaxlens as fl
-      >>> fl.select({"a": (1, 2.0), "b": 3.0}).at_instances_of(float).get_sequence()
+      >>> fl.select({"a": (1, 2.0), "b": 3.0}).at_instances_of(float).expect().get_sequence()
       (2.0, 3.0)
     """
     return self._search(lambda _, node: isinstance(node, cls), innermost)
@@ -214,7 +216,9 @@ class Selection:
         try:
           _get(node, rel)
         except KeyError:
-          raise KeyError(f"Selection.at_keypaths: no node at {_format_path(path + rel)}.") from None
+          raise SelectionError(
+            f"Selection.at_keypaths: no node at {_format_path(path + rel)}."
+          ) from None
       return [path + rel for rel in keypaths]
 
     selection = self._narrow(find)
@@ -229,7 +233,7 @@ class Selection:
     `**` across segments. The outermost matching calls are selected.
 
     Raises:
-      KeyError: if nothing matches, listing a few of the paths that exist.
+      SelectionError: if nothing matches, listing a few of the paths that exist.
     """
 
     def hit(_: KeyPath, node: Any) -> bool:
@@ -248,7 +252,7 @@ class Selection:
           if callable(getattr(node, "readable_path", None))
         }
       )
-      raise KeyError(
+      raise SelectionError(
         f"No call matches the path pattern {pattern!r}. Known calls include: {known[:12]}"
       )
     return selection
@@ -262,6 +266,42 @@ class Selection:
       if (predicate(p, _get(self._root, p)) if with_keypath else predicate(_get(self._root, p)))
     ]
     return Selection(self._root, kept)
+
+  def expect(self, count: int | None = None) -> Selection:
+    """Returns this selection if it holds `count` nodes (default: at least one).
+
+    Narrowing methods may select nothing, and editing an empty selection changes
+    nothing; put `.expect()` before an edit to make a selection that went wrong (a
+    class the tree does not use, a predicate that never holds) an error instead.
+    `at_path` does this check already.
+
+    Raises:
+      SelectionError: if no node is selected, or not exactly `count`.
+
+    Example:
+      >>> import flaxlens as fl
+      >>> fl.select({"a": 1.0, "b": 2}).at_instances_of(float).expect().set(0.0)
+      {'a': 0.0, 'b': 2}
+      >>> fl.select({"a": 1.0}).at_instances_of(str).expect()
+      Traceback (most recent call last):
+      ...
+      flaxlens._errors.SelectionError: The selection of a dict is empty, but at least one...
+    """
+    found = len(self._paths)
+    if found > 0 if count is None else found == count:
+      return self
+    where = getattr(self._root, "_where", None)
+    subject = (
+      "the selection" if callable(where) else f"The selection of a {type(self._root).__name__}"
+    )
+    if callable(where):
+      subject = f"{where()}: {subject}"
+    state = "is empty" if not found else f"holds {found} nodes"
+    wanted = "at least one node" if count is None else f"exactly {count} node(s)"
+    raise SelectionError(
+      f"{subject} {state}, but {wanted} was expected. Check what you selected with (the"
+      " class, predicate or path), or drop .expect() if selecting nothing is fine."
+    )
 
   def deselect(self) -> Any:
     """Returns the whole tree, unchanged."""
@@ -285,10 +325,10 @@ class Selection:
     """The single selected node.
 
     Raises:
-      ValueError: if the selection holds zero or several nodes.
+      SelectionError: if the selection holds zero or several nodes.
     """
     if len(self._paths) != 1:
-      raise ValueError(
+      raise SelectionError(
         f"Selection.get needs exactly one selected node, but {len(self._paths)} are"
         f" selected: {[_format_path(p) for p in self._paths[:8]]}. Narrow the"
         " selection, or use get_sequence()."
@@ -331,7 +371,7 @@ class Selection:
     by_parent: dict[KeyPath, list[Any]] = {}
     for p in self._paths:
       if not p:
-        raise ValueError(f"Selection.{method}: the root of the tree has no parent.")
+        raise SelectionError(f"Selection.{method}: the root of the tree has no parent.")
       by_parent.setdefault(p[:-1], []).append(p[-1])
     updates = {}
     for parent_path, keys in by_parent.items():
@@ -342,7 +382,7 @@ class Selection:
         updates[parent_path] = type(parent)((k, v) for k, v in parent.items() if k not in drop)
         continue
       if type(parent) not in (list, tuple):
-        raise TypeError(
+        raise ArgumentError(
           f"Selection.{method}: the parent at {where} is a {type(parent).__name__};"
           " only lists and tuples (and dicts, for removal) support this."
         )
@@ -377,7 +417,7 @@ def _check_disjoint(paths: Sequence[KeyPath]) -> None:
   for i, short in enumerate(ordered):
     for long in ordered[i + 1 :]:
       if long[: len(short)] == short:
-        raise ValueError(
+        raise SelectionError(
           f"Selected nodes overlap: {_format_path(short)} contains {_format_path(long)}."
         )
 

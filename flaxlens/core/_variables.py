@@ -18,28 +18,86 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend import core as jax_core
 
+from flaxlens._errors import ArgumentError, VariableError
 from flaxlens.core._struct import Struct, static_field
 
 _label_counter = itertools.count()
 
 
-class VariableError(ValueError):
-  """A variable, slot or label was used inconsistently."""
+def _current_trace() -> Any:
+  return jax_core.get_opaque_trace_state(convention="flaxlens")
+
+
+def _holds_tracer(value: Any) -> bool:
+  if isinstance(value, jax.core.Tracer):
+    return True
+  if isinstance(value, jax.Array | np.ndarray | int | float | bool | str | type(None)):
+    return False
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(value))
+
+
+def check_storable(variable: AbstractVariable, value: Any, where: str | None = None) -> None:
+  """Refuses to store a JAX tracer in a variable that would outlive the tracer's trace.
+
+  A variable may hold a traced value only while the transformation it was created in
+  is running: `fl.variable_jit` and `stateless_call` create fresh variables inside the
+  trace, so their writes are fine. Writing a tracer into a variable made outside (a
+  tree called under `jax.jit`, a stateful replacement inside an `nn.scan` body) would
+  leave a dead tracer in it that breaks every later call.
+
+  Raises:
+    VariableError: naming the variable, `where` it happened and what to use instead.
+  """
+  if not _holds_tracer(value) or variable._trace == _current_trace():
+    return
+  at = f"{where}: " if where else ""
+  raise VariableError(
+    f"{at}storing a traced value in the {type(variable).__name__} {variable.label!r},"
+    " which was created outside the JAX transformation (jax.jit, grad, vmap, a lifted"
+    " nn.scan/nnx.scan body...) being traced; the tracer would outlive its trace and"
+    " break every later call. Run the tree under fl.variable_jit instead of jax.jit, or"
+    " transform tree.stateless_call(values, argument) (it returns the new state); inside"
+    " scan or vmap bodies, keep per-iteration state in the model's own variables."
+  )
 
 
 class AbstractVariable:
-  """Base class of the mutable holders `Parameter` and `StateVariable`."""
+  """Base class of the mutable holders `Parameter` and `StateVariable`.
 
-  __slots__ = ("label", "value")
+  Assigning a JAX tracer to `.value` is refused (`VariableError`) unless the variable
+  was created inside the transformation being traced; see `check_storable`.
+  """
+
+  __slots__ = ("label", "_value", "_trace")
 
   def __init__(self, value: Any, label: str | None = None):
     if label is None:
       label = f"{type(self).__name__.lower()}_{next(_label_counter)}"
     if not isinstance(label, str):
-      raise TypeError(f"A variable label must be a string, got {label!r}.")
+      raise ArgumentError(f"A variable label must be a string, got {label!r}.")
     self.label = label
-    self.value = value
+    self._trace = _current_trace()
+    self._value = value
+
+  @property
+  def value(self) -> Any:
+    """The current value."""
+    return self._value
+
+  def __getstate__(self) -> dict[str, Any]:
+    return {"label": self.label, "value": self._value}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.label = state["label"]
+    self._trace = _current_trace()
+    self._value = state["value"]
+
+  @value.setter
+  def value(self, value: Any) -> None:
+    check_storable(self, value)
+    self._value = value
 
   def freeze(self) -> AbstractVariableValue:
     """Returns an immutable snapshot (a pytree) of this variable's current value."""
@@ -173,7 +231,8 @@ def variables_in(tree: Any) -> tuple[AbstractVariable, ...]:
       if seen is not leaf:
         raise VariableError(
           f"Two different variables share the label {leaf.label!r}. Labels identify"
-          " variables, so each must be unique; give one of them another label."
+          " variables, so each must be unique; give one of them another label (for a"
+          " second converted model: other = fl.relabel_variables(other, 'teacher/'))."
         )
   return tuple(found.values())
 
@@ -211,7 +270,7 @@ def unbind_variables(
     (ParameterSlot(label='w'), True)
   """
   if predicate is not None and not callable(predicate):
-    raise TypeError(f"unbind_variables: predicate must be callable, got {predicate!r}.")
+    raise ArgumentError(f"unbind_variables: predicate must be callable, got {predicate!r}.")
   chosen = [v for v in variables_in(tree) if predicate is None or predicate(v)]
   chosen_ids = {id(v) for v in chosen}
 
@@ -254,7 +313,7 @@ def bind_variables(
     if isinstance(var, AbstractVariableValue):
       var = var.unfreeze_as_copy()
     if not isinstance(var, AbstractVariable):
-      raise TypeError(
+      raise ArgumentError(
         f"bind_variables expects Parameters, StateVariables or their frozen values,"
         f" got {type(var).__name__}."
       )
@@ -285,6 +344,37 @@ def bind_variables(
       " or pass allow_unused=True to ignore them."
     )
   return new_tree
+
+
+def relabel_variables(tree: Any, prefix: str) -> Any:
+  """A copy of `tree` whose variables and slots have `prefix` put before their labels.
+
+  Every variable is replaced by a new one holding the same value (a variable reachable
+  twice becomes one new variable reachable twice); `tree` itself is left as it is.
+  Labels identify variables, so two trees converted from models of the same
+  architecture cannot be used together (a teacher inside a replacement, under
+  `fl.variable_jit` or `stateless_call`) until one of them is relabelled.
+
+  Example:
+    >>> import flaxlens as fl
+    >>> tree = fl.relabel_variables({"w": fl.Parameter(1.0, label="w")}, "teacher/")
+    >>> tree["w"].label
+    'teacher/w'
+  """
+  if not isinstance(prefix, str):
+    raise ArgumentError(f"relabel_variables: prefix must be a string, got {prefix!r}.")
+  made: dict[int, Any] = {}
+
+  def relabel(x: Any) -> Any:
+    if isinstance(x, AbstractVariableSlot):
+      return type(x)(label=prefix + x.label)
+    if not isinstance(x, AbstractVariable):
+      return x
+    if id(x) not in made:
+      made[id(x)] = type(x)(x.value, label=prefix + x.label)
+    return made[id(x)]
+
+  return jax.tree_util.tree_map(relabel, tree, is_leaf=_is_variable_or_slot)
 
 
 def freeze_variables(tree: Any, predicate: Callable[[AbstractVariable], bool] | None = None) -> Any:

@@ -17,8 +17,8 @@ import flax.linen as nn
 import jax
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.core._calls import CallRecord, Frame, Path, converting, owner_of
+from flaxlens._errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens.core._calls import CallRecord, Frame, Path, converting, new_origin, owner_of
 from flaxlens.core._jit import split_static
 from flaxlens.core._names import join_name
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
@@ -49,7 +49,7 @@ def unflaxify_linen(
       " one is bound. Use module.unbind() to get the module and its variables."
     )
   if not isinstance(variables, Mapping):
-    raise TypeError(
+    raise ArgumentError(
       f"{where}: variables must be a dict of collections (as returned by"
       f" module.init), got {type(variables).__name__}."
     )
@@ -159,6 +159,9 @@ def _build_tree(
       mutable=tuple(sorted(mutable_collections)),
       lifted_by=record.extra.get("lifted_by", ()),
       converted_module=record.module,
+      call_specs=record.call_specs(),
+      origin=origin,
     )
 
+  origin = new_origin()
   return build(root)

@@ -25,16 +25,22 @@ import jax
 from flax import errors as flax_errors
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import CallStructureError, FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens._errors import (
+  ArgumentError,
+  CallStructureError,
+  FlaxlensError,
+  UnsupportedFlaxFeatureError,
+)
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import (
   CallInterceptor,
   CallNode,
   CallRecord,
+  CallSpec,
   Frame,
   Path,
   current_interceptor,
-  iter_call_nodes,
+  own_call_nodes,
 )
 from flaxlens.core._inner_jit import RunToken
 from flaxlens.core._names import join_name, split_name
@@ -43,6 +49,7 @@ from flaxlens.core._struct import ShortRepr, Struct, static_field
 from flaxlens.core._variables import (
   StateVariable,
   Uninitialized,
+  check_storable,
   private_value,
   same_entry,
   value_of,
@@ -111,6 +118,10 @@ class InterceptedFlaxModuleMethod(CallNode):
     lifted_by: the lifted transforms (`"scan"`, `"vmap"`, ...) the call runs inside.
     converted_module: the module as conversion recorded it. Settings in which `module`
       differs from it (`module.clone(dtype=jnp.bfloat16)`) apply when the tree runs.
+    call_specs: what conversion saw of each submodule call (arguments and output,
+      abstractly); replacement outputs are checked against it.
+    origin: the id of the conversion that made the node; a replacement continues a
+      call natively only through a node of the same conversion.
   """
 
   module: Any = static_field()
@@ -122,6 +133,8 @@ class InterceptedFlaxModuleMethod(CallNode):
   mutable: tuple[str, ...] = static_field(default=())
   lifted_by: tuple[str, ...] = static_field(default=())
   converted_module: Any = static_field(default=None)
+  call_specs: tuple[CallSpec, ...] = static_field(default=())
+  origin: int = static_field(default=0)
 
   def _module_type_name(self) -> str:
     return type(self.module).__name__
@@ -129,7 +142,7 @@ class InterceptedFlaxModuleMethod(CallNode):
   def _treescope_attributes(self) -> dict[str, Any]:
     attrs = self.attributes_dict()
     attrs["module"] = ShortRepr(f"{type(self.module).__name__}(name={self.module.name!r})")
-    del attrs["converted_module"]
+    del attrs["converted_module"], attrs["call_specs"], attrs["origin"]
     return attrs
 
   def flax_variables(self) -> dict[str, Any]:
@@ -195,7 +208,7 @@ class _Gathered:
 def _gather(root: InterceptedFlaxModuleMethod) -> _Gathered:
   gathered = _Gathered()
   prefix = root.path
-  for node in iter_call_nodes(root):
+  for node in own_call_nodes(root):
     if node.path[: len(prefix)] != prefix:
       raise UnsupportedFlaxFeatureError(
         f"{root._where()}: this call uses the module at {'/'.join(node.path)!r}, which"
@@ -247,7 +260,7 @@ def _resolve_rngs(random_streams: Any, where: str) -> Any:
     elif isinstance(stream, jax.Array):
       keys[name] = stream
     else:
-      raise TypeError(
+      raise ArgumentError(
         f"{where}: random_streams[{name!r}] must be a JAX key or an fl.RandomStream,"
         f" got {type(stream).__name__}."
       )
@@ -282,9 +295,8 @@ def apply_tree(
   state.mutable = mutable
   capture = state.capture_only_native(fi.capture_filter(root.capture_intermediates))
   method = root.method_name
-  state.frames.append(
-    Frame(path=root.path, node=root, absorb=method if isinstance(method, str) else None)
-  )
+  frame = Frame(path=root.path, node=root, absorb=method if isinstance(method, str) else None)
+  state.frames.append(frame)
   with state.active():
     result = fi.apply_fresh(
       root.module,
@@ -297,6 +309,7 @@ def apply_tree(
       rng_snapshot=snapshot.as_flax() if snapshot is not None else None,
       **argument.kwargs,
     )
+  state.check_reached(frame)
   if not mutable:
     return result
   output, updates = result
@@ -316,6 +329,9 @@ def _write_back(
       f" {names}. Convert with example arguments that create them (for example the"
       " same flags), so the tree has state variables to hold them."
     )
+  where = root._where()
+  for key, value in flat.items():
+    check_storable(gathered.state[key], value, where)
   for key, value in flat.items():
     gathered.state[key].value = value
 

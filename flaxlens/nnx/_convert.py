@@ -19,8 +19,8 @@ import jax
 from flax import nnx
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.core._calls import CallRecord, Frame, Path, converting, owner_of
+from flaxlens._errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens.core._calls import CallRecord, Frame, Path, converting, new_origin, owner_of
 from flaxlens.core._jit import split_static
 from flaxlens.core._names import join_name
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
@@ -53,7 +53,7 @@ def unflaxify_nnx(
     if not callable(getattr(model, method, None)):
       raise FlaxlensError(f"{where}: the module has no method {method!r}.")
   elif not callable(method):
-    raise TypeError(
+    raise ArgumentError(
       f"{where}: method must be a method name or a function taking the module first,"
       f" got {type(method).__name__}."
     )
@@ -193,6 +193,9 @@ def _build_tree(
       definition=definitions[record.path],
       specs=tuple(specs),
       sliced=record.extra.get("sliced", False),
+      call_specs=record.call_specs(),
+      origin=origin,
     )
 
+  origin = new_origin()
   return build(root)

@@ -32,17 +32,19 @@ from flaxlens.core._calls import (
   CallInterceptor,
   CallNode,
   CallRecord,
+  CallSpec,
   Frame,
   Path,
   is_active,
   is_call_node,
-  iter_call_nodes,
+  own_call_nodes,
 )
 from flaxlens.core._inner_jit import RunToken
 from flaxlens.core._struct import ShortRepr, static_field
 from flaxlens.core._variables import (
   AbstractVariable,
   Uninitialized,
+  check_storable,
   private_value,
   same_entry,
   value_of,
@@ -91,6 +93,10 @@ class InterceptedNNXModuleMethod(CallNode):
     specs: one `NNXVariableSpec` per entry of `parameters` and `variables`.
     sliced: whether the call runs inside an NNX transform that slices its variables
       (`nnx.scan`, `nnx.vmap`); such a node runs only as part of its tree.
+    call_specs: what conversion saw of each submodule call (arguments and output,
+      abstractly); replacement outputs are checked against it.
+    origin: the id of the conversion that made the node; a replacement continues a
+      call natively only through a node of the same conversion.
   """
 
   module_type: type = static_field()
@@ -102,6 +108,8 @@ class InterceptedNNXModuleMethod(CallNode):
   definition: NNXModuleDef = static_field()
   specs: tuple[NNXVariableSpec, ...] = static_field(default=())
   sliced: bool = static_field(default=False)
+  call_specs: tuple[CallSpec, ...] = static_field(default=())
+  origin: int = static_field(default=0)
 
   def _module_type_name(self) -> str:
     return self.module_type.__name__
@@ -109,7 +117,7 @@ class InterceptedNNXModuleMethod(CallNode):
   def _treescope_attributes(self) -> dict[str, Any]:
     attrs = self.attributes_dict()
     attrs["module_type"] = ShortRepr(self.module_type.__name__)
-    del attrs["specs"]
+    del attrs["specs"], attrs["call_specs"], attrs["origin"]
     return attrs
 
   def _run_root(
@@ -373,7 +381,7 @@ def static_edits(root: InterceptedNNXModuleMethod) -> dict[Path, dict[str, Any]]
   family = root.definition.family
   edits: dict[Path, dict[str, Any]] = {}
   base: dict[Path, dict[str, Any]] | None = None
-  for node in iter_call_nodes(root):
+  for node in own_call_nodes(root):
     if node.definition.family is family:
       continue
     base = root.definition.statics() if base is None else base
@@ -421,7 +429,7 @@ class _Gathered:
     self.specs: dict[Path, NNXVariableSpec] = {}
     self.entries: dict[Path, Any] = {}
     prefix = root.path
-    for node in iter_call_nodes(root):
+    for node in own_call_nodes(root):
       if node.path[: len(prefix)] != prefix:
         raise UnsupportedFlaxFeatureError(
           f"{root._where()}: this call uses the module at"
@@ -501,11 +509,11 @@ def _run(
     interceptor.token = RunToken(interceptor, (root, side_inputs), traced)
   interceptor.instrument(model, root.path)
   method = root.method_name
-  interceptor.frames.append(
-    Frame(root.path, node=root, absorb=method if isinstance(method, str) else None)
-  )
+  frame = Frame(root.path, node=root, absorb=method if isinstance(method, str) else None)
+  interceptor.frames.append(frame)
   with interceptor.active():
     output = call_method(model, method, argument.args, argument.kwargs)
+  interceptor.check_reached(frame)
   _write_back(root, gathered, values, orphans, model)
   return output
 
@@ -526,10 +534,16 @@ def _write_back(
       f" {names}. Convert with example arguments that create them (for example the"
       " same flags), so the tree has state variables to hold them."
     )
-  for path, value in updates.items():
-    entry = gathered.entries.get(path)
-    if isinstance(entry, AbstractVariable) and value is not values.get(path, _ABSENT):
-      entry.value = value
+  changed = [
+    (entry, value)
+    for path, value in updates.items()
+    if isinstance(entry := gathered.entries.get(path), AbstractVariable)
+    and value is not values.get(path, _ABSENT)
+  ]
+  for entry, value in changed:
+    check_storable(entry, value, root._where())
+  for entry, value in changed:
+    entry.value = value
 
 
 def _restatic(
@@ -555,7 +569,9 @@ def _restatic(
     fields["definition"] = node.definition.with_graphdef(graphdefs[rel], family)
     fields["submodule_calls"] = {
       key: jax.tree_util.tree_map(
-        lambda x: regraph(x) if is_call_node(x) else x, child, is_leaf=is_call_node
+        lambda x: regraph(x) if is_call_node(x) and x.origin == root.origin else x,
+        child,
+        is_leaf=is_call_node,
       )
       for key, child in node.submodule_calls.items()
     }

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens._errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import CallNode, is_call_node, pristine
 from flaxlens.core._jit import variable_jit
@@ -339,7 +339,7 @@ def _export(payload: Any, receive: Callable[[Any], None]) -> None:
 
 def _selected_call(selection: Selection) -> tuple[CallNode, Any]:
   if not isinstance(selection, Selection):
-    raise TypeError(
+    raise ArgumentError(
       "isolate_submodel takes a selection of one call, for example"
       f' tree.select().at_path("Block_0/Dense_0"); got {type(selection).__name__}.'
     )

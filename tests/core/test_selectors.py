@@ -469,3 +469,29 @@ def test_at_with_multiple_refuses_overlapping_parts():
   tree = {"a": [1, 2]}
   with pytest.raises(ValueError, match="overlap"):
     fl.select(tree).at(lambda t: (t["a"], t["a"][0]), multiple=True)
+
+
+def test_expect_passes_a_nonempty_selection_through():
+  tree = {"a": 1.0, "b": 2}
+  assert fl.select(tree).at_instances_of(float).expect().set(0.0) == {"a": 0.0, "b": 2}
+
+
+def test_expect_refuses_an_empty_selection_before_an_edit():
+  with pytest.raises(fl.SelectionError, match="is empty, but at least one node was expected"):
+    fl.select({"a": 1}).at_instances_of(float).expect().apply(lambda x: x + 1)
+
+
+def test_expect_with_a_count_refuses_another_number_of_nodes():
+  with pytest.raises(fl.SelectionError, match="holds 2 nodes, but exactly 1 node"):
+    fl.select({"a": 1.0, "b": 2.0}).at_instances_of(float).expect(1)
+
+
+def test_an_unmatched_path_is_a_flaxlens_selection_error_and_a_key_error(calls):
+  with pytest.raises(fl.SelectionError) as info:
+    fl.select(calls).at_path("Nowhere")
+  assert isinstance(info.value, fl.FlaxlensError) and isinstance(info.value, KeyError)
+
+
+def test_selection_misuse_is_a_flaxlens_error():
+  with pytest.raises(fl.FlaxlensError, match="exactly one selected node"):
+    fl.select([1, 2]).at_instances_of(int).get()

@@ -250,3 +250,23 @@ def test_freeze_variables_replaces_every_variable_by_its_frozen_value():
 def test_freeze_variables_gives_a_tree_whose_leaves_are_the_values():
   frozen = fl.freeze_variables([fl.Parameter(1.0, label="w"), fl.StateVariable(2, label="s")])
   assert jax.tree_util.tree_leaves(frozen) == [1.0, 2]
+
+
+def test_variable_errors_are_flaxlens_errors():
+  tree = {"w": fl.ParameterSlot(label="w")}
+  with pytest.raises(fl.FlaxlensError, match="No slot in the tree"):
+    fl.bind_variables(tree, [fl.ParameterValue(value=1.0, label="other")])
+
+
+def test_variable_errors_stay_value_errors():
+  w1, w2 = fl.Parameter(1.0, label="w"), fl.Parameter(2.0, label="w")
+  with pytest.raises(ValueError, match="share the label 'w'"):
+    fl.variables_in([w1, w2])
+
+
+def test_variables_survive_pickling():
+  import pickle
+
+  w = fl.Parameter(jnp.arange(3.0), label="w")
+  copy = pickle.loads(pickle.dumps(w))
+  assert copy.label == "w" and (copy.value == w.value).all()

@@ -51,7 +51,7 @@ def test_replacing_a_call_changes_exactly_that_call(cases):
 def test_replacement_receives_the_calls_arguments_and_side_inputs(cases):
   case = cases["mlp"]
   seen = []
-  patched = _patch(convert(case), "Dense_1", lambda _: Recorder(seen))
+  patched = _patch(convert(case), "Dense_1", lambda node: Recorder(seen, node))
   patched(fl.ArgsAndKwargs.capture(*case.args), flag="on")
   ((argument, side_inputs),) = seen
   assert isinstance(argument, fl.ArgsAndKwargs)
