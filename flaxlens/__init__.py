@@ -1,14 +1,5 @@
 """flaxlens: turn any Flax model into an explicit tree of layers you can see and edit."""
 
-from flaxlens._errors import (
-  ArgumentError,
-  CallStructureError,
-  FlaxlensError,
-  ReplacementError,
-  SelectionError,
-  UnsupportedFlaxFeatureError,
-  VariableError,
-)
 from flaxlens._unflaxify import unflaxify
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._jit import variable_jit
@@ -32,6 +23,15 @@ from flaxlens.core._variables import (
   relabel_variables,
   unbind_variables,
   variables_in,
+)
+from flaxlens.errors import (
+  ArgumentError,
+  CallStructureError,
+  FlaxlensError,
+  ReplacementError,
+  SelectionError,
+  UnsupportedFlaxFeatureError,
+  VariableError,
 )
 from flaxlens.linen._tree import (
   InterceptedFlaxModuleMethod,

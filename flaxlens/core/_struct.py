@@ -14,6 +14,8 @@ from typing import Any, Self
 import jax
 from treescope import formatting_util, repr_lib
 
+from flaxlens.errors import ArgumentError
+
 
 def static_field(**kwargs: Any) -> Any:
   """Declares a `Struct` field that is metadata, not a pytree child.
@@ -74,15 +76,15 @@ class Struct:
     """Builds an instance directly from its fields, without running `__init__`.
 
     Raises:
-      ValueError: if a field is missing or an unknown one is given.
+      ArgumentError: if a field is missing or an unknown one is given.
     """
     names = {f.name for f in dataclasses.fields(cls)}
     if set(field_values) != names:
       missing = sorted(names - set(field_values))
       extra = sorted(set(field_values) - names)
-      raise ValueError(
+      raise ArgumentError(
         f"{cls.__name__}.from_attributes needs exactly the fields {sorted(names)};"
-        f" missing {missing}, unexpected {extra}."
+        f" missing {missing}, unexpected {extra}. Pass every field by name, and only those."
       )
     obj = object.__new__(cls)
     for name, value in field_values.items():

@@ -20,8 +20,8 @@ import jax
 import numpy as np
 from jax.extend import core as jax_core
 
-from flaxlens._errors import ArgumentError, VariableError
 from flaxlens.core._struct import Struct, static_field
+from flaxlens.errors import ArgumentError, VariableError
 
 _label_counter = itertools.count()
 
@@ -417,7 +417,7 @@ def value_of(entry: Any, where: str) -> Any:
   Raises:
     FlaxlensError: for a slot, naming `where` and how to bind it.
   """
-  from flaxlens._errors import FlaxlensError
+  from flaxlens.errors import FlaxlensError
 
   if isinstance(entry, AbstractVariable | AbstractVariableValue):
     return entry.value

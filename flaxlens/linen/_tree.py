@@ -25,12 +25,6 @@ import jax
 from flax import errors as flax_errors
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import (
-  ArgumentError,
-  CallStructureError,
-  FlaxlensError,
-  UnsupportedFlaxFeatureError,
-)
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import (
   CallInterceptor,
@@ -53,6 +47,12 @@ from flaxlens.core._variables import (
   private_value,
   same_entry,
   value_of,
+)
+from flaxlens.errors import (
+  ArgumentError,
+  CallStructureError,
+  FlaxlensError,
+  UnsupportedFlaxFeatureError,
 )
 
 

@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import CallStructureError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import (
   CallInterceptor,
@@ -49,6 +48,7 @@ from flaxlens.core._variables import (
   same_entry,
   value_of,
 )
+from flaxlens.errors import CallStructureError, FlaxlensError, UnsupportedFlaxFeatureError
 
 
 class NNXVariableSpec(NamedTuple):

@@ -22,7 +22,6 @@ import jax
 import numpy as np
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import CallNode, is_call_node, pristine
 from flaxlens.core._jit import variable_jit
@@ -36,6 +35,7 @@ from flaxlens.core._variables import (
   freeze_variables,
   unbind_variables,
 )
+from flaxlens.errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.linen._tree import (
   InterceptedFlaxModuleMethod,
   LinenInterceptor,
