@@ -1,6 +1,7 @@
 """flaxlens: turn any Flax model into an explicit tree of layers you can see and edit."""
 
 from flaxlens._unflaxify import unflaxify
+from flaxlens.core import _render
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._layer import Layer
@@ -52,6 +53,8 @@ from flaxlens.tools._policy import ArtifactError
 from flaxlens.tools._summary import summary
 
 __version__ = "0.1.0"
+
+_render.register_handlers()
 
 __all__ = [
   "ArtifactError",

@@ -39,7 +39,7 @@ from flaxlens.core._calls import (
 from flaxlens.core._inner_jit import RunToken
 from flaxlens.core._names import join_name, split_name
 from flaxlens.core._random import RandomStream
-from flaxlens.core._struct import ShortRepr, Struct, static_field
+from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._variables import (
   StateVariable,
   Uninitialized,
@@ -136,14 +136,11 @@ class InterceptedFlaxModuleMethod(CallNode):
   call_specs: tuple[CallSpec, ...] = static_field(default=())
   origin: int = static_field(default=0)
 
+  treescope_hidden_fields = ("converted_module", "call_specs", "origin")
+  treescope_short_fields = ("module",)
+
   def _module_type_name(self) -> str:
     return type(self.module).__name__
-
-  def _treescope_attributes(self) -> dict[str, Any]:
-    attrs = self.attributes_dict()
-    attrs["module"] = ShortRepr(f"{type(self.module).__name__}(name={self.module.name!r})")
-    del attrs["converted_module"], attrs["call_specs"], attrs["origin"]
-    return attrs
 
   def flax_variables(self) -> dict[str, Any]:
     """The variables of this call's module as a Flax variables dict, edits included.

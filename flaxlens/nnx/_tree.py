@@ -39,7 +39,7 @@ from flaxlens.core._calls import (
   own_call_nodes,
 )
 from flaxlens.core._inner_jit import RunToken
-from flaxlens.core._struct import ShortRepr, static_field
+from flaxlens.core._struct import static_field
 from flaxlens.core._variables import (
   AbstractVariable,
   Uninitialized,
@@ -111,14 +111,11 @@ class InterceptedNNXModuleMethod(CallNode):
   call_specs: tuple[CallSpec, ...] = static_field(default=())
   origin: int = static_field(default=0)
 
+  treescope_hidden_fields = ("specs", "call_specs", "origin")
+  treescope_short_fields = ("module_type", "definition")
+
   def _module_type_name(self) -> str:
     return self.module_type.__name__
-
-  def _treescope_attributes(self) -> dict[str, Any]:
-    attrs = self.attributes_dict()
-    attrs["module_type"] = ShortRepr(self.module_type.__name__)
-    del attrs["specs"], attrs["call_specs"], attrs["origin"]
-    return attrs
 
   def _run_root(
     self, argument: ArgsAndKwargs, /, random_streams: Any = None, **side_inputs: Any
@@ -312,11 +309,6 @@ class NNXModuleDef:
 
   def __repr__(self) -> str:
     return f"NNXModuleDef(<GraphDef>, {len(self.leaf_paths)} variables)"
-
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-    from treescope import rendering_parts
-
-    return rendering_parts.text(repr(self))
 
   def with_graphdef(self, graphdef: Any, family: object) -> NNXModuleDef:
     """The same module with other static attributes (same variables)."""
