@@ -225,6 +225,13 @@ def variables_in(tree: Any) -> tuple[AbstractVariable, ...]:
 
   Raises:
     VariableError: if two different variable objects carry the same label.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model, x = nn.Dense(2), jnp.ones((1, 3))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> [v.label for v in fl.variables_in(tree)]
+    ['params:bias', 'params:kernel']
   """
   found: dict[str, AbstractVariable] = {}
   for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_variable):

@@ -122,6 +122,16 @@ class InterceptedFlaxModuleMethod(CallNode):
       abstractly); replacement outputs are checked against it.
     origin: the id of the conversion that made the node; a replacement continues a
       call natively only through a node of the same conversion.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model = nn.Sequential([nn.Dense(4), nn.Dropout(0.5, deterministic=False)])
+    >>> x, rngs = jnp.ones((1, 3)), {"dropout": jax.random.key(1)}
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> tree = fl.unflaxify(model, variables, x, rngs=rngs)
+    >>> out = tree(fl.ArgsAndKwargs.capture(x), random_streams=rngs)
+    >>> bool((out == model.apply(variables, x, rngs=rngs)).all())
+    True
   """
 
   module: Any = static_field()

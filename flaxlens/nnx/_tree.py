@@ -97,6 +97,14 @@ class InterceptedNNXModuleMethod(CallNode):
       abstractly); replacement outputs are checked against it.
     origin: the id of the conversion that made the node; a replacement continues a
       call natively only through a node of the same conversion.
+
+  Example:
+    >>> import flaxlens as fl, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> model, x = nnx.Linear(3, 2, rngs=nnx.Rngs(0)), jnp.ones((1, 3))
+    >>> tree = fl.unflaxify(model, x)
+    >>> bool((tree(fl.ArgsAndKwargs.capture(x)) == model(x)).all())
+    True
   """
 
   module_type: type = static_field()
