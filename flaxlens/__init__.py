@@ -1,9 +1,9 @@
 """flaxlens: turn any Flax model into an explicit tree of layers you can see and edit.
 
 Each public name is imported once below, as `from module import name as name` (the
-explicit re-export that type checkers honour); `__all__` is the list of those names.
-Everything else lives in private modules (or `flaxlens.errors`, public for its
-docstring) and can change without notice.
+explicit re-export type checkers honour), and `__all__` lists exactly those names. The
+modules they come from are private and may change; `flaxlens.errors` is public too, its
+docstring says when each error is raised and what to do.
 """
 
 from importlib import metadata as _metadata
