@@ -1,104 +1,66 @@
-"""flaxlens: turn any Flax model into an explicit tree of layers you can see and edit."""
+"""flaxlens: turn any Flax model into an explicit tree of layers you can see and edit.
 
-from flaxlens._errors import (
-  ArgumentError,
-  CallStructureError,
-  FlaxlensError,
-  ReplacementError,
-  SelectionError,
-  UnsupportedFlaxFeatureError,
-  VariableError,
-)
-from flaxlens._unflaxify import unflaxify
-from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._jit import variable_jit
-from flaxlens.core._layer import Layer
-from flaxlens.core._random import RandomStream
-from flaxlens.core._selectors import Selection, select
-from flaxlens.core._struct import Struct, static_field
-from flaxlens.core._variables import (
-  AbstractVariable,
-  AbstractVariableSlot,
-  AbstractVariableValue,
-  Parameter,
-  ParameterSlot,
-  ParameterValue,
-  StateVariable,
-  StateVariableSlot,
-  StateVariableValue,
-  Uninitialized,
-  bind_variables,
-  freeze_variables,
-  relabel_variables,
-  unbind_variables,
-  variables_in,
-)
-from flaxlens.linen._tree import (
-  InterceptedFlaxModuleMethod,
-  InterceptedFlaxScopeData,
-  RngSnapshot,
-)
-from flaxlens.nnx._tree import InterceptedNNXModuleMethod, NNXModuleDef, NNXVariableSpec
-from flaxlens.tools._artifact import load_isolated, save_isolated
-from flaxlens.tools._codec import register_value_codec
-from flaxlens.tools._isolate import (
-  IsolatedSubmodel,
-  ReplayReport,
-  isolate,
-  isolate_calls,
-  isolate_submodel,
-)
-from flaxlens.tools._policy import ArtifactError
-from flaxlens.tools._summary import summary
+Each public name is imported once below, as `from module import name as name` (the
+explicit re-export type checkers honour), and `__all__` lists exactly those names. The
+modules they come from are private and may change; `flaxlens.errors` is public too, its
+docstring says when each error is raised and what to do.
+"""
 
-__version__ = "0.1.0"
+from importlib import metadata as _metadata
+from types import ModuleType as _ModuleType
 
-__all__ = [
-  "ArtifactError",
-  "load_isolated",
-  "register_value_codec",
-  "save_isolated",
-  "ArgsAndKwargs",
-  "ArgumentError",
-  "CallStructureError",
-  "FlaxlensError",
-  "InterceptedFlaxModuleMethod",
-  "InterceptedFlaxScopeData",
-  "IsolatedSubmodel",
-  "ReplacementError",
-  "ReplayReport",
-  "RngSnapshot",
-  "InterceptedNNXModuleMethod",
-  "NNXModuleDef",
-  "NNXVariableSpec",
-  "Uninitialized",
-  "UnsupportedFlaxFeatureError",
-  "unflaxify",
-  "AbstractVariable",
-  "AbstractVariableSlot",
-  "AbstractVariableValue",
-  "Layer",
-  "Parameter",
-  "ParameterSlot",
-  "ParameterValue",
-  "RandomStream",
-  "Selection",
-  "SelectionError",
-  "StateVariable",
-  "StateVariableSlot",
-  "StateVariableValue",
-  "Struct",
-  "VariableError",
-  "bind_variables",
-  "freeze_variables",
-  "isolate",
-  "isolate_calls",
-  "isolate_submodel",
-  "relabel_variables",
-  "select",
-  "static_field",
-  "summary",
-  "unbind_variables",
-  "variable_jit",
-  "variables_in",
-]
+from flaxlens._unflaxify import unflaxify as unflaxify
+from flaxlens.core import _render
+from flaxlens.core._args import ArgsAndKwargs as ArgsAndKwargs
+from flaxlens.core._jit import variable_jit as variable_jit
+from flaxlens.core._layer import Layer as Layer
+from flaxlens.core._random import RandomStream as RandomStream
+from flaxlens.core._selectors import Selection as Selection
+from flaxlens.core._selectors import select as select
+from flaxlens.core._struct import Struct as Struct
+from flaxlens.core._struct import static_field as static_field
+from flaxlens.core._variables import AbstractVariable as AbstractVariable
+from flaxlens.core._variables import AbstractVariableSlot as AbstractVariableSlot
+from flaxlens.core._variables import AbstractVariableValue as AbstractVariableValue
+from flaxlens.core._variables import Parameter as Parameter
+from flaxlens.core._variables import ParameterSlot as ParameterSlot
+from flaxlens.core._variables import ParameterValue as ParameterValue
+from flaxlens.core._variables import StateVariable as StateVariable
+from flaxlens.core._variables import StateVariableSlot as StateVariableSlot
+from flaxlens.core._variables import StateVariableValue as StateVariableValue
+from flaxlens.core._variables import Uninitialized as Uninitialized
+from flaxlens.core._variables import bind_variables as bind_variables
+from flaxlens.core._variables import freeze_variables as freeze_variables
+from flaxlens.core._variables import relabel_variables as relabel_variables
+from flaxlens.core._variables import unbind_variables as unbind_variables
+from flaxlens.core._variables import variables_in as variables_in
+from flaxlens.errors import ArgumentError as ArgumentError
+from flaxlens.errors import ArtifactError as ArtifactError
+from flaxlens.errors import CallStructureError as CallStructureError
+from flaxlens.errors import FlaxlensError as FlaxlensError
+from flaxlens.errors import ReplacementError as ReplacementError
+from flaxlens.errors import SelectionError as SelectionError
+from flaxlens.errors import UnsupportedFlaxFeatureError as UnsupportedFlaxFeatureError
+from flaxlens.errors import VariableError as VariableError
+from flaxlens.linen._tree import InterceptedFlaxModuleMethod as InterceptedFlaxModuleMethod
+from flaxlens.linen._tree import InterceptedFlaxScopeData as InterceptedFlaxScopeData
+from flaxlens.nnx._tree import InterceptedNNXModuleMethod as InterceptedNNXModuleMethod
+from flaxlens.tools._artifact import load_isolated as load_isolated
+from flaxlens.tools._artifact import save_isolated as save_isolated
+from flaxlens.tools._codec import register_value_codec as register_value_codec
+from flaxlens.tools._isolate import IsolatedSubmodel as IsolatedSubmodel
+from flaxlens.tools._isolate import ReplayReport as ReplayReport
+from flaxlens.tools._isolate import isolate as isolate
+from flaxlens.tools._isolate import isolate_calls as isolate_calls
+from flaxlens.tools._isolate import isolate_submodel as isolate_submodel
+from flaxlens.tools._summary import summary as summary
+
+__version__ = _metadata.version("flaxlens")
+
+__all__ = sorted(
+  name
+  for name, value in globals().items()
+  if not name.startswith("_") and not isinstance(value, _ModuleType)
+)
+
+_render.register_handlers()

@@ -35,6 +35,8 @@ from flax.core import scope as flax_scope
 from flax.linen import module as linen_module
 from flax.linen import transforms as linen_transforms
 
+from flaxlens.errors import ArgumentError
+
 
 def module_path(module: nn.Module) -> tuple[str, ...]:
   """The scope path of a bound Linen module, as a tuple of names."""
@@ -275,7 +277,11 @@ def apply_fresh(
     rngs = {n: flax_scope.LazyRng(keys[n], tuple(suffixes[n])) for n in keys}
   if rngs is not None and not isinstance(rngs, dict):
     if not flax_scope._is_valid_rng(rngs):
-      raise TypeError(f"rngs must be a dict of JAX keys or one key, got {rngs!r}.")
+      raise ArgumentError(
+        f"{type(module).__name__}: the random streams must be a dict of JAX keys or one"
+        f" key (as Flax's apply takes rngs=), got {rngs!r}. Pass for example"
+        " {'dropout': jax.random.key(0)}."
+      )
     rngs = {"params": rngs}
   if isinstance(method, str):
     name = method

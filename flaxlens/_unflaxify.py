@@ -7,7 +7,7 @@ from typing import Any
 import flax.linen as nn
 from flax import nnx
 
-from flaxlens._errors import ArgumentError
+from flaxlens.errors import ArgumentError
 
 
 def unflaxify(model: Any, *args: Any, **kwargs: Any) -> Any:

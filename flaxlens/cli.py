@@ -28,7 +28,7 @@ def demo() -> int:
   variables = model.init(jax.random.key(0), tokens)
   tree = fl.unflaxify(model, variables, tokens)
   console.print("[bold]flaxlens demo[/]: a 2-block Linen transformer, converted\n")
-  console.print(fl.summary(tree))
+  print(fl.summary(tree))
 
   native = model.apply(variables, tokens)
   ours = tree(fl.ArgsAndKwargs.capture(tokens))

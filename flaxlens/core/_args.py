@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flaxlens._errors import ArgumentError
 from flaxlens.core._struct import Struct
+from flaxlens.errors import ArgumentError
 
 
 class ArgsAndKwargs(Struct):

@@ -30,10 +30,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from flaxlens._errors import ArgumentError, CallStructureError, FlaxlensError, ReplacementError
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._inner_jit import RunToken, inner_jit
 from flaxlens.core._layer import Layer
+from flaxlens.errors import ArgumentError, CallStructureError, FlaxlensError, ReplacementError
 
 CallKey = tuple[int, str]
 Path = tuple[Any, ...]

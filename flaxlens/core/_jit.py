@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from flaxlens._errors import ArgumentError
 from flaxlens.core._variables import (
   AbstractVariable,
   AbstractVariableSlot,
@@ -25,6 +24,7 @@ from flaxlens.core._variables import (
   StateVariable,
   VariableError,
 )
+from flaxlens.errors import ArgumentError
 
 _ARRAY, _STATIC = -1, -2  # Leaf kinds besides variable indices.
 

@@ -13,7 +13,8 @@ import abc
 from collections.abc import Iterable
 from typing import Any, Self
 
-from flaxlens.core._struct import Struct, color_for
+from flaxlens.core._render import color_for
+from flaxlens.core._struct import Struct
 from flaxlens.core._variables import (
   AbstractVariableValue,
   StateVariable,

@@ -12,9 +12,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flaxlens._errors import ArgumentError
 from flaxlens.core._struct import Struct
 from flaxlens.core._variables import StateVariable
+from flaxlens.errors import ArgumentError
 
 
 class RandomStream(Struct):

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from flaxlens._errors import ArgumentError, SelectionError
+from flaxlens.errors import ArgumentError, SelectionError
 
 KeyPath = tuple[Any, ...]
 
@@ -285,7 +285,7 @@ class Selection:
       >>> fl.select({"a": 1.0}).at_instances_of(str).expect()
       Traceback (most recent call last):
       ...
-      flaxlens._errors.SelectionError: The selection of a dict is empty, but at least one...
+      flaxlens.errors.SelectionError: The selection of a dict is empty, but at least one...
     """
     found = len(self._paths)
     if found > 0 if count is None else found == count:

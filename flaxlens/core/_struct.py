@@ -9,10 +9,11 @@ treedef (and must therefore be hashable, as jit caches on them). No Flax interna
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import jax
-from treescope import formatting_util, repr_lib
+
+from flaxlens.errors import ArgumentError
 
 
 def static_field(**kwargs: Any) -> Any:
@@ -36,6 +37,10 @@ class Struct:
 
   Every subclass is a frozen dataclass (identity equality, so arrays never get
   compared elementwise) and a JAX pytree whose children are its non-static fields.
+  How treescope shows it is declared, not coded: `treescope_color()`, and the class
+  attributes `treescope_hidden_fields` (fields left out) and `treescope_short_fields`
+  (fields shown in one line: a class by its name, a Linen module as
+  `Dense(name='Dense_0')`); assign them without a type annotation, or they become fields.
 
   Example:
     >>> import flaxlens as fl, jax
@@ -45,6 +50,9 @@ class Struct:
     >>> jax.tree_util.tree_map(lambda x: x + 1, Pair(1, 2))
     Pair(left=2, right=3)
   """
+
+  treescope_hidden_fields: ClassVar[tuple[str, ...]] = ()
+  treescope_short_fields: ClassVar[tuple[str, ...]] = ()
 
   def __init_subclass__(cls, **kwargs: Any):
     super().__init_subclass__(**kwargs)
@@ -74,15 +82,15 @@ class Struct:
     """Builds an instance directly from its fields, without running `__init__`.
 
     Raises:
-      ValueError: if a field is missing or an unknown one is given.
+      ArgumentError: if a field is missing or an unknown one is given.
     """
     names = {f.name for f in dataclasses.fields(cls)}
     if set(field_values) != names:
       missing = sorted(names - set(field_values))
       extra = sorted(set(field_values) - names)
-      raise ValueError(
+      raise ArgumentError(
         f"{cls.__name__}.from_attributes needs exactly the fields {sorted(names)};"
-        f" missing {missing}, unexpected {extra}."
+        f" missing {missing}, unexpected {extra}. Pass every field by name, and only those."
       )
     obj = object.__new__(cls)
     for name, value in field_values.items():
@@ -134,19 +142,6 @@ class Struct:
     """The background color treescope uses for this node (None: no color)."""
     return None
 
-  def _treescope_attributes(self) -> dict[str, Any]:
-    return self.attributes_dict()
-
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-    return repr_lib.render_object_constructor(
-      object_type=type(self),
-      attributes=self._treescope_attributes(),
-      path=path,
-      subtree_renderer=subtree_renderer,
-      roundtrippable=False,
-      color=self.treescope_color(),
-    )
-
 
 class _StaticEntry:
   """Treedef entry for a static value, with its hash computed once.
@@ -185,25 +180,3 @@ _PLAIN_STATIC = (str, int, float, bool, type(None))
 
 def _static_entry(value: Any) -> Any:
   return value if type(value) in _PLAIN_STATIC else _StaticEntry(value)
-
-
-class ShortRepr:
-  """A one-line stand-in for a bulky value (a Flax module, a GraphDef) in renderings."""
-
-  __slots__ = ("text",)
-
-  def __init__(self, text: str):
-    self.text = text
-
-  def __repr__(self) -> str:
-    return self.text
-
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-    from treescope import rendering_parts
-
-    return rendering_parts.text(self.text)
-
-
-def color_for(name: str) -> str:
-  """A stable treescope background color derived from a string."""
-  return formatting_util.color_from_string(name)

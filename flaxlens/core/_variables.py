@@ -20,10 +20,11 @@ import jax
 import numpy as np
 from jax.extend import core as jax_core
 
-from flaxlens._errors import ArgumentError, VariableError
 from flaxlens.core._struct import Struct, static_field
+from flaxlens.errors import ArgumentError, VariableError
 
 _label_counter = itertools.count()
+_PARAMETER_COLOR, _STATE_VARIABLE_COLOR = "#cde8ff", "#ffe2c2"
 
 
 def _current_trace() -> Any:
@@ -112,16 +113,9 @@ class AbstractVariable:
     shown = f"<{value.dtype}{list(value.shape)}>" if hasattr(value, "shape") else repr(value)
     return f"{type(self).__name__}(label={self.label!r}, value={shown})"
 
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-    from treescope import repr_lib
-
-    return repr_lib.render_object_constructor(
-      object_type=type(self),
-      attributes={"label": self.label, "value": self.value},
-      path=path,
-      subtree_renderer=subtree_renderer,
-      color=_VARIABLE_COLORS[type(self).__name__.removesuffix("Value")],
-    )
+  def treescope_color(self) -> str | None:
+    """The background color treescope uses for this variable (None: no color)."""
+    return None
 
 
 class Parameter(AbstractVariable):
@@ -139,6 +133,9 @@ class Parameter(AbstractVariable):
 
   def freeze(self) -> ParameterValue:
     return ParameterValue(value=self.value, label=self.label)
+
+  def treescope_color(self) -> str:
+    return _PARAMETER_COLOR
 
   def slot(self) -> ParameterSlot:
     return ParameterSlot(label=self.label)
@@ -160,6 +157,9 @@ class StateVariable(AbstractVariable):
   def freeze(self) -> StateVariableValue:
     return StateVariableValue(value=self.value, label=self.label)
 
+  def treescope_color(self) -> str:
+    return _STATE_VARIABLE_COLOR
+
   def slot(self) -> StateVariableSlot:
     return StateVariableSlot(label=self.label)
 
@@ -174,9 +174,6 @@ class AbstractVariableValue(Struct):
     """Makes a new mutable variable holding this value."""
     raise NotImplementedError
 
-  def treescope_color(self) -> str:
-    return _VARIABLE_COLORS[type(self).__name__.removesuffix("Value")]
-
 
 class ParameterValue(AbstractVariableValue):
   """Frozen value of a `Parameter`."""
@@ -184,12 +181,18 @@ class ParameterValue(AbstractVariableValue):
   def unfreeze_as_copy(self) -> Parameter:
     return Parameter(self.value, label=self.label)
 
+  def treescope_color(self) -> str:
+    return _PARAMETER_COLOR
+
 
 class StateVariableValue(AbstractVariableValue):
   """Frozen value of a `StateVariable`."""
 
   def unfreeze_as_copy(self) -> StateVariable:
     return StateVariable(self.value, label=self.label)
+
+  def treescope_color(self) -> str:
+    return _STATE_VARIABLE_COLOR
 
 
 class AbstractVariableSlot(Struct):
@@ -206,7 +209,6 @@ class StateVariableSlot(AbstractVariableSlot):
   """Where a `StateVariable` with this label goes back in."""
 
 
-_VARIABLE_COLORS = {"Parameter": "#cde8ff", "StateVariable": "#ffe2c2"}
 _SLOT_KIND = {ParameterSlot: Parameter, StateVariableSlot: StateVariable}
 
 
@@ -223,6 +225,13 @@ def variables_in(tree: Any) -> tuple[AbstractVariable, ...]:
 
   Raises:
     VariableError: if two different variable objects carry the same label.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model, x = nn.Dense(2), jnp.ones((1, 3))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> [v.label for v in fl.variables_in(tree)]
+    ['params:bias', 'params:kernel']
   """
   found: dict[str, AbstractVariable] = {}
   for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_variable):
@@ -417,7 +426,7 @@ def value_of(entry: Any, where: str) -> Any:
   Raises:
     FlaxlensError: for a slot, naming `where` and how to bind it.
   """
-  from flaxlens._errors import FlaxlensError
+  from flaxlens.errors import FlaxlensError
 
   if isinstance(entry, AbstractVariable | AbstractVariableValue):
     return entry.value

@@ -17,11 +17,11 @@ import flax.linen as nn
 import jax
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._calls import CallRecord, Frame, Path, converting, new_origin, owner_of
 from flaxlens.core._jit import split_static
 from flaxlens.core._names import join_name
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
+from flaxlens.errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.linen._tree import (
   InterceptedFlaxModuleMethod,
   InterceptedFlaxScopeData,

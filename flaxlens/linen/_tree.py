@@ -25,12 +25,6 @@ import jax
 from flax import errors as flax_errors
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import (
-  ArgumentError,
-  CallStructureError,
-  FlaxlensError,
-  UnsupportedFlaxFeatureError,
-)
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import (
   CallInterceptor,
@@ -45,7 +39,7 @@ from flaxlens.core._calls import (
 from flaxlens.core._inner_jit import RunToken
 from flaxlens.core._names import join_name, split_name
 from flaxlens.core._random import RandomStream
-from flaxlens.core._struct import ShortRepr, Struct, static_field
+from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._variables import (
   StateVariable,
   Uninitialized,
@@ -53,6 +47,12 @@ from flaxlens.core._variables import (
   private_value,
   same_entry,
   value_of,
+)
+from flaxlens.errors import (
+  ArgumentError,
+  CallStructureError,
+  FlaxlensError,
+  UnsupportedFlaxFeatureError,
 )
 
 
@@ -122,6 +122,16 @@ class InterceptedFlaxModuleMethod(CallNode):
       abstractly); replacement outputs are checked against it.
     origin: the id of the conversion that made the node; a replacement continues a
       call natively only through a node of the same conversion.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model = nn.Sequential([nn.Dense(4), nn.Dropout(0.5, deterministic=False)])
+    >>> x, rngs = jnp.ones((1, 3)), {"dropout": jax.random.key(1)}
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> tree = fl.unflaxify(model, variables, x, rngs=rngs)
+    >>> out = tree(fl.ArgsAndKwargs.capture(x), random_streams=rngs)
+    >>> bool((out == model.apply(variables, x, rngs=rngs)).all())
+    True
   """
 
   module: Any = static_field()
@@ -136,14 +146,11 @@ class InterceptedFlaxModuleMethod(CallNode):
   call_specs: tuple[CallSpec, ...] = static_field(default=())
   origin: int = static_field(default=0)
 
+  treescope_hidden_fields = ("converted_module", "call_specs", "origin")
+  treescope_short_fields = ("module",)
+
   def _module_type_name(self) -> str:
     return type(self.module).__name__
-
-  def _treescope_attributes(self) -> dict[str, Any]:
-    attrs = self.attributes_dict()
-    attrs["module"] = ShortRepr(f"{type(self.module).__name__}(name={self.module.name!r})")
-    del attrs["converted_module"], attrs["call_specs"], attrs["origin"]
-    return attrs
 
   def flax_variables(self) -> dict[str, Any]:
     """The variables of this call's module as a Flax variables dict, edits included.

@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import CallStructureError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import (
   CallInterceptor,
@@ -40,7 +39,7 @@ from flaxlens.core._calls import (
   own_call_nodes,
 )
 from flaxlens.core._inner_jit import RunToken
-from flaxlens.core._struct import ShortRepr, static_field
+from flaxlens.core._struct import static_field
 from flaxlens.core._variables import (
   AbstractVariable,
   Uninitialized,
@@ -49,6 +48,7 @@ from flaxlens.core._variables import (
   same_entry,
   value_of,
 )
+from flaxlens.errors import CallStructureError, FlaxlensError, UnsupportedFlaxFeatureError
 
 
 class NNXVariableSpec(NamedTuple):
@@ -97,6 +97,14 @@ class InterceptedNNXModuleMethod(CallNode):
       abstractly); replacement outputs are checked against it.
     origin: the id of the conversion that made the node; a replacement continues a
       call natively only through a node of the same conversion.
+
+  Example:
+    >>> import flaxlens as fl, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> model, x = nnx.Linear(3, 2, rngs=nnx.Rngs(0)), jnp.ones((1, 3))
+    >>> tree = fl.unflaxify(model, x)
+    >>> bool((tree(fl.ArgsAndKwargs.capture(x)) == model(x)).all())
+    True
   """
 
   module_type: type = static_field()
@@ -111,14 +119,11 @@ class InterceptedNNXModuleMethod(CallNode):
   call_specs: tuple[CallSpec, ...] = static_field(default=())
   origin: int = static_field(default=0)
 
+  treescope_hidden_fields = ("specs", "call_specs", "origin")
+  treescope_short_fields = ("module_type", "definition")
+
   def _module_type_name(self) -> str:
     return self.module_type.__name__
-
-  def _treescope_attributes(self) -> dict[str, Any]:
-    attrs = self.attributes_dict()
-    attrs["module_type"] = ShortRepr(self.module_type.__name__)
-    del attrs["specs"], attrs["call_specs"], attrs["origin"]
-    return attrs
 
   def _run_root(
     self, argument: ArgsAndKwargs, /, random_streams: Any = None, **side_inputs: Any
@@ -312,11 +317,6 @@ class NNXModuleDef:
 
   def __repr__(self) -> str:
     return f"NNXModuleDef(<GraphDef>, {len(self.leaf_paths)} variables)"
-
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-    from treescope import rendering_parts
-
-    return rendering_parts.text(repr(self))
 
   def with_graphdef(self, graphdef: Any, family: object) -> NNXModuleDef:
     """The same module with other static attributes (same variables)."""

@@ -38,6 +38,7 @@ from flaxlens import _flax_internals as fi
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import iter_call_nodes
 from flaxlens.core._variables import StateVariableValue, bind_variables
+from flaxlens.errors import ArtifactError
 from flaxlens.linen._tree import InterceptedFlaxModuleMethod, RngSnapshot, _gather
 from flaxlens.tools._codec import Decoder, Encoder, resolve_references
 from flaxlens.tools._isolate import IsolatedSubmodel, linen_submodel
@@ -49,7 +50,7 @@ from flaxlens.tools._manifest import (
   parse_manifest,
   references_of,
 )
-from flaxlens.tools._policy import DEFAULT_PACKAGES, ArtifactError, LoadPolicy, package_of
+from flaxlens.tools._policy import DEFAULT_PACKAGES, LoadPolicy, package_of
 
 MANIFEST = "manifest.json"
 ARRAYS = "arrays.npz"

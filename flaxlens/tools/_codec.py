@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxlens.errors import ArtifactError
 from flaxlens.tools._policy import (
-  ArtifactError,
   LoadPolicy,
   check_reference_syntax,
   package_of,

@@ -22,7 +22,6 @@ import jax
 import numpy as np
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import CallNode, is_call_node, pristine
 from flaxlens.core._jit import variable_jit
@@ -36,6 +35,7 @@ from flaxlens.core._variables import (
   freeze_variables,
   unbind_variables,
 )
+from flaxlens.errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.linen._tree import (
   InterceptedFlaxModuleMethod,
   LinenInterceptor,
@@ -63,6 +63,15 @@ class IsolatedSubmodel(Struct):
       `nn.jit`/`nnx.jit`, or in the body of `nn.scan`/`nnx.scan` (a `lax.scan`, compiled
       even when the model runs eagerly) or of another compiling transform. `replay()`
       runs it the same way by default.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model, x = nn.Sequential([nn.Dense(4), nn.relu]), jnp.ones((1, 3))
+    >>> isolated = fl.isolate(model, model.init(jax.random.key(0), x), x, at="layers_0")
+    >>> output, _ = isolated.submodel.stateless_call(
+    ...   isolated.initial_var_values, isolated.saved_arg, **isolated.saved_side_inputs)
+    >>> bool((output == isolated.saved_output).all()), isolated.replay().exact
+    (True, True)
   """
 
   submodel: Any
@@ -372,6 +381,24 @@ def isolate_calls(
 
   Returns:
     One `IsolatedSubmodel` per execution, in execution order (empty if never called).
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> class Step(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, carry, _):
+    ...     return nn.Dense(3)(carry), None
+    >>> class Stack(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     scan = nn.scan(Step, variable_axes={"params": 0}, split_rngs={"params": True},
+    ...                    length=3)
+    ...     return scan()(x, None)[0]
+    >>> model, x = Stack(), jnp.ones((1, 3))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> calls = fl.isolate_calls(tree.select().at_path("**/Dense_0"), fl.ArgsAndKwargs.capture(x))
+    >>> [(c.call_number, c.replay().exact) for c in calls]
+    [(0, True), (1, True), (2, True)]
   """
   from flaxlens.nnx._tree import InterceptedNNXModuleMethod
 

@@ -17,7 +17,6 @@ import jax
 from flax import nnx
 
 from flaxlens import _flax_internals as fi
-from flaxlens._errors import UnsupportedFlaxFeatureError
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._variables import (
   Parameter,
@@ -25,6 +24,7 @@ from flaxlens.core._variables import (
   freeze_variables,
   unbind_variables,
 )
+from flaxlens.errors import UnsupportedFlaxFeatureError
 from flaxlens.nnx._tree import (
   InterceptedNNXModuleMethod,
   NNXInterceptor,

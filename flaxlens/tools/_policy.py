@@ -20,12 +20,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from flaxlens._errors import FlaxlensError
-
-
-class ArtifactError(FlaxlensError):
-  """An artifact could not be written or read; the message says what and where."""
-
+from flaxlens.errors import ArtifactError
 
 # The packages flaxlens runs on: importing their modules runs nothing a user of flaxlens
 # has not already run. Objects from them are still checked role by role.
