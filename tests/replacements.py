@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 import flaxlens as fl
 
 
@@ -22,4 +24,23 @@ class Recorder(fl.Layer):
 
   def __call__(self, argument, /, **side_inputs):
     self.seen.append((argument, side_inputs))
+    return self.inner(argument, **side_inputs)
+
+
+class Zeros(fl.Layer):
+  """Replacement returning zeros with `features` in the last axis of its input's shape."""
+
+  features: int = fl.static_field()
+
+  def __call__(self, argument, /, **side_inputs):
+    x = argument.args[0]
+    return jnp.zeros(x.shape[:-1] + (self.features,), x.dtype)
+
+
+class Identity(fl.Layer):
+  """Wraps a call: runs the original node and returns what it returns."""
+
+  inner: object
+
+  def __call__(self, argument, /, **side_inputs):
     return self.inner(argument, **side_inputs)
