@@ -24,7 +24,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 from flax import nnx
-from linen import corpus as linen_corpus
+from linen import corpus as linen_corpus  # the test packages tests/linen and tests/nnx
 from nnx import corpus as nnx_corpus
 
 import flaxlens as fl
