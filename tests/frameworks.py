@@ -32,13 +32,13 @@ import flaxlens as fl
 
 @dataclasses.dataclass(frozen=True)
 class Wrap:
-  """Wraps the native call at `path` (method `__call__`): its output becomes `fn(output)`.
+  """Wraps the native call at `path` (method `__call__`): it returns `fn(output, *args)`.
 
   `calls`, when given, numbers the calls of that module from 0 and wraps only those.
   """
 
   path: str
-  fn: Callable[[Any], Any]
+  fn: Callable[..., Any]
   calls: frozenset[int] | None = None
 
 
@@ -197,7 +197,7 @@ def _linen_interceptor(wrap: Wrap | None):
       return output
     if wrap.calls is not None and next(count) not in wrap.calls:
       return output
-    return wrap.fn(output)
+    return wrap.fn(output, *args)
 
   return interceptor
 
@@ -308,7 +308,7 @@ def _wrapped_class(cls: type, wrap: Wrap) -> type:
       output = super().__call__(*args, **kwargs)
       if wrap.calls is not None and next(count) not in wrap.calls:
         return output
-      return wrap.fn(output)
+      return wrap.fn(output, *args)
 
   return Wrapped
 

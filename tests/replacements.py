@@ -1,4 +1,8 @@
-"""Replacement layers the Linen and NNX patching tests share."""
+"""Replacement layers the tests patch into trees, and their native counterparts.
+
+`plus_one` and `zeros` are what `PlusOne` and `Zeros` do to a call's output, written as
+`frameworks.Wrap` functions to patch the same call of the native model.
+"""
 
 from __future__ import annotations
 
@@ -44,3 +48,13 @@ class Identity(fl.Layer):
 
   def __call__(self, argument, /, **side_inputs):
     return self.inner(argument, **side_inputs)
+
+
+def plus_one(output, *args):
+  """The native counterpart of `PlusOne`."""
+  return output + 1.0
+
+
+def zeros(output, *args):
+  """The native counterpart of `Zeros`."""
+  return jnp.zeros_like(output)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from comparisons import assert_trees_equal
 from frameworks import LINEN, Wrap, flat_collections
-from replacements import PlusOne, Zeros
+from replacements import PlusOne, Zeros, plus_one
 
 import flaxlens as fl
 
@@ -41,7 +41,7 @@ def test_capture_intermediates_leaves_out_a_call_whose_replacement_skips_it(case
 
 def test_capture_intermediates_captures_what_a_wrapper_returns(cases):
   case = cases["capture_intermediates"]
-  expected_out, expected_state = LINEN.native(case, wrap=Wrap("Dense_0", lambda y: y + 1.0))
+  expected_out, expected_state = LINEN.native(case, wrap=Wrap("Dense_0", plus_one))
   wrapped = _patch(LINEN.convert(case), "Dense_0", PlusOne)
   assert_trees_equal(LINEN.call(wrapped, case), expected_out)
   assert_trees_equal(LINEN.tree_state(wrapped), expected_state)

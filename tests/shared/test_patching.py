@@ -6,21 +6,16 @@ subclass swapped into a copy of the model (NNX); see `frameworks.Wrap`.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import pytest
 from comparisons import assert_trees_equal
 from frameworks import LINEN, NNX, Wrap
-from replacements import Identity, PlusOne, Recorder, Zeros
+from replacements import Identity, PlusOne, Recorder, Zeros, plus_one, zeros
 
 import flaxlens as fl
 
 
 def _patch(tree, path, fn):
   return tree.select().at_path(path).apply(fn)
-
-
-def _plus_one(output):
-  return output + 1.0
 
 
 def _assert_matches_native(fw, tree, case, **native):
@@ -40,7 +35,7 @@ def _assert_output_matches_native(fw, tree, case, **native):
 def test_replacing_a_call_changes_exactly_that_call(corpora, fw, path, features):
   case = corpora[fw]["mlp"]
   patched = _patch(fw.convert(case), path, lambda _: Zeros(features))
-  _assert_output_matches_native(fw, patched, case, wrap=Wrap(path, jnp.zeros_like))
+  _assert_output_matches_native(fw, patched, case, wrap=Wrap(path, zeros))
 
 
 @pytest.mark.parametrize("fw, path, shape", [(LINEN, "Dense_1", (2, 16)), (NNX, "out", (2, 8))])
@@ -59,7 +54,7 @@ def test_replacement_receives_the_calls_arguments_and_side_inputs(corpora, fw, p
 def test_wrapping_a_call_keeps_the_wrapped_call_exact(corpora, fw, path):
   case = corpora[fw]["mlp"]
   wrapped = _patch(fw.convert(case), path, PlusOne)
-  _assert_matches_native(fw, wrapped, case, wrap=Wrap(path, _plus_one))
+  _assert_matches_native(fw, wrapped, case, wrap=Wrap(path, plus_one))
 
 
 @pytest.mark.parametrize(
@@ -68,7 +63,7 @@ def test_wrapping_a_call_keeps_the_wrapped_call_exact(corpora, fw, path):
 def test_wrapping_dropout_keeps_its_mask_and_rng_state_exact(corpora, fw, name, path):
   case = corpora[fw][name]
   wrapped = _patch(fw.convert(case), path, PlusOne)
-  _assert_matches_native(fw, wrapped, case, wrap=Wrap(path, _plus_one))
+  _assert_matches_native(fw, wrapped, case, wrap=Wrap(path, plus_one))
 
 
 @pytest.mark.parametrize(
@@ -85,7 +80,7 @@ def test_replacing_a_call_inside_a_transform_applies_at_every_iteration(
 ):
   case = corpora[fw][name]
   patched = _patch(fw.convert(case), path, lambda _: Zeros(features))
-  _assert_output_matches_native(fw, patched, case, wrap=Wrap(path, jnp.zeros_like))
+  _assert_output_matches_native(fw, patched, case, wrap=Wrap(path, zeros))
 
 
 @pytest.mark.parametrize(
@@ -101,7 +96,7 @@ def test_replacing_a_call_inside_a_transform_applies_at_every_iteration(
 def test_wrapping_a_call_inside_a_transform_keeps_it_exact(corpora, fw, name, path):
   case = corpora[fw][name]
   wrapped = _patch(fw.convert(case), path, PlusOne)
-  _assert_matches_native(fw, wrapped, case, wrap=Wrap(path, _plus_one))
+  _assert_matches_native(fw, wrapped, case, wrap=Wrap(path, plus_one))
 
 
 @pytest.mark.parametrize(
@@ -115,7 +110,7 @@ def test_wrapping_a_call_inside_a_transform_keeps_it_exact(corpora, fw, name, pa
 def test_wrapping_a_call_whose_variable_names_hold_slashes_keeps_it_exact(corpora, fw, name, path):
   case = corpora[fw][name]
   wrapped = _patch(fw.convert(case), path, PlusOne)
-  _assert_matches_native(fw, wrapped, case, wrap=Wrap(path, _plus_one))
+  _assert_matches_native(fw, wrapped, case, wrap=Wrap(path, plus_one))
 
 
 @pytest.mark.parametrize(
@@ -126,7 +121,7 @@ def test_patching_one_call_of_a_module_called_twice_leaves_the_other(corpora, fw
   case = corpora[fw][name]
   first = (0, f"{path}.__call__")
   patched = fw.convert(case).select().at(lambda t: t.submodule_calls[first]).apply(PlusOne)
-  _assert_matches_native(fw, patched, case, wrap=Wrap(path, _plus_one, calls=frozenset({0})))
+  _assert_matches_native(fw, patched, case, wrap=Wrap(path, plus_one, calls=frozenset({0})))
 
 
 @pytest.mark.parametrize("fw, path", [(LINEN, "Dense_0"), (NNX, "hidden")])
