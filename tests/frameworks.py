@@ -79,6 +79,11 @@ class Framework:
     selection = tree.select() if path is None else tree.select().at_path(path)
     return fl.isolate_submodel(selection, self.argument(case), **self.side_inputs(case))
 
+  def isolate_model(self, case: Any, at: str) -> fl.IsolatedSubmodel:
+    """`fl.isolate` of the case's plain model: `unflaxify`'s arguments and the path."""
+    args, kwargs = self.unflaxify_arguments(case)
+    return fl.isolate(*args, at=at, **kwargs)
+
 
 class _Linen(Framework):
   name = "linen"
@@ -86,12 +91,9 @@ class _Linen(Framework):
   node_type = fl.InterceptedFlaxModuleMethod
 
   def unflaxify_arguments(self, case, **overrides):
-    options = dict(
-      method=case.method,
-      rngs=case.rngs,
-      mutable=case.mutable,
-      capture_intermediates=case.capture_intermediates,
-    )
+    options = dict(method=case.method, rngs=case.rngs, mutable=case.mutable)
+    if case.capture_intermediates:  # an option `fl.isolate` does not take
+      options["capture_intermediates"] = case.capture_intermediates
     return (case.module, case.variables, *case.args), {**options, **overrides, **case.kwargs}
 
   def argument(self, case, **kwargs):
