@@ -8,9 +8,9 @@ flaxlens/). The rules:
 
 - No import cycle between flaxlens modules. An import points at the module it loads:
   `from flaxlens.core import _calls` at `flaxlens.core._calls`, `from flaxlens.core
-  import Layer` at `flaxlens.core` (its `__init__`). A package's `__init__` is not counted
-  as imported by its own submodules' imports (Python runs it first, but that is not a
-  dependency of the submodule).
+  import Layer` at `flaxlens.core` (its `__init__`). A package's `__init__`, which Python
+  runs before any of its submodules, counts only where a module imports from it by name.
+  One cycle is reported per set of modules that import each other.
 - No private name crosses between `core`, `linen`, `nnx` and `tools`. A private name
   starts with one underscore and is not a module: `from flaxlens.core._calls import
   _gather` and `_calls._gather` (an attribute of an imported module) cross when the two

@@ -31,9 +31,20 @@ def _assert_output_matches_native(fw, tree, case, **native):
   assert_trees_equal(fw.call(tree, case), expected_out)
 
 
-@pytest.mark.parametrize("fw, path, features", [(LINEN, "Dense_0", 16), (NNX, "hidden", 8)])
-def test_replacing_a_call_changes_exactly_that_call(corpora, fw, path, features):
-  case = corpora[fw]["mlp"]
+REPLACED = [
+  (LINEN, "mlp", "Dense_0", 16),
+  (NNX, "mlp", "hidden", 8),
+  # Inside transforms: the replacement applies at every iteration.
+  (LINEN, "scan", "layers/Dense_0", 8),
+  (LINEN, "vmap", "ensemble", 4),
+  (NNX, "scan", "blocks/linear", 4),
+  (NNX, "vmap_ensemble", "members", 2),
+]
+
+
+@pytest.mark.parametrize("fw, name, path, features", REPLACED)
+def test_replacing_a_call_changes_exactly_that_call(corpora, fw, name, path, features):
+  case = corpora[fw][name]
   patched = _patch(fw.convert(case), path, lambda _: Zeros(features))
   _assert_output_matches_native(fw, patched, case, wrap=Wrap(path, zeros))
 
@@ -50,64 +61,27 @@ def test_replacement_receives_the_calls_arguments_and_side_inputs(corpora, fw, p
   assert side_inputs == {"flag": "on"}
 
 
-@pytest.mark.parametrize("fw, path", [(LINEN, "Dense_0"), (NNX, "hidden")])
-def test_wrapping_a_call_keeps_the_wrapped_call_exact(corpora, fw, path):
-  case = corpora[fw]["mlp"]
-  wrapped = _patch(fw.convert(case), path, PlusOne)
-  _assert_matches_native(fw, wrapped, case, wrap=Wrap(path, plus_one))
+WRAPPED = [
+  (LINEN, "mlp", "Dense_0"),
+  (NNX, "mlp", "hidden"),
+  # Dropout: the mask, and NNX's rng count, stay those of the model.
+  (LINEN, "dropout", "Dropout_0"),
+  (NNX, "convnet_train", "drop"),
+  # Inside transforms.
+  (LINEN, "scan", "layers/Dense_0"),
+  (NNX, "scan", "blocks/linear"),
+  (NNX, "vmap_ensemble", "members"),
+  (NNX, "remat", "block/linear"),
+  (NNX, "nnx_jit_inside", "block/linear"),
+  # Variable names holding "/" (`nn.WeightNorm`'s "Dense_0/kernel/scale").
+  (LINEN, "weight_norm", "WeightNorm_1"),
+  (LINEN, "spectral_norm_train", "Dense_1"),
+  (NNX, "linen_bridge_weight_norm", "norm"),
+]
 
 
-@pytest.mark.parametrize(
-  "fw, name, path", [(LINEN, "dropout", "Dropout_0"), (NNX, "convnet_train", "drop")]
-)
-def test_wrapping_dropout_keeps_its_mask_and_rng_state_exact(corpora, fw, name, path):
-  case = corpora[fw][name]
-  wrapped = _patch(fw.convert(case), path, PlusOne)
-  _assert_matches_native(fw, wrapped, case, wrap=Wrap(path, plus_one))
-
-
-@pytest.mark.parametrize(
-  "fw, name, path, features",
-  [
-    (LINEN, "scan", "layers/Dense_0", 8),
-    (LINEN, "vmap", "ensemble", 4),
-    (NNX, "scan", "blocks/linear", 4),
-    (NNX, "vmap_ensemble", "members", 2),
-  ],
-)
-def test_replacing_a_call_inside_a_transform_applies_at_every_iteration(
-  corpora, fw, name, path, features
-):
-  case = corpora[fw][name]
-  patched = _patch(fw.convert(case), path, lambda _: Zeros(features))
-  _assert_output_matches_native(fw, patched, case, wrap=Wrap(path, zeros))
-
-
-@pytest.mark.parametrize(
-  "fw, name, path",
-  [
-    (LINEN, "scan", "layers/Dense_0"),
-    (NNX, "scan", "blocks/linear"),
-    (NNX, "vmap_ensemble", "members"),
-    (NNX, "remat", "block/linear"),
-    (NNX, "nnx_jit_inside", "block/linear"),
-  ],
-)
-def test_wrapping_a_call_inside_a_transform_keeps_it_exact(corpora, fw, name, path):
-  case = corpora[fw][name]
-  wrapped = _patch(fw.convert(case), path, PlusOne)
-  _assert_matches_native(fw, wrapped, case, wrap=Wrap(path, plus_one))
-
-
-@pytest.mark.parametrize(
-  "fw, name, path",
-  [
-    (LINEN, "weight_norm", "WeightNorm_1"),
-    (LINEN, "spectral_norm_train", "Dense_1"),
-    (NNX, "linen_bridge_weight_norm", "norm"),
-  ],
-)
-def test_wrapping_a_call_whose_variable_names_hold_slashes_keeps_it_exact(corpora, fw, name, path):
+@pytest.mark.parametrize("fw, name, path", WRAPPED)
+def test_wrapping_a_call_keeps_the_wrapped_call_exact(corpora, fw, name, path):
   case = corpora[fw][name]
   wrapped = _patch(fw.convert(case), path, PlusOne)
   _assert_matches_native(fw, wrapped, case, wrap=Wrap(path, plus_one))
