@@ -19,13 +19,9 @@ from replacements import PlusOne, Zeros, plus_one
 import flaxlens as fl
 
 
-def _patch(tree, path, fn):
-  return tree.select().at_path(path).apply(fn)
-
-
 def test_capture_intermediates_leaves_out_a_call_whose_replacement_skips_it(cases):
   case = cases["capture_intermediates"]
-  patched = _patch(LINEN.convert(case), "Dense_0", lambda _: Zeros(16))
+  patched = LINEN.convert(case).select().at_path("Dense_0").apply(lambda _: Zeros(16))
 
   def zeros_instead(next_fun, args, kwargs, context):
     if context.module.name == "Dense_0" and context.method_name == "__call__":
@@ -42,7 +38,7 @@ def test_capture_intermediates_leaves_out_a_call_whose_replacement_skips_it(case
 def test_capture_intermediates_captures_what_a_wrapper_returns(cases):
   case = cases["capture_intermediates"]
   expected_out, expected_state = LINEN.native(case, wrap=Wrap("Dense_0", plus_one))
-  wrapped = _patch(LINEN.convert(case), "Dense_0", PlusOne)
+  wrapped = LINEN.convert(case).select().at_path("Dense_0").apply(PlusOne)
   assert_trees_equal(LINEN.call(wrapped, case), expected_out)
   assert_trees_equal(LINEN.tree_state(wrapped), expected_state)
 
@@ -69,7 +65,10 @@ class Configured(nn.Module):
 
 
 def _edit_module(tree, path, **settings):
-  return _patch(tree, path, lambda n: dataclasses.replace(n, module=n.module.clone(**settings)))
+  def edit(node):
+    return dataclasses.replace(node, module=node.module.clone(**settings))
+
+  return tree.select().at_path(path).apply(edit)
 
 
 def test_an_edited_module_setting_takes_effect_in_the_whole_tree():

@@ -13,15 +13,11 @@ from replacements import PlusOne, Zeros, plus_one, zeros
 import flaxlens as fl
 
 
-def _patch(tree, path, fn):
-  return tree.select().at_path(path).apply(fn)
-
-
 def test_nnx_jit_inside_the_model_sees_each_calls_patches(cases):
   """A module-level `nnx.jit` caches traces; every tree call must still be intercepted."""
   case = cases["nnx_jit_inside"]
-  zeroed = _patch(NNX.convert(case), "block/linear", lambda _: Zeros(4))
-  wrapped = _patch(NNX.convert(case), "block/linear", PlusOne)
+  zeroed = NNX.convert(case).select().at_path("block/linear").apply(lambda _: Zeros(4))
+  wrapped = NNX.convert(case).select().at_path("block/linear").apply(PlusOne)
   zeros_native, _ = NNX.native(case, wrap=Wrap("block/linear", zeros))
   plus_one_native, _ = NNX.native(case, wrap=Wrap("block/linear", plus_one))
   assert_trees_equal(NNX.call(zeroed, case), zeros_native)
@@ -33,7 +29,7 @@ def test_an_inherited_only_call_is_intercepted_and_patchable(cases):
   case = cases["inherited_call"]
   tree = NNX.convert(case)
   assert list(tree.submodule_calls) == [(0, "first.__call__"), (1, "second.__call__")]
-  patched = _patch(tree, "first", lambda _: Zeros(8))
+  patched = tree.select().at_path("first").apply(lambda _: Zeros(8))
   expected, _ = NNX.native(case, wrap=Wrap("first", zeros))
   assert_trees_equal(NNX.call(patched, case), expected)
 
