@@ -15,6 +15,7 @@ NNX "Type:path" (every variable: an NNX model holds them all). Path keys are joi
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
@@ -54,15 +55,83 @@ def _label(prefix: str, path: tuple) -> str:
   return f"{prefix}:{'/'.join(map(_key, path))}"
 
 
-class Framework:
-  """The operations the shared tests need, written once per Flax API."""
+class Framework(abc.ABC):
+  """The operations the shared tests need, written once per Flax API.
+
+  A corpus case is a `linen.corpus.Case` or an `nnx.corpus.Case`; a node is a call node
+  of a converted tree; `state` dicts are `{label: value}` as the module docstring says.
+  """
 
   name: str
-  corpus: ModuleType
-  node_type: type
+  corpus: ModuleType  # the framework's corpus: `build()`, `NAMES`, `CALL_KWARGS`
+  node_type: type  # the class of the framework's call nodes
 
   def __repr__(self) -> str:
     return self.name
+
+  @abc.abstractmethod
+  def unflaxify_arguments(self, case, **overrides) -> tuple[tuple, dict]:
+    """The positional and keyword arguments of `fl.unflaxify` for the case."""
+
+  @abc.abstractmethod
+  def argument(self, case, **kwargs) -> fl.ArgsAndKwargs:
+    """The argument of a tree call as the case calls its model (`kwargs` overriding)."""
+
+  @abc.abstractmethod
+  def side_inputs(self, case) -> dict[str, Any]:
+    """The side inputs of that call (Linen: its `random_streams`)."""
+
+  @abc.abstractmethod
+  def parameters(self, node) -> dict[str, fl.Parameter]:
+    """The node's own parameters by name."""
+
+  @abc.abstractmethod
+  def state(self, node) -> dict[str, Any]:
+    """The node's own state variables."""
+
+  @abc.abstractmethod
+  def export(self, tree) -> Any:
+    """The tree exported back to the framework (Linen variables, an NNX module)."""
+
+  @abc.abstractmethod
+  def module_class(self, node) -> type:
+    """The class of the Flax module the node calls."""
+
+  @abc.abstractmethod
+  def tree_state(self, tree) -> dict[str, Any]:
+    """The tree's variables that a native call returns or updates, as `{label: value}`."""
+
+  @abc.abstractmethod
+  def model_state(self, case) -> dict[str, Any]:
+    """Every variable of the case's model, as `{label: value}`."""
+
+  @abc.abstractmethod
+  def native(self, case, *, times=1, jit=False, wrap=None, **kwargs) -> tuple[Any, dict]:
+    """The native call `times` times in a row (`jax.jit`-ed / `nnx.jit`-ed if `jit`).
+
+    `wrap` wraps one call inside; `kwargs` override the call's keywords. Returns the
+    last output and the state (as `tree_state` reads it) after the last call.
+    """
+
+  @abc.abstractmethod
+  def native_function(self, case) -> Callable[..., Any]:
+    """A function of the call's positional arguments running the model natively."""
+
+  @abc.abstractmethod
+  def native_parameter_grads(self, case, loss) -> dict[str, Any]:
+    """The gradient of `loss(native output)` for each parameter, as `{label: grad}`."""
+
+  @abc.abstractmethod
+  def native_of_node(self, case, node, *args) -> tuple[Any, dict]:
+    """The node's module called natively on its own; its output and the model's state."""
+
+  @abc.abstractmethod
+  def with_variable(self, case, label, value):
+    """A copy of the case whose model has the variable `label` set to `value`."""
+
+  @abc.abstractmethod
+  def with_exported(self, case, exported):
+    """A copy of the case whose model is what `export` returned."""
 
   def convert(self, case: Any, **overrides: Any) -> fl.Layer:
     """`fl.unflaxify` of a corpus case; `overrides` replace its conversion options."""
@@ -125,10 +194,7 @@ class _Linen(Framework):
     return flat_collections(case.variables)
 
   def native(self, case, *, times=1, jit=False, wrap=None, **kwargs):
-    """`module.apply` `times` times, each from the state the one before left.
-
-    Returns the last output and the mutable collections it returned, flattened.
-    """
+    # Each `module.apply` starts from the collections the one before returned.
     call_kwargs = {**case.kwargs, **kwargs}
 
     def apply(variables, *args):
@@ -164,7 +230,7 @@ class _Linen(Framework):
     return flat_collections({"params": jax.grad(loss_of)(case.variables["params"])})
 
   def native_of_node(self, case, node, *args):
-    """The node's module applied on its own to `args`, with its part of the variables."""
+    # The module applied to its part of each collection; nothing is mutable.
     variables = {}
     for collection, tree in case.variables.items():
       for key in node.path:
@@ -256,7 +322,7 @@ class _NNX(Framework):
     return model_state(case.model)
 
   def native(self, case, *, times=1, jit=False, wrap=None, **kwargs):
-    """Calls a copy of the model `times` times; returns the last output and its variables."""
+    # Calls to one copy of the model, which keeps its state from call to call.
     model = nnx.clone(case.model)
     if wrap is not None:
       module = _nnx_module_at(model, wrap.path)
@@ -276,7 +342,7 @@ class _NNX(Framework):
     return model_state(nnx.grad(lambda model: loss(case.native(model)))(nnx.clone(case.model)))
 
   def native_of_node(self, case, node, *args):
-    """The node's module, in a copy of the model, called on `args`; the copy's variables."""
+    # The module, inside a copy of the model, called through its method.
     model = nnx.clone(case.model)
     module = _nnx_module_at(model, "/".join(map(str, node.path)))
     return getattr(module, node.method_name)(*args), model_state(model)
