@@ -14,10 +14,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from comparisons import assert_trees_equal
 from flax import nnx
+from frameworks import FRAMEWORKS
 
 import flaxlens as fl
-from tests.comparisons import assert_trees_equal
 
 X = jax.random.normal(jax.random.key(0), (2, 8))
 TRACES = {"linen": 0, "nnx": 0}
@@ -168,7 +169,7 @@ def test_an_edited_parameter_gives_a_new_result_without_retracing(fw):
   _warm(tree)
   traces = TRACES[fw.name]
   node = tree.select().at_path(fw.inner_path).get_sequence()[0]
-  parameters = node.scope_data.parameters if fw.name == "linen" else node.parameters
+  parameters = FRAMEWORKS[fw.name].parameters(node)
   parameters["kernel"].value = parameters["kernel"].value + 0.5
   expected = jax.nn.relu(fw.inner(jax.nn.relu(fw.inner(X, 0.5)), 0.5))
   for _ in range(3):
@@ -261,7 +262,8 @@ MEMORY_SCRIPT = textwrap.dedent(
   import flax.linen as nn, jax, jax.numpy as jnp
   from flax import nnx
   import flaxlens as fl
-  from tests.test_jit_calls import LinenTied, NNXTied, X
+  sys.path[:0] = ["tests"]
+  from test_jit_calls import LinenTied, NNXTied, X
 
   def rss():
     with open("/proc/self/statm") as f:

@@ -6,8 +6,8 @@ import json
 import pathlib
 
 import pytest
+from frameworks import LINEN
 from linen import corpus
-from linen.conftest import convert
 
 import flaxlens as fl
 from flaxlens.tools._manifest import checksum
@@ -17,15 +17,12 @@ ALLOW = ["linen"]
 
 
 @pytest.fixture(scope="session")
-def cases() -> dict[str, corpus.Case]:
-  return corpus.build()
+def cases(corpora) -> dict[str, corpus.Case]:
+  return corpora[LINEN]
 
 
 def isolate_case(case: corpus.Case, path: str | None) -> fl.IsolatedSubmodel:
-  tree = convert(case)
-  selection = tree.select() if path is None else tree.select().at_path(path)
-  argument = fl.ArgsAndKwargs.capture(*case.args, **case.kwargs)
-  return fl.isolate_submodel(selection, argument, random_streams=case.rngs)
+  return LINEN.isolate(case, path)
 
 
 @pytest.fixture

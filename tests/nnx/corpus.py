@@ -455,4 +455,5 @@ NAMES = [
 # Keyword arguments of other calls (another flag value, say), compared as well.
 CALL_KWARGS: dict[str, Sequence[dict[str, Any]]] = {
   "call_time_flags": ({"train": False},),
+  "branch": ({"mode": "b"},),
 }

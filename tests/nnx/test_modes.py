@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from comparisons import assert_trees_equal
 from flax import nnx
+from frameworks import NNX, model_state
 
 import flaxlens as fl
-
-from .conftest import assert_trees_equal, call, convert, model_state, tree_state
 
 
 @pytest.mark.parametrize(
@@ -34,24 +34,24 @@ def test_switching_mode_on_the_tree_matches_switching_it_on_the_model(
   cases, name, on_tree, on_model
 ):
   case = cases[name]
-  tree = on_tree(convert(case))
+  tree = on_tree(NNX.convert(case))
   reference = nnx.clone(case.model)
   switched = on_model(reference)
   model = switched if isinstance(switched, nnx.Module) else reference
-  assert_trees_equal(call(tree, case), case.native(model))
-  assert_trees_equal(tree_state(tree), model_state(model))
+  assert_trees_equal(NNX.call(tree, case), case.native(model))
+  assert_trees_equal(NNX.tree_state(tree), model_state(model))
 
 
 def test_switching_mode_returns_a_new_tree_and_keeps_the_old_one(cases):
   case = cases["convnet_train"]
-  tree = convert(case)
+  tree = NNX.convert(case)
   evaluated = tree.eval()
   assert evaluated is not tree
   assert (
     tree.select().at_path("drop").get().definition.graphdef
     != evaluated.select().at_path("drop").get().definition.graphdef
   )
-  assert_trees_equal(call(tree, case), case.native(nnx.clone(case.model)))
+  assert_trees_equal(NNX.call(tree, case), NNX.native(case)[0])
 
 
 def test_switching_mode_keeps_patches_and_shared_variables(cases):
@@ -63,7 +63,7 @@ def test_switching_mode_keeps_patches_and_shared_variables(cases):
     def __call__(self, argument, /, **side_inputs):
       return self.inner(argument, **side_inputs) * 2.0
 
-  tree = convert(case).select().at_path("head").apply(Double)
+  tree = NNX.convert(case).select().at_path("head").apply(Double)
   evaluated = tree.eval()
   assert isinstance(evaluated.submodule_calls[(3, "head.__call__")], Double)
   assert set(map(id, fl.variables_in(evaluated))) == set(map(id, fl.variables_in(tree)))
@@ -73,11 +73,11 @@ def test_switching_mode_keeps_patches_and_shared_variables(cases):
   expected = reference.head(
     reference.drop(nnx.relu(reference.norm(reference.conv(x)))).mean((1, 2))
   )
-  assert_trees_equal(call(evaluated, case), expected * 2.0)
+  assert_trees_equal(NNX.call(evaluated, case), expected * 2.0)
 
 
 def test_an_unknown_attribute_is_refused_as_nnx_refuses_it(cases):
-  tree = convert(cases["mlp"])
+  tree = NNX.convert(cases["mlp"])
   with pytest.raises(ValueError, match="no_such_flag"):
     tree.set_attributes(no_such_flag=True)
 
@@ -98,10 +98,10 @@ def test_switching_mode_of_one_call_grafted_into_the_tree_matches_switching_that
   cases, path, on_node, on_model
 ):
   case = cases["convnet_train"]
-  tree = convert(case).select().at_path(path).apply(on_node)
+  tree = NNX.convert(case).select().at_path(path).apply(on_node)
   reference = nnx.clone(case.model)
   on_model(reference)
   for _ in range(2):
-    assert_trees_equal(call(tree, case), case.native(reference))
-  assert_trees_equal(tree_state(tree), model_state(reference))
-  assert_trees_equal(tree.nnx_module()(*case.args), case.native(reference))
+    assert_trees_equal(NNX.call(tree, case), case.native(reference))
+  assert_trees_equal(NNX.tree_state(tree), model_state(reference))
+  assert_trees_equal(NNX.export(tree)(*case.args), case.native(reference))

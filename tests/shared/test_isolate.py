@@ -1,0 +1,203 @@
+"""Isolating one call of a tree and replaying it on its own, bit for bit."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from comparisons import assert_trees_equal
+from frameworks import LINEN, NNX, Wrap
+
+import flaxlens as fl
+
+# (framework, case, path of the isolated call); None isolates the root call.
+SINGLE = [
+  (LINEN, name, path)
+  for name, path in [
+    ("mlp", "Dense_1"),
+    ("batchnorm_train", "BatchNorm_0"),
+    ("batchnorm_eval", "BatchNorm_0"),
+    ("dropout", "Dropout_1"),
+    ("single_key_rngs", "Dropout_0"),
+    ("transformer", "TransformerBlock_1"),
+    ("jit", "mlp"),
+    ("remat", "mlp/Dense_1"),
+    ("sow_new_collection", "Dense_0"),
+    ("capture_intermediates", "Dense_1"),
+    ("created_during_apply", None),
+    ("collections", None),
+    ("partitioned", None),
+    ("self_method_calls", "embed.attend"),
+    ("weight_norm", "Dense_1.__call__"),
+    ("spectral_norm_train", "Dense_1.__call__"),
+  ]
+] + [
+  (NNX, name, path)
+  for name, path in [
+    ("mlp", "hidden"),
+    ("convnet_train", "norm"),
+    ("convnet_train", "drop"),
+    ("convnet_eval", "norm"),
+    ("called_twice", None),
+    ("shared_submodule", None),
+    ("self_method_calls", None),
+    ("inherited_call", None),
+    ("attention_decode", None),
+    ("remat", None),
+    ("linen_bridge", None),
+    ("rngs_argument", None),
+    ("unhashable_static_attributes", None),
+    ("linen_bridge_batch_stats", "net"),
+    ("linen_bridge_weight_norm", None),
+  ]
+]
+
+
+@pytest.mark.parametrize("fw, name, path", SINGLE)
+def test_stateless_call_of_the_isolated_call_reproduces_output_and_state(corpora, fw, name, path):
+  isolated = fw.isolate(corpora[fw][name], path)
+  saved_arg = jax.tree_util.tree_map(lambda x: x, isolated.saved_arg)  # may hold an nnx.Rngs
+  output, state = isolated.submodel.stateless_call(
+    isolated.initial_var_values, saved_arg, **isolated.saved_side_inputs
+  )
+  assert_trees_equal(output, isolated.saved_output)
+  assert [v.label for v in state] == [v.label for v in isolated.final_var_values]
+  assert_trees_equal([v.value for v in state], [v.value for v in isolated.final_var_values])
+  assert isolated.replay()
+
+
+@pytest.mark.parametrize(
+  "fw, name, path", [(LINEN, "dropout", "Dropout_1"), (NNX, "convnet_train", "drop")]
+)
+def test_the_saved_argument_and_output_are_what_the_call_had_in_the_model(corpora, fw, name, path):
+  case = corpora[fw][name]
+  seen = []
+
+  def record(output, x, *args):
+    seen.append((x, output))
+    return output
+
+  fw.native(case, wrap=Wrap(path, record))
+  ((x, output),) = seen
+  isolated = fw.isolate(case, path)
+  assert_trees_equal(isolated.saved_arg.args[0], x)
+  assert_trees_equal(isolated.saved_output, output)
+
+
+@pytest.mark.parametrize(
+  "fw, name, path", [(LINEN, "batchnorm_train", "BatchNorm_0"), (NNX, "convnet_train", "norm")]
+)
+def test_isolating_does_not_modify_the_tree_or_the_model(corpora, fw, name, path):
+  case = corpora[fw][name]
+  before = fw.model_state(case)
+  tree = fw.convert(case)
+  values = {v.label: v.value for v in fl.variables_in(tree)}
+  fl.isolate_submodel(tree.select().at_path(path), fw.argument(case), **fw.side_inputs(case))
+  assert all(v.value is values[v.label] for v in fl.variables_in(tree))
+  assert_trees_equal(fw.model_state(case), before)
+
+
+@pytest.mark.parametrize(
+  "fw, path, iterations, stacked_kernel",
+  [
+    (LINEN, "layers/Dense_0", 3, "params:layers/Dense_0/kernel"),
+    (NNX, "blocks/linear", 4, "Param:blocks/linear/kernel"),
+  ],
+)
+def test_a_call_inside_scan_gives_one_exact_submodel_per_iteration(
+  corpora, fw, path, iterations, stacked_kernel
+):
+  case = corpora[fw]["scan"]
+  tree = fw.convert(case)
+  found = fl.isolate_calls(tree.select().at_path(path), fw.argument(case), **fw.side_inputs(case))
+  assert [i.call_number for i in found] == list(range(iterations))
+  assert all(i.replay() for i in found)
+  kernels = [fw.parameters(i.submodel)["kernel"].value for i in found]
+  stacked = fw.model_state(case)[stacked_kernel]
+  for i, kernel in enumerate(kernels):
+    assert_trees_equal(kernel, stacked[i])
+  assert not all(np.array_equal(a, b) for a, b in zip(kernels, kernels[1:], strict=False))
+
+
+@pytest.mark.parametrize(
+  "fw, name, path", [(LINEN, "vmap", "ensemble"), (NNX, "vmap_ensemble", "members")]
+)
+def test_a_call_inside_vmap_gives_one_submodel_per_member_equal_up_to_rounding(
+  corpora, fw, name, path
+):
+  case = corpora[fw][name]
+  tree = fw.convert(case)
+  found = fl.isolate_calls(tree.select().at_path(path), fw.argument(case), **fw.side_inputs(case))
+  assert len(found) == 3
+  assert all(max(i.replay().max_abs_diff.values()) < 1e-5 for i in found)
+
+
+@pytest.mark.parametrize(
+  "fw, path, message",
+  [
+    (LINEN, "layers/Dense_0", "ran 3 times.*isolate_calls"),
+    (NNX, "blocks/linear", "ran 4 times.*isolate_calls"),
+  ],
+)
+def test_several_executions_need_isolate_calls(corpora, fw, path, message):
+  with pytest.raises(fl.FlaxlensError, match=message):
+    fw.isolate(corpora[fw]["scan"], path)
+
+
+@pytest.mark.parametrize(
+  "fw, name, pattern, count", [(LINEN, "mlp", "Dense_*", 2), (NNX, "list", "layers/*", 3)]
+)
+def test_a_selection_of_several_calls_is_refused(corpora, fw, name, pattern, count):
+  case = corpora[fw][name]
+  with pytest.raises(fl.FlaxlensError, match=f"exactly one call; this one selects {count}"):
+    fl.isolate_submodel(fw.convert(case).select().at_path(pattern), fw.argument(case))
+
+
+@pytest.mark.parametrize("fw, path", [(LINEN, "Dense_0"), (NNX, "hidden")])
+def test_a_selection_of_no_call_is_refused(corpora, fw, path):
+  case = corpora[fw]["mlp"]
+  selection = fw.convert(case).select().at_path(path).where(lambda _: False)
+  with pytest.raises(fl.FlaxlensError, match="selects 0"):
+    fl.isolate_submodel(selection, fw.argument(case))
+
+
+@pytest.mark.parametrize("fw", [LINEN, NNX])
+def test_a_call_not_made_in_this_run_is_reported(corpora, fw):
+  case = corpora[fw]["branch"]
+  tree = fw.convert(case)
+  with pytest.raises(fl.FlaxlensError, match="never called"):
+    fl.isolate_submodel(tree.select().at_path("a"), fw.argument(case, mode="b"))
+
+
+@pytest.mark.parametrize(
+  "fw, name, key, kernel",
+  [
+    (LINEN, "shared_child_called_twice", (1, "shared.__call__"), "params:shared/kernel"),
+    (NNX, "called_twice", (1, "linear.__call__"), "Param:linear/kernel"),
+  ],
+)
+def test_the_second_call_of_a_shared_module_replays_exactly(corpora, fw, name, key, kernel):
+  case = corpora[fw][name]
+  second = fw.convert(case).select().at(lambda t: t.submodule_calls[key])
+  isolated = fl.isolate_submodel(second, fw.argument(case), **fw.side_inputs(case))
+  assert isolated.replay()
+  assert_trees_equal(fw.parameters(isolated.submodel)["kernel"].value, fw.model_state(case)[kernel])
+
+
+@pytest.mark.parametrize(
+  "fw, name, path", [(LINEN, "dropout", "Dropout_0"), (NNX, "convnet_train", "drop")]
+)
+def test_isolate_from_a_plain_model_in_one_call(corpora, fw, name, path):
+  isolated = fw.isolate_model(corpora[fw][name], path)
+  assert isolated.replay()
+  assert str(isolated.replay()).endswith("exact replay")
+
+
+@pytest.mark.parametrize("fw, path", [(LINEN, "Dense_1"), (NNX, "out")])
+def test_a_replay_report_names_the_leaf_that_differs(corpora, fw, path):
+  isolated = fw.isolate(corpora[fw]["mlp"], path)
+  tampered = isolated.select().at(lambda i: i.saved_output).apply(lambda y: y + 0.5)
+  report = tampered.replay()
+  assert not report
+  assert report.max_abs_diff["['output']"] == pytest.approx(0.5)
+  assert "MISMATCH" in str(report)
