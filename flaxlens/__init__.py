@@ -11,9 +11,11 @@ from flaxlens._errors import (
 )
 from flaxlens._unflaxify import unflaxify
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._calls import CallNode
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._layer import Layer
 from flaxlens.core._random import RandomStream
+from flaxlens.core._scope import InterceptedFlaxScopeData
 from flaxlens.core._selectors import Selection, select
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._variables import (
@@ -33,22 +35,14 @@ from flaxlens.core._variables import (
   unbind_variables,
   variables_in,
 )
-from flaxlens.linen._tree import (
-  InterceptedFlaxModuleMethod,
-  InterceptedFlaxScopeData,
-  RngSnapshot,
-)
-from flaxlens.nnx._tree import InterceptedNNXModuleMethod, NNXModuleDef, NNXVariableSpec
+from flaxlens.linen._node import InterceptedFlaxModuleMethod, RngSnapshot
+from flaxlens.nnx._definition import NNXModuleDef
+from flaxlens.nnx._node import InterceptedNNXModuleMethod, NNXVariableSpec
 from flaxlens.tools._artifact import load_isolated, save_isolated
 from flaxlens.tools._codec import register_value_codec
-from flaxlens.tools._isolate import (
-  IsolatedSubmodel,
-  ReplayReport,
-  isolate,
-  isolate_calls,
-  isolate_submodel,
-)
+from flaxlens.tools._isolate import isolate, isolate_calls, isolate_submodel
 from flaxlens.tools._policy import ArtifactError
+from flaxlens.tools._replay import IsolatedSubmodel, ReplayReport
 from flaxlens.tools._summary import summary
 
 __version__ = "0.1.0"
@@ -60,6 +54,7 @@ __all__ = [
   "save_isolated",
   "ArgsAndKwargs",
   "ArgumentError",
+  "CallNode",
   "CallStructureError",
   "FlaxlensError",
   "InterceptedFlaxModuleMethod",

@@ -168,7 +168,7 @@ def test_an_edited_parameter_gives_a_new_result_without_retracing(fw):
   _warm(tree)
   traces = TRACES[fw.name]
   node = tree.select().at_path(fw.inner_path).get_sequence()[0]
-  parameters = node.scope_data.parameters if fw.name == "linen" else node.parameters
+  parameters = node.scope_data.parameters
   parameters["kernel"].value = parameters["kernel"].value + 0.5
   expected = jax.nn.relu(fw.inner(jax.nn.relu(fw.inner(X, 0.5)), 0.5))
   for _ in range(3):

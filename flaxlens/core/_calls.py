@@ -30,7 +30,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from flaxlens._errors import ArgumentError, CallStructureError, FlaxlensError, ReplacementError
+from flaxlens._errors import (
+  ArgumentError,
+  CallStructureError,
+  FlaxlensError,
+  ReplacementError,
+  UnsupportedFlaxFeatureError,
+)
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._inner_jit import RunToken, inner_jit
 from flaxlens.core._layer import Layer
@@ -40,11 +46,30 @@ Path = tuple[Any, ...]
 
 
 class CallNode(Layer):
-  """Base class of converted calls.
+  """Base class of converted calls: one node per call a Flax module made.
 
-  Subclasses have `path`, `method_name`, `submodule_calls`, `call_specs` (one `CallSpec`
-  per entry of `submodule_calls`, from conversion) and `origin` (an id shared by the
-  nodes of one conversion) fields, and run themselves with `_run_root`.
+  A node is called as `node(fl.ArgsAndKwargs.capture(*args, **kwargs), **side_inputs)`
+  and runs its call natively; `submodule_calls` holds the calls made inside it, each a
+  node or a replacement layer. Every node, Linen or NNX, has these fields:
+
+  Attributes:
+    module_type: the class of the Flax module whose method the node calls.
+    method_name: the method called (a string, or the function given as `method=`).
+    path: the module's path in the converted model.
+    scope_data: the module's own variables (an `InterceptedFlaxScopeData`).
+    submodule_calls: `{(call_index, "Child.method"): layer}` in call order.
+    sliced: whether the call runs inside a lifted transform that slices its variables
+      per iteration (`nn.scan`, `nn.vmap`, `nnx.scan`, `nnx.vmap`); such a call runs
+      only as part of its tree.
+    call_specs: what conversion saw of each submodule call (one `CallSpec` each).
+    origin: an id shared by the nodes of one conversion.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model, x = nn.Dense(2), jnp.ones((1, 3))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> isinstance(tree, fl.CallNode), tree.module_type.__name__, tree.where()
+    (True, 'Dense', 'Dense.__call__')
   """
 
   def readable_path(self) -> tuple[str, str]:
@@ -54,17 +79,24 @@ class CallNode(Layer):
       name = getattr(name, "__name__", type(name).__name__)
     return "/".join(str(p) for p in self.path), name
 
-  def _where(self) -> str:
+  def where(self) -> str:
+    """`"Block_0/Dense_0.__call__"`: how messages name this call."""
     path, method = self.readable_path()
-    return f"{path or self._module_type_name()}.{method}"
+    return f"{path or self.module_type.__name__}.{method}"
 
-  def _module_type_name(self) -> str:
-    return "model"
+  def check_runs_alone(self, cannot: str) -> None:
+    """Refuses an operation a sliced call cannot do; `cannot` completes the message."""
+    if self.sliced:
+      raise UnsupportedFlaxFeatureError(
+        f"{self.where()}: this call runs inside a lifted transform that slices its"
+        f" variables per iteration (nn.scan, nn.vmap, nnx.scan, nnx.vmap), so it cannot"
+        f" {cannot}."
+      )
 
   def __call__(self, argument: ArgsAndKwargs, /, **side_inputs: Any) -> Any:
     if not isinstance(argument, ArgsAndKwargs):
       raise ArgumentError(
-        f"{self._where()}: a converted call takes fl.ArgsAndKwargs.capture(*args,"
+        f"{self.where()}: a converted call takes fl.ArgsAndKwargs.capture(*args,"
         f" **kwargs) as its argument, got {type(argument).__name__}."
       )
     interceptor = current_interceptor()
@@ -73,6 +105,7 @@ class CallNode(Layer):
     return self._run_root(argument, **side_inputs)
 
   def _run_root(self, argument: ArgsAndKwargs, /, **side_inputs: Any) -> Any:
+    """Runs this node as the root of a run (its framework's node type implements it)."""
     raise NotImplementedError
 
   def _call_spec(self, key: CallKey) -> CallSpec | None:
@@ -84,7 +117,7 @@ class CallNode(Layer):
     return specs.get(key)
 
   def _describe(self, key: CallKey) -> str:
-    return f"{self._where()}: call {key!r}"
+    return f"{self.where()}: call {key!r}"
 
 
 _origins = itertools.count(1)
@@ -457,18 +490,6 @@ class Pending:
     )
 
 
-def owner_of(path: Path, called: set[Path] | frozenset[Path]) -> Path:
-  """The longest called module path that is a proper prefix of a variable's `path`.
-
-  A variable belongs to its module's calls, or, if that module makes no call of its
-  own, to the calls of its nearest calling ancestor (the root always calls).
-  """
-  for end in range(len(path) - 1, 0, -1):
-    if path[:end] in called:
-      return path[:end]
-  return ()
-
-
 def relative_name(frame_path: Path, path: Path) -> str:
   """How a caller at `frame_path` names the module at `path` in call keys."""
   if path == frame_path:
@@ -502,6 +523,8 @@ class CallInterceptor:
     self.pending: list[Pending] = []
     # Part of an inner jit's cache key: unique unless the run sets a shared one.
     self.token = RunToken.unique(self)
+    # Records the executions of one node (a `_record.Recorder`), for isolation.
+    self.recorder: Any = None
 
   @contextmanager
   def active(self) -> Iterator[None]:
@@ -562,8 +585,14 @@ class CallInterceptor:
   def run_node(
     self, node: CallNode, module: Any, next_fun: Callable[..., Any], args: Any, kwargs: Any
   ) -> Any:
-    """Runs the call of `node` natively; subclasses may observe it."""
-    return self.run_frame(Frame(node.path, node=node), next_fun, args, kwargs)
+    """Runs the call of `node` natively (recording it if it is the recorder's target)."""
+
+    def run() -> Any:
+      return self.run_frame(Frame(node.path, node=node), next_fun, args, kwargs)
+
+    if self.recorder is not None and node is self.recorder.target:
+      return self.recorder.observe(self, node, module, args, kwargs, run)
+    return run()
 
   def record_call(self, record: CallRecord, module: Any, run: Callable[[], Any]) -> Any:
     """Runs a call being recorded; subclasses add what they learn from it."""

@@ -161,17 +161,3 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
     return out
 
   return wrapper
-
-
-def split_static(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-  """Array leaves of `tree`, and a function rebuilding `tree` from new array leaves."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  mask = [isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct) for x in leaves]
-
-  def rebuild(arrays: list[Any]) -> Any:
-    it = iter(arrays)
-    return jax.tree_util.tree_unflatten(
-      treedef, [next(it) if m else leaf for leaf, m in zip(leaves, mask, strict=True)]
-    )
-
-  return [x for x, m in zip(leaves, mask, strict=True) if m], rebuild

@@ -45,7 +45,7 @@ def _label(key: Any, node: Any) -> str:
   if state:
     counts.append(f"{state:,} state")
   extra = f" [green]{', '.join(counts)}[/]" if counts else ""
-  return f"{prefix}[bold]{path or '<root>'}[/].{method} [cyan]{node._module_type_name()}[/]{extra}"
+  return f"{prefix}[bold]{path or '<root>'}[/].{method} [cyan]{node.module_type.__name__}[/]{extra}"
 
 
 def summary(tree: Any, max_depth: int | None = None) -> Tree:

@@ -161,7 +161,7 @@ def test_edited_variables_export_back_to_flax(cases, name):
   for p in fl.variables_in(tree):
     if isinstance(p, fl.Parameter):
       p.value = jax.tree_util.tree_map(lambda a: a * 1.5, p.value)
-  exported = tree.flax_variables()
+  exported = tree.export()
   result = case.module.apply(
     exported, *case.args, rngs=case.rngs, mutable=case.mutable, **case.kwargs
   )

@@ -82,7 +82,7 @@ def test_a_call_inside_nnx_scan_gives_one_exact_submodel_per_iteration(cases):
   assert len(found) == 4
   assert [i.call_number for i in found] == [0, 1, 2, 3]
   assert all(i.replay() for i in found)
-  kernels = [i.submodel.parameters for i in found]
+  kernels = [i.submodel.scope_data.parameters for i in found]
   assert not all(
     np.array_equal(a[k].value, b[k].value)
     for a, b in zip(kernels, kernels[1:], strict=False)

@@ -104,4 +104,4 @@ def test_switching_mode_of_one_call_grafted_into_the_tree_matches_switching_that
   for _ in range(2):
     assert_trees_equal(call(tree, case), case.native(reference))
   assert_trees_equal(tree_state(tree), model_state(reference))
-  assert_trees_equal(tree.nnx_module()(*case.args), case.native(reference))
+  assert_trees_equal(tree.export()(*case.args), case.native(reference))

@@ -79,7 +79,7 @@ def test_parameters_hold_the_models_own_buffers(cases):
   variables = fl.variables_in(tree)
   assert len(variables) == len(buffers)
   assert all(id(v.value) in buffers for v in variables)
-  kernel = tree.select().at_path("blocks/linear").get().parameters["kernel"]
+  kernel = tree.select().at_path("blocks/linear").get().scope_data.parameters["kernel"]
   assert kernel.value is case.model.blocks.linear.kernel.get_raw_value()
   call(tree, case)
   assert kernel.value is case.model.blocks.linear.kernel.get_raw_value()

@@ -15,7 +15,7 @@ from .conftest import assert_trees_equal, call, convert, model_state, tree_state
 def test_editing_a_parameter_changes_the_next_call(cases):
   case = cases["mlp"]
   tree = convert(case)
-  kernel = tree.select().at_path("out").get().parameters["kernel"]
+  kernel = tree.select().at_path("out").get().scope_data.parameters["kernel"]
   kernel.value = kernel.value * 2.0
   reference = nnx.clone(case.model)
   reference.out.kernel.set_value(kernel.value)
@@ -25,7 +25,7 @@ def test_editing_a_parameter_changes_the_next_call(cases):
 def test_editing_a_stacked_parameter_inside_scan_changes_every_iteration(cases):
   case = cases["scan"]
   tree = convert(case)
-  bias = tree.select().at_path("blocks/linear").get().parameters["bias"]
+  bias = tree.select().at_path("blocks/linear").get().scope_data.parameters["bias"]
   bias.value = bias.value + jnp.arange(4.0)[:, None]
   reference = nnx.clone(case.model)
   reference.blocks.linear.bias.set_value(bias.value)
@@ -35,7 +35,7 @@ def test_editing_a_stacked_parameter_inside_scan_changes_every_iteration(cases):
 def test_calls_of_one_module_share_its_parameter_objects(cases):
   tree = convert(cases["called_twice"])
   first, second = tree.submodule_calls.values()
-  assert first.parameters["kernel"] is second.parameters["kernel"]
+  assert first.scope_data.parameters["kernel"] is second.scope_data.parameters["kernel"]
 
 
 def test_a_module_held_by_two_parents_has_one_set_of_parameters(cases):
@@ -62,11 +62,11 @@ def test_dropout_masks_follow_the_trees_rng_state(cases):
   tree = convert(case)
   first, second = call(tree, case), call(tree, case)
   assert not jnp.array_equal(first, second)
-  count = tree.select().at_path("drop").get().variables["rngs/count"]
+  count = tree.select().at_path("drop").get().scope_data.variables["RngCount"]["rngs/count"]
   assert int(count.value) == 2
   count.value = jnp.zeros_like(count.value)
-  mean = tree.select().at_path("norm").get().variables["mean"]
-  var = tree.select().at_path("norm").get().variables["var"]
+  mean = tree.select().at_path("norm").get().scope_data.variables["batch_stats"]["mean"]
+  var = tree.select().at_path("norm").get().scope_data.variables["batch_stats"]["var"]
   reference = nnx.clone(case.model)
   reference.norm.mean.set_value(mean.value)
   reference.norm.var.set_value(var.value)
@@ -159,8 +159,8 @@ def test_the_tree_exports_a_plain_nnx_module_with_its_current_variables(cases):
   case = cases["convnet_train"]
   tree = convert(case)
   call(tree, case)
-  tree.select().at_path("head").get().parameters["bias"].value += 1.0
-  exported = tree.nnx_module()
+  tree.select().at_path("head").get().scope_data.parameters["bias"].value += 1.0
+  exported = tree.export()
   assert [type(m) for _, m in nnx.iter_modules(exported)] == [
     type(m) for _, m in nnx.iter_modules(case.model)
   ]
@@ -172,16 +172,16 @@ def test_the_tree_exports_a_plain_nnx_module_with_its_current_variables(cases):
 def test_an_exported_module_includes_variables_the_call_created(cases):
   case = cases["sow_outside_capture"]
   tree = convert(case)
-  assert not hasattr(tree.nnx_module(), "hidden")
+  assert not hasattr(tree.export(), "hidden")
   call(tree, case)
-  assert_trees_equal(model_state(tree.nnx_module()), tree_state(tree))
+  assert_trees_equal(model_state(tree.export()), tree_state(tree))
 
 
 def test_export_refuses_a_tree_whose_variables_left_with_a_replaced_call(cases):
   case = cases["mlp"]
   patched = convert(case).select().at_path("hidden").apply(lambda _: fl.ArgsAndKwargs)
   with pytest.raises(fl.FlaxlensError, match=r"MLP.__call__: .*'hidden/bias'"):
-    patched.nnx_module()
+    patched.export()
 
 
 def test_perturbation_gradients_match_nnx(cases):
