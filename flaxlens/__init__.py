@@ -11,9 +11,9 @@ from flaxlens._errors import (
 )
 from flaxlens._unflaxify import unflaxify
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._calls import CallNode
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._layer import Layer
+from flaxlens.core._node import CallNode
 from flaxlens.core._random import RandomStream
 from flaxlens.core._scope import InterceptedFlaxScopeData
 from flaxlens.core._selectors import Selection, select

@@ -15,7 +15,8 @@ from typing import Any
 
 from flaxlens._errors import ArgumentError
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._calls import CallInterceptor, CallNode
+from flaxlens.core._calls import CallInterceptor
+from flaxlens.core._node import CallNode
 
 
 class FrameworkAdapter(abc.ABC):

@@ -15,14 +15,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from flaxlens.core._calls import (
-  CallInterceptor,
-  CallNode,
-  CallRecord,
-  Frame,
-  converting,
-  new_origin,
-)
+from flaxlens.core._call_record import CallRecord, converting
+from flaxlens.core._calls import CallInterceptor, Frame
+from flaxlens.core._node import CallNode, new_origin
 
 
 def record_calls(

@@ -23,7 +23,8 @@ import numpy as np
 from flaxlens import _flax_internals as fi
 from flaxlens.core._adapter import adapter_of
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._calls import CallInterceptor, CallNode
+from flaxlens.core._calls import CallInterceptor
+from flaxlens.core._node import CallNode
 from flaxlens.core._variables import Parameter, freeze_variables, unbind_variables
 
 

@@ -20,8 +20,9 @@ import numpy as np
 from flaxlens._errors import ArgumentError, CallStructureError, FlaxlensError
 from flaxlens.core._adapter import adapter_of
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._calls import CallInterceptor, CallNode, Frame, own_call_nodes
+from flaxlens.core._calls import CallInterceptor, Frame
 from flaxlens.core._inner_jit import RunToken
+from flaxlens.core._node import CallNode, own_call_nodes
 from flaxlens.core._random import RandomStream
 from flaxlens.core._variables import (
   AbstractVariable,

@@ -14,6 +14,8 @@ from typing import Any, Self
 import jax
 from treescope import formatting_util, repr_lib
 
+from flaxlens.core._selectors import select
+
 
 def static_field(**kwargs: Any) -> Any:
   """Declares a `Struct` field that is metadata, not a pytree child.
@@ -96,8 +98,6 @@ class Struct:
 
   def select(self):
     """Starts a selection whose only selected node is this whole struct."""
-    from flaxlens.core._selectors import select
-
     return select(self)
 
   def tree_flatten(self) -> tuple[list[Any], tuple[Any, ...]]:

@@ -18,7 +18,7 @@ import jax
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.core._calls import CallRecord
+from flaxlens.core._call_record import CallRecord
 from flaxlens.core._convert import build_nodes, record_calls
 from flaxlens.core._names import join_name
 from flaxlens.core._scope import ScopeBuilder

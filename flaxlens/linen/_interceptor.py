@@ -18,7 +18,11 @@ from flax import errors as flax_errors
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import FlaxlensError
-from flaxlens.core._calls import CallInterceptor, CallNode, CallRecord, Path, current_interceptor
+from flaxlens.core._active import current_interceptor
+from flaxlens.core._call_record import CallRecord
+from flaxlens.core._calls import CallInterceptor
+from flaxlens.core._names import Path
+from flaxlens.core._node import CallNode
 
 # Flax's errors for a module whose variables differ from those it is given.
 _UNFIT_EDIT = (

@@ -21,9 +21,9 @@ from flax import nnx
 
 from flaxlens import _flax_internals as fi
 from flaxlens._errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.core._calls import CallRecord, Path
+from flaxlens.core._call_record import CallRecord
 from flaxlens.core._convert import build_nodes, record_calls
-from flaxlens.core._names import join_name
+from flaxlens.core._names import Path, join_name
 from flaxlens.core._scope import ScopeBuilder
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.nnx._definition import NNXModuleDef, abstract, leaf_paths

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flaxlens import _flax_internals as fi
-from flaxlens.core._calls import CallNode, Path, own_call_nodes
+from flaxlens.core._names import Path
+from flaxlens.core._node import CallNode, own_call_nodes
 from flaxlens.core._runtime import private_value
 
 

@@ -17,8 +17,12 @@ import jax
 from flax import nnx
 
 from flaxlens import _flax_internals as fi
-from flaxlens.core._calls import CallInterceptor, CallNode, CallRecord, Path, is_active
+from flaxlens.core._active import is_active
+from flaxlens.core._call_record import CallRecord
+from flaxlens.core._calls import CallInterceptor
 from flaxlens.core._inner_jit import RunToken
+from flaxlens.core._names import Path
+from flaxlens.core._node import CallNode
 
 
 def call_method(model: Any, method: Any, args: Any, kwargs: Any) -> Any:

@@ -13,7 +13,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from flaxlens.core._calls import CallNode, Path, is_call_node
+from flaxlens.core._names import Path
+from flaxlens.core._node import CallNode, is_call_node
 from flaxlens.core._runtime import Gathered
 from flaxlens.nnx._definition import apply_static_edits, navigate, static_edits
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -33,10 +34,9 @@ import flax
 import jax
 import numpy as np
 
-import flaxlens
 from flaxlens.core._adapter import adapter_named, adapter_of
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._calls import is_call_node, iter_call_nodes
+from flaxlens.core._node import is_call_node, iter_call_nodes
 from flaxlens.core._variables import StateVariableValue, bind_variables
 from flaxlens.tools._codec import Decoder, Encoder, resolve_references
 from flaxlens.tools._manifest import (
@@ -114,7 +114,7 @@ def save_isolated(
     "format_version": FORMAT_VERSION,
     "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "versions": {
-      "flaxlens": flaxlens.__version__,
+      "flaxlens": importlib.metadata.version("flaxlens"),
       "jax": jax.__version__,
       "flax": flax.__version__,
       "python": platform.python_version(),

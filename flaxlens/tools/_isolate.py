@@ -21,7 +21,7 @@ from flaxlens._errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatur
 from flaxlens._unflaxify import unflaxify
 from flaxlens.core._adapter import FrameworkAdapter, adapter_of
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._calls import CallNode, is_call_node, pristine
+from flaxlens.core._node import CallNode, is_call_node, pristine
 from flaxlens.core._record import Execution, Recorder, standalone
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._selectors import Selection, select

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from flaxlens._errors import FlaxlensError
+from flaxlens.core._variables import Uninitialized
 
 
 class ArtifactError(FlaxlensError):
@@ -96,8 +97,6 @@ def _vetted_bases() -> dict[str, tuple[type, ...]]:
   from flax.core import frozen_dict, meta
   from flax.nnx import graphlib, pytreelib
   from flax.typing import HashableMapping
-
-  from flaxlens.core._variables import Uninitialized
 
   graph_data = tuple(
     getattr(graphlib, name)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from rich.tree import Tree
 
-from flaxlens.core._calls import is_call_node
+from flaxlens.core._node import is_call_node
 from flaxlens.core._variables import AbstractVariable, Parameter
 
 
