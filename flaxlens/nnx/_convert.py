@@ -26,7 +26,7 @@ from flaxlens.core._convert import build_nodes, record_calls
 from flaxlens.core._names import Path, join_name
 from flaxlens.core._scope import ScopeBuilder
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
-from flaxlens.nnx._definition import NNXModuleDef, abstract, leaf_paths
+from flaxlens.nnx._definition import NNXModuleDef, abstract, equal, leaf_paths
 from flaxlens.nnx._interceptor import NNXInterceptor, call_method
 from flaxlens.nnx._node import InterceptedNNXModuleMethod, NNXVariableSpec
 
@@ -95,15 +95,6 @@ def unflaxify_nnx(
   return _build_tree(model, definition, root, given, created)
 
 
-def _same(a: Any, b: Any) -> bool:
-  if a is b:
-    return True
-  try:
-    return bool(a == b)
-  except Exception:
-    return False
-
-
 def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict]) -> None:
   """Refuses calls that change a module's static (non-variable) attributes.
 
@@ -117,7 +108,7 @@ def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict
     for name in sorted(set(old) | set(new)):
       if name in old and name not in new and name in vars(module):
         continue
-      if name not in old or name not in new or not _same(old[name], new[name]):
+      if name not in old or name not in new or not equal(old[name], new[name]):
         raise UnsupportedFlaxFeatureError(
           f"{where}: the call changes the static attribute {name!r} of the module at"
           f" {join_name(path) or '<root>'!r}. flaxlens replays every call from the"

@@ -88,8 +88,8 @@ class NNXModuleDef:
     return self is other or (
       type(other) is NNXModuleDef
       and self._hash == other._hash
-      and _equal(self.graphdef, other.graphdef)
-      and _equal(self.abstract_leaves, other.abstract_leaves)
+      and equal(self.graphdef, other.graphdef)
+      and equal(self.abstract_leaves, other.abstract_leaves)
     )
 
   def __repr__(self) -> str:
@@ -139,7 +139,7 @@ def _hash_or(value: Any, fallback: Callable[[], int]) -> int:
     return fallback()
 
 
-def _equal(a: Any, b: Any) -> bool:
+def equal(a: Any, b: Any) -> bool:
   """`a == b`, False where comparing raises (arrays held as static attributes, say)."""
   if a is b:
     return True
@@ -172,7 +172,7 @@ def static_edits(root: CallNode) -> dict[Path, dict[str, Any]]:
       before = base.get(rel + sub)
       if before is None:
         continue
-      changed = {k: v for k, v in statics.items() if k not in before or not _equal(before[k], v)}
+      changed = {k: v for k, v in statics.items() if k not in before or not equal(before[k], v)}
       if changed:
         edits.setdefault(rel + sub, {}).update(changed)
   object.__setattr__(root, "_flaxlens_static_edits", edits)
