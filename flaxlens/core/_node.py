@@ -41,6 +41,10 @@ class CallNode(Layer):
     call_specs: what conversion saw of each submodule call (one `CallSpec` each).
     origin: an id shared by the nodes of one conversion.
 
+  Each node type also has `export()`, the call's module in its framework's own form with
+  the tree's current values (Linen: the variables dict for `module.apply`; NNX: a new
+  model), and `where()`, how messages name the call.
+
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
     >>> model, x = nn.Dense(2), jnp.ones((1, 3))
