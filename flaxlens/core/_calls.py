@@ -125,7 +125,7 @@ class CallInterceptor:
     self.pending: list[Pending] = []
     # Part of an inner jit's cache key: unique unless the run sets a shared one.
     self.token = RunToken.unique(self)
-    # Records the executions of one node (a `_record.Recorder`), for isolation.
+    # Records the executions of one node (a `_recorder.Recorder`), for isolation.
     self.recorder: Any = None
 
   @contextmanager

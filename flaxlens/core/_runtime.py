@@ -84,7 +84,7 @@ def run_tree(
   """Runs `root` natively once, its submodule calls dispatched by `interceptor`.
 
   `interceptor` defaults to the adapter's plain one; one with a recorder (see
-  `_record`) records executions on the way, and keeps a token of its own so that
+  `_recorder`) records executions on the way, and keeps a token of its own so that
   inner jits trace afresh and report to it.
   """
   adapter = adapter_of(root)

@@ -20,7 +20,7 @@ from flaxlens._errors import ArgumentError
 from flaxlens.core._adapter import FrameworkAdapter, register_adapter
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._names import join_name, split_name
-from flaxlens.core._record import Execution, standalone
+from flaxlens.core._recorder import Execution, standalone
 from flaxlens.core._runtime import Gathered, private_value, resolve_random_streams
 from flaxlens.core._variables import StateVariable, Uninitialized
 from flaxlens.linen._collections import flatten_collections, nest_collections
@@ -46,7 +46,9 @@ class LinenAdapter(FrameworkAdapter):
       )
     return unflaxify_linen(model, *args, **kwargs)
 
-  def example_call(self, args: tuple[Any, ...], options: dict[str, Any]) -> Any:
+  def example_call(
+    self, args: tuple[Any, ...], options: dict[str, Any]
+  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     rngs = options.get("rngs")
     return args[1:], ({"random_streams": rngs} if rngs is not None else {})
 

@@ -20,7 +20,7 @@ from flaxlens._errors import FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.core._adapter import FrameworkAdapter, register_adapter
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._names import join_name
-from flaxlens.core._record import Execution, standalone
+from flaxlens.core._recorder import Execution, standalone
 from flaxlens.core._runtime import Gathered, private_value
 from flaxlens.core._variables import Uninitialized
 from flaxlens.nnx._convert import label_of, unflaxify_nnx
@@ -43,7 +43,9 @@ class NNXAdapter(FrameworkAdapter):
   def convert(self, model: Any, *args: Any, **kwargs: Any) -> InterceptedNNXModuleMethod:
     return unflaxify_nnx(model, *args, **kwargs)
 
-  def example_call(self, args: tuple[Any, ...], options: dict[str, Any]) -> Any:
+  def example_call(
+    self, args: tuple[Any, ...], options: dict[str, Any]
+  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return args, {}
 
   def entries(self, node: Any, base: tuple[Any, ...]) -> Iterator[tuple[Any, Any, Any]]:

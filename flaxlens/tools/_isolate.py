@@ -1,7 +1,7 @@
 """Isolate one call of a converted model, with what it saw, so it can be replayed alone.
 
 `isolate_calls` runs a copy of the whole tree once, eagerly, with a `Recorder` on the
-selected call (`core._record`): every native execution is recorded with its arguments,
+selected call (`core._recorder`): every native execution is recorded with its arguments,
 output and what its module held before and after, through `jax.debug.callback` inside
 compiled bodies (once per iteration or batch member). The node's `FrameworkAdapter`
 turns each execution into an `IsolatedSubmodel`: the call converted on its own,
@@ -22,7 +22,7 @@ from flaxlens._unflaxify import unflaxify
 from flaxlens.core._adapter import FrameworkAdapter, adapter_of
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._node import CallNode, is_call_node, pristine
-from flaxlens.core._record import Execution, Recorder, standalone
+from flaxlens.core._recorder import Execution, Recorder, standalone
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._selectors import Selection, select
 from flaxlens.core._variables import Uninitialized, bind_variables, unbind_variables

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from flaxlens.core._jit import variable_jit
-from flaxlens.core._record import is_key
+from flaxlens.core._recorder import is_key
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._variables import Uninitialized, bind_variables, unbind_variables
 
