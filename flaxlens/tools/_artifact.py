@@ -34,10 +34,10 @@ import flax
 import jax
 import numpy as np
 
-from flaxlens.core._adapter import adapter_named, adapter_of
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._node import is_call_node, iter_call_nodes
-from flaxlens.core._variables import StateVariableValue, bind_variables
+from flaxlens.core._recipe import recipe_of, submodel_from
+from flaxlens.core._variables import StateVariableValue
 from flaxlens.tools._codec import Decoder, Encoder, resolve_references
 from flaxlens.tools._manifest import (
   FORMAT,
@@ -98,9 +98,7 @@ def save_isolated(
       f"save_isolated saves isolated Linen and NNX calls; this submodel is a"
       f" {type(submodel).__name__}."
     )
-  adapter = adapter_of(submodel)
-  bound = bind_variables(submodel, isolated.initial_var_values)
-  recipe = {"kind": adapter.name, **adapter.describe(bound, encoder.encode)}
+  recipe = recipe_of(submodel, isolated.initial_var_values, encoder.encode)
   saved = {
     "args": encoder.encode(tuple(isolated.saved_arg.args), "saved_arg.args"),
     "kwargs": encoder.encode(dict(isolated.saved_arg.kwargs), "saved_arg.kwargs"),
@@ -297,9 +295,8 @@ def _rebuild(source: pathlib.Path, manifest: Manifest, decoder: Decoder) -> Isol
     kwargs=decoder.decode(saved["kwargs"], "saved.kwargs"),
   )
   side_inputs = decoder.decode(saved["side_inputs"], "saved.side_inputs")
-  adapter = adapter_named(recipe["kind"])
   try:
-    submodel, initial = adapter.rebuild(recipe, decoder.decode, argument, side_inputs)
+    submodel, initial = submodel_from(recipe, decoder.decode, argument, side_inputs)
   except ArtifactError:
     raise
   except Exception as e:
