@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from flaxlens._errors import ArgumentError
-from flaxlens.core._adapter import adapter_for
 from flaxlens.linen._adapter import LINEN
 from flaxlens.nnx._adapter import NNX
 
@@ -50,7 +49,7 @@ def unflaxify(model: Any, *args: Any, **kwargs: Any) -> Any:
     >>> bool((tree(fl.ArgsAndKwargs.capture(x)) == model(x)).all())
     True
   """
-  adapter = adapter_for(model)
+  adapter = next((a for a in ADAPTERS if a.accepts(model)), None)
   if adapter is None:
     raise ArgumentError(
       f"unflaxify expects a flax.linen.Module (with its variables) or a flax.nnx.Module,"

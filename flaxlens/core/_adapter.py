@@ -157,11 +157,6 @@ def adapter_of(node: CallNode) -> FrameworkAdapter:
   )
 
 
-def adapter_for(model: Any) -> FrameworkAdapter | None:
-  """The adapter that converts `model`, or None if no Flax API accepts it."""
-  return next((a for a in _adapters if a.accepts(model)), None)
-
-
 def adapter_named(name: str) -> FrameworkAdapter | None:
   """The adapter called `name` (`"linen"`, `"nnx"`), or None."""
   return next((a for a in _adapters if a.name == name), None)
