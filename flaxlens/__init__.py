@@ -14,7 +14,9 @@ from flaxlens.core import _render
 from flaxlens.core._args import ArgsAndKwargs as ArgsAndKwargs
 from flaxlens.core._jit import variable_jit as variable_jit
 from flaxlens.core._layer import Layer as Layer
+from flaxlens.core._node import CallNode as CallNode
 from flaxlens.core._random import RandomStream as RandomStream
+from flaxlens.core._scope import InterceptedFlaxScopeData as InterceptedFlaxScopeData
 from flaxlens.core._selectors import Selection as Selection
 from flaxlens.core._selectors import select as select
 from flaxlens.core._struct import Struct as Struct
@@ -42,17 +44,16 @@ from flaxlens.errors import ReplacementError as ReplacementError
 from flaxlens.errors import SelectionError as SelectionError
 from flaxlens.errors import UnsupportedFlaxFeatureError as UnsupportedFlaxFeatureError
 from flaxlens.errors import VariableError as VariableError
-from flaxlens.linen._tree import InterceptedFlaxModuleMethod as InterceptedFlaxModuleMethod
-from flaxlens.linen._tree import InterceptedFlaxScopeData as InterceptedFlaxScopeData
-from flaxlens.nnx._tree import InterceptedNNXModuleMethod as InterceptedNNXModuleMethod
+from flaxlens.linen._node import InterceptedFlaxModuleMethod as InterceptedFlaxModuleMethod
+from flaxlens.nnx._node import InterceptedNNXModuleMethod as InterceptedNNXModuleMethod
 from flaxlens.tools._artifact import load_isolated as load_isolated
 from flaxlens.tools._artifact import save_isolated as save_isolated
 from flaxlens.tools._codec import register_value_codec as register_value_codec
-from flaxlens.tools._isolate import IsolatedSubmodel as IsolatedSubmodel
-from flaxlens.tools._isolate import ReplayReport as ReplayReport
 from flaxlens.tools._isolate import isolate as isolate
 from flaxlens.tools._isolate import isolate_calls as isolate_calls
 from flaxlens.tools._isolate import isolate_submodel as isolate_submodel
+from flaxlens.tools._replay import IsolatedSubmodel as IsolatedSubmodel
+from flaxlens.tools._replay import ReplayReport as ReplayReport
 from flaxlens.tools._summary import summary as summary
 
 __version__ = _metadata.version("flaxlens")

@@ -548,3 +548,20 @@ def nnx_variable_mode(variable: Any) -> str | None:
     if metadata.get(mode):
       return mode
   return None
+
+
+def nnx_collection_name(variable_type: type) -> str:
+  """The collection an NNX variable type belongs to, as `nnx.bridge` names it.
+
+  The name NNX's registry (`nnx.register_variable_name`) gives the exact type
+  (`batch_stats` for `nnx.BatchStat`, `cache` for `nnx.Cache`), else the type's class
+  name, which is what `variable_name_from_type(..., allow_register=True)` would register
+  for it (without registering it here). Checked against Flax 0.12.8's
+  `variablelib.VariableTypeCache`.
+  """
+  from flax.nnx import variablelib
+
+  for name, registered in variablelib.VariableTypeCache.items():
+    if registered is variable_type:
+      return name
+  return variable_type.__name__

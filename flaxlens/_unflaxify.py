@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import flax.linen as nn
-from flax import nnx
-
 from flaxlens.errors import ArgumentError
+from flaxlens.linen._adapter import LINEN
+from flaxlens.nnx._adapter import NNX
+
+ADAPTERS = (LINEN, NNX)  # The Flax APIs `unflaxify` converts, each registered on import.
 
 
 def unflaxify(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -48,20 +49,10 @@ def unflaxify(model: Any, *args: Any, **kwargs: Any) -> Any:
     >>> bool((tree(fl.ArgsAndKwargs.capture(x)) == model(x)).all())
     True
   """
-  if isinstance(model, nn.Module):
-    from flaxlens.linen._convert import unflaxify_linen
-
-    if not args:
-      raise ArgumentError(
-        f"unflaxify({type(model).__name__}): a Linen module needs its variables as the"
-        " second argument: fl.unflaxify(module, variables, *example_args)."
-      )
-    return unflaxify_linen(model, *args, **kwargs)
-  if isinstance(model, nnx.Module):
-    from flaxlens.nnx._convert import unflaxify_nnx
-
-    return unflaxify_nnx(model, *args, **kwargs)
-  raise ArgumentError(
-    f"unflaxify expects a flax.linen.Module (with its variables) or a flax.nnx.Module,"
-    f" got {type(model).__name__}."
-  )
+  adapter = next((a for a in ADAPTERS if a.accepts(model)), None)
+  if adapter is None:
+    raise ArgumentError(
+      f"unflaxify expects a flax.linen.Module (with its variables) or a flax.nnx.Module,"
+      f" got {type(model).__name__}."
+    )
+  return adapter.convert(model, *args, **kwargs)

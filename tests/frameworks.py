@@ -178,7 +178,7 @@ class _Linen(Framework):
     return node.scope_data.variables
 
   def export(self, tree):
-    return tree.flax_variables()
+    return tree.export()
 
   def module_class(self, node):
     return type(node.module)
@@ -302,13 +302,14 @@ class _NNX(Framework):
     return {}
 
   def parameters(self, node):
-    return node.parameters
+    return node.scope_data.parameters
 
   def state(self, node):
-    return node.variables
+    # NNX groups state by collection; the tests name a variable by its path alone.
+    return {n: v for group in node.scope_data.variables.values() for n, v in group.items()}
 
   def export(self, tree):
-    return tree.nnx_module()
+    return tree.export()
 
   def module_class(self, node):
     return node.module_type

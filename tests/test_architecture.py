@@ -33,7 +33,6 @@ SOURCE = pathlib.Path(__file__).resolve().parents[1] / "flaxlens"
 PACKAGES = ("core", "linen", "nnx", "tools")
 NEUTRAL = ("core", "tools")
 ADAPTERS = ("linen", "nnx")
-PENDING = pytest.mark.xfail(strict=True, reason="issue 11: runtime unification pending")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,19 +234,16 @@ def test_each_rule_finds_its_violation_in_a_package_that_breaks_it(tmp_path):
   ]
 
 
-@PENDING
 def test_no_import_cycle_between_flaxlens_modules(imports):
   cycles = import_cycles(imports)
   assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-@PENDING
 def test_no_private_name_is_imported_across_core_linen_nnx_and_tools(imports):
   found = private_names_across_packages(imports)
   assert not found, "private names across packages:\n" + "\n".join(map(str, found))
 
 
-@PENDING
 def test_core_and_tools_do_not_import_the_framework_adapters(imports):
   found = adapters_imported_by_neutral_layers(imports)
   assert not found, "core/ or tools/ importing linen/ or nnx/:\n" + "\n".join(map(str, found))

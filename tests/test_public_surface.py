@@ -23,6 +23,7 @@ PUBLIC = {
   "unflaxify",
   "ArgsAndKwargs",
   "RandomStream",
+  "CallNode",
   "InterceptedFlaxModuleMethod",
   "InterceptedFlaxScopeData",
   "InterceptedNNXModuleMethod",
@@ -94,8 +95,9 @@ def test_every_public_name_is_listed_once():
 
 
 def test_metadata_classes_are_not_public_but_stay_importable():
-  from flaxlens.linen._tree import RngSnapshot
-  from flaxlens.nnx._tree import NNXModuleDef, NNXVariableSpec
+  from flaxlens.linen._node import RngSnapshot
+  from flaxlens.nnx._definition import NNXModuleDef
+  from flaxlens.nnx._node import NNXVariableSpec
 
   for cls in (RngSnapshot, NNXModuleDef, NNXVariableSpec):
     assert not hasattr(fl, cls.__name__)

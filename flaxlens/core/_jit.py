@@ -94,7 +94,6 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
       f"variable_jit does not take {refused}: non-array leaves of the arguments are static"
       " already and array leaves are always traced. Pass Python values for static inputs."
     )
-
   name = getattr(fn, "__name__", "function")
 
   def traced(static: _Static, treedef: Any, kinds: tuple[int, ...], specs, arrays, values):
@@ -102,76 +101,83 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
       (StateVariable if is_state else Parameter)(value, label=label)
       for (label, is_state), value in zip(specs, values, strict=True)
     ]
-    arrays_iter, static_iter = iter(arrays), iter(static.values)
-    leaves = [
-      fresh[k] if k >= 0 else next(arrays_iter) if k == _ARRAY else next(static_iter) for k in kinds
-    ]
-    args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+    args, kwargs = _join_arguments(treedef, kinds, static, arrays, fresh)
     out = fn(*args, **kwargs)
     if any(isinstance(x, AbstractVariable) for x in jax.tree_util.tree_leaves(out)):
       raise VariableError(
         f"{name} under variable_jit returned a bound variable; return its .value (or"
         " unbind_variables(...)) instead."
       )
-    changed = {i: v.value for i, v in enumerate(fresh) if v.value is not values[i]}
-    return out, changed
+    return out, {i: v.value for i, v in enumerate(fresh) if v.value is not values[i]}
 
   jitted = jax.jit(traced, static_argnums=(0, 1, 2, 3), **jit_kwargs)
 
   @functools.wraps(fn)
   def wrapper(*args: Any, **kwargs: Any) -> Any:
-    # One walk over the arguments: variables become indices into one list of values.
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_variable_or_slot)
-    kinds, arrays, static = [], [], []
-    variables: list[AbstractVariable] = []
+    split = _SplitArguments(args, kwargs, name)
+    specs = tuple((v.label, isinstance(v, StateVariable)) for v in split.variables)
+    values = tuple(v.value for v in split.variables)
+    static = _Static(tuple(split.static))
+    out, changed = jitted(static, split.treedef, tuple(split.kinds), specs, split.arrays, values)
+    for i, value in changed.items():
+      split.variables[i].value = value
+    return out
+
+  return wrapper
+
+
+class _SplitArguments:
+  """The leaves of `(args, kwargs)` sorted into variables, arrays and static values.
+
+  Attributes:
+    treedef: the structure of `(args, kwargs)`, variables as leaves.
+    kinds: per leaf, the index of its variable in `variables`, `_ARRAY` or `_STATIC`.
+    variables: each bound variable once, in first-seen order.
+    arrays: the array leaves (traced).
+    static: the other leaves (static).
+  """
+
+  def __init__(self, args: Any, kwargs: Any, name: str):
+    leaves, self.treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_variable_or_slot)
+    self.kinds: list[int] = []
+    self.variables: list[AbstractVariable] = []
+    self.arrays: list[Any] = []
+    self.static: list[Any] = []
     index: dict[int, int] = {}
     labels: dict[str, AbstractVariable] = {}
-    missing = []
     for leaf in leaves:
       if isinstance(leaf, AbstractVariable):
-        k = index.get(id(leaf))
-        if k is None:
+        if id(leaf) not in index:
           if labels.setdefault(leaf.label, leaf) is not leaf:
             raise VariableError(
               f"Two different variables share the label {leaf.label!r}; labels identify"
               " variables, so each must be unique (for a second converted model:"
               " other = fl.relabel_variables(other, 'teacher/'))."
             )
-          k = index[id(leaf)] = len(variables)
-          variables.append(leaf)
-        kinds.append(k)
-      elif isinstance(leaf, AbstractVariableSlot):
-        missing.append(leaf.label)
+          index[id(leaf)] = len(self.variables)
+          self.variables.append(leaf)
+        self.kinds.append(index[id(leaf)])
       elif _is_traced(leaf):
-        kinds.append(_ARRAY)
-        arrays.append(leaf)
-      else:
-        kinds.append(_STATIC)
-        static.append(leaf)
-    if missing:
+        self.kinds.append(_ARRAY)
+        self.arrays.append(leaf)
+      elif not isinstance(leaf, AbstractVariableSlot):
+        self.kinds.append(_STATIC)
+        self.static.append(leaf)
+    unbound = [leaf.label for leaf in leaves if isinstance(leaf, AbstractVariableSlot)]
+    if unbound:
       raise VariableError(
-        f"{name} under variable_jit got a tree with unbound slots {missing}; bind them"
+        f"{name} under variable_jit got a tree with unbound slots {unbound}; bind them"
         " first with fl.bind_variables(tree, values)."
       )
-    specs = tuple((v.label, isinstance(v, StateVariable)) for v in variables)
-    values = tuple(v.value for v in variables)
-    out, changed = jitted(_Static(tuple(static)), treedef, tuple(kinds), specs, arrays, values)
-    for i, value in changed.items():
-      variables[i].value = value
-    return out
-
-  return wrapper
 
 
-def split_static(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-  """Array leaves of `tree`, and a function rebuilding `tree` from new array leaves."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  mask = [isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct) for x in leaves]
-
-  def rebuild(arrays: list[Any]) -> Any:
-    it = iter(arrays)
-    return jax.tree_util.tree_unflatten(
-      treedef, [next(it) if m else leaf for leaf, m in zip(leaves, mask, strict=True)]
-    )
-
-  return [x for x, m in zip(leaves, mask, strict=True) if m], rebuild
+def _join_arguments(
+  treedef: Any, kinds: tuple[int, ...], static: _Static, arrays: Any, variables: list[Any]
+) -> Any:
+  """`(args, kwargs)` again from the parts `_SplitArguments` made (inside the trace)."""
+  arrays_iter, static_iter = iter(arrays), iter(static.values)
+  leaves = [
+    variables[k] if k >= 0 else next(arrays_iter) if k == _ARRAY else next(static_iter)
+    for k in kinds
+  ]
+  return jax.tree_util.tree_unflatten(treedef, leaves)

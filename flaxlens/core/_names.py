@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+Path = tuple[Any, ...]  # A module path: attribute names, and list indices for NNX.
+CallKey = tuple[int, str]  # A call within its caller: `(call_index, "Child.method")`.
+
 
 def join_name(path: tuple[Any, ...]) -> str:
   """The name of the variable at `path` (keys joined by "/", "~" and "/" in keys escaped).

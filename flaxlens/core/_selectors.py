@@ -191,6 +191,38 @@ class Selection:
     """
     return self._search(lambda _, node: isinstance(node, cls), innermost)
 
+  def at_calls_of(
+    self, module_class: type | tuple[type, ...], innermost: bool = False
+  ) -> Selection:
+    """Selects the outermost (or innermost) calls of modules of `module_class`.
+
+    A call matches when its Flax module (Linen or NNX) is an instance of `module_class`,
+    subclasses included: `at_calls_of(nn.Dense)` selects the calls of every `nn.Dense`.
+
+    Example:
+      >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+      >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+      >>> x = jnp.ones((1, 3))
+      >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+      >>> [n.where() for n in tree.select().at_calls_of(nn.Dense).get_sequence()]
+      ['layers_0.__call__', 'layers_2.__call__']
+
+      The same reads the same on an NNX model:
+
+      >>> from flax import nnx
+      >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.relu)
+      >>> tree = fl.unflaxify(model, x)
+      >>> [n.where() for n in tree.select().at_calls_of(nnx.Linear).get_sequence()]
+      ['layers/0.__call__']
+    """
+
+    def hit(_: KeyPath, node: Any) -> bool:
+      # A call node (flaxlens.CallNode) tells its module's class by `module_type`.
+      kind = getattr(node, "module_type", None) if hasattr(node, "submodule_calls") else None
+      return isinstance(kind, type) and issubclass(kind, module_class)
+
+    return self._search(hit, innermost)
+
   def at_subtrees_where(
     self,
     predicate: Callable[..., bool],
@@ -290,12 +322,11 @@ class Selection:
     found = len(self._paths)
     if found > 0 if count is None else found == count:
       return self
-    where = getattr(self._root, "_where", None)
-    subject = (
-      "the selection" if callable(where) else f"The selection of a {type(self._root).__name__}"
-    )
+    where = getattr(self._root, "where", None)  # A call node names itself.
     if callable(where):
-      subject = f"{where()}: {subject}"
+      subject = f"{where()}: the selection"
+    else:
+      subject = f"The selection of a {type(self._root).__name__}"
     state = "is empty" if not found else f"holds {found} nodes"
     wanted = "at least one node" if count is None else f"exactly {count} node(s)"
     raise SelectionError(

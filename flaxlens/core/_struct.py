@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Self
 
 import jax
 
+from flaxlens.core._selectors import select
 from flaxlens.errors import ArgumentError
 
 
@@ -104,8 +105,6 @@ class Struct:
 
   def select(self):
     """Starts a selection whose only selected node is this whole struct."""
-    from flaxlens.core._selectors import select
-
     return select(self)
 
   def tree_flatten(self) -> tuple[list[Any], tuple[Any, ...]]:

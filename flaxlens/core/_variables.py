@@ -11,7 +11,6 @@ the round trip. No Flax internals here.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -418,86 +417,3 @@ class Uninitialized(Struct):
   It has no pytree leaves; the node's call creates the variable as Flax would and
   writes the new value into the `StateVariable`.
   """
-
-
-def value_of(entry: Any, where: str) -> Any:
-  """The value held by a variable, a frozen value or a plain value.
-
-  Raises:
-    FlaxlensError: for a slot, naming `where` and how to bind it.
-  """
-  from flaxlens.errors import FlaxlensError
-
-  if isinstance(entry, AbstractVariable | AbstractVariableValue):
-    return entry.value
-  if isinstance(entry, AbstractVariableSlot):
-    raise FlaxlensError(
-      f"{where}: the variable {entry.label!r} is unbound (a slot). Bind it with"
-      " fl.bind_variables(tree, values), or call the tree through stateless_call."
-    )
-  return entry
-
-
-_IMMUTABLE_LEAVES = (
-  jax.Array,
-  jax.ShapeDtypeStruct,
-  np.generic,
-  int,
-  float,
-  complex,
-  str,
-  bytes,
-  type(None),
-)
-
-
-def private_value(value: Any) -> Any:
-  """`value` with every leaf that can change in place copied, JAX arrays shared.
-
-  A model run on a tree's values may update them in place (NNX's `v[...] = ...` on a
-  NumPy array writes into it); the run gets copies of such leaves (NumPy arrays and any
-  other mutable object), so the caller's buffers never change. JAX arrays, tracers and
-  Python scalars are immutable and stay shared.
-
-  Example:
-    >>> import numpy as np, jax.numpy as jnp
-    >>> from flaxlens.core._variables import private_value
-    >>> a, b = np.zeros(2), jnp.zeros(2)
-    >>> private_value(a) is a, private_value(b) is b
-    (False, True)
-  """
-  if isinstance(value, _IMMUTABLE_LEAVES):
-    return value
-  return jax.tree_util.tree_map(_private_leaf, value)
-
-
-def _private_leaf(leaf: Any) -> Any:
-  if isinstance(leaf, _IMMUTABLE_LEAVES):
-    return leaf
-  if isinstance(leaf, np.ndarray):
-    return leaf.copy()
-  return copy.deepcopy(leaf)
-
-
-def same_entry(a: Any, b: Any) -> bool:
-  """Whether two entries found for one variable in two calls of its module agree.
-
-  Bound variables must be the same object. Frozen or plain values agree when they are
-  the same value; under a JAX transformation one shared value arrives as two tracers,
-  which cannot be told apart, so tracers agree.
-  """
-  if a is b:
-    return True
-  if isinstance(a, AbstractVariable) or isinstance(b, AbstractVariable):
-    return False
-  if isinstance(a, AbstractVariableValue) or isinstance(b, AbstractVariableValue):
-    if not (isinstance(a, AbstractVariableValue) and isinstance(b, AbstractVariableValue)):
-      return False
-    if a.label != b.label:
-      return False
-    a, b = a.value, b.value
-  leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-  return len(leaves_a) == len(leaves_b) and all(
-    x is y or isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer)
-    for x, y in zip(leaves_a, leaves_b, strict=True)
-  )

@@ -1,11 +1,11 @@
 """Converting a Linen module into a tree of `InterceptedFlaxModuleMethod` nodes.
 
-Conversion runs the root `module.apply` once under `jax.eval_shape` with the recording
-interceptor of `_tree`, so it costs no FLOPs, copies no buffers and does not grow with
-batch size. Every intercepted call becomes a node; every variable becomes a `Parameter`
-(`params`), a `StateVariable` (mutable collections) or a plain value (other collections)
-holding the caller's own buffer, owned by the calls of its module. Flax internals used:
-see `flaxlens._flax_internals`.
+Conversion runs the root `module.apply` once abstractly (`core._convert.record_calls`)
+with a building `LinenInterceptor`, so it costs no FLOPs, copies no buffers and does not
+grow with batch size. Every intercepted call becomes a node; every variable becomes a
+`Parameter` (`params`), a `StateVariable` (mutable collections) or a plain value (other
+collections) holding the caller's own buffer, owned by the calls of its module. Flax
+internals used: see `flaxlens._flax_internals`.
 """
 
 from __future__ import annotations
@@ -17,18 +17,15 @@ import flax.linen as nn
 import jax
 
 from flaxlens import _flax_internals as fi
-from flaxlens.core._calls import CallRecord, Frame, Path, converting, new_origin, owner_of
-from flaxlens.core._jit import split_static
+from flaxlens.core._call_record import CallRecord
+from flaxlens.core._convert import build_nodes, record_calls
 from flaxlens.core._names import join_name
+from flaxlens.core._scope import ScopeBuilder
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.linen._tree import (
-  InterceptedFlaxModuleMethod,
-  InterceptedFlaxScopeData,
-  LinenInterceptor,
-  RngSnapshot,
-  flatten_collections,
-)
+from flaxlens.linen._collections import flatten_collections
+from flaxlens.linen._interceptor import LinenInterceptor
+from flaxlens.linen._node import InterceptedFlaxModuleMethod, RngSnapshot
 
 
 def unflaxify_linen(
@@ -57,19 +54,11 @@ def unflaxify_linen(
   if isinstance(method_name, str) and not callable(getattr(module, method_name, None)):
     raise FlaxlensError(f"{where}: the module has no method {method_name!r}.")
 
-  state = LinenInterceptor(side_inputs={}, building=True)
-  root = CallRecord(module, (), method_name)
-  arrays, rebuild = split_static((variables, example_args, example_kwargs, rngs))
-
-  def trace(arrays: list[Any]) -> Any:
-    state.frames[:] = [
-      Frame((), record=root, absorb=method_name if isinstance(method_name, str) else None)
-    ]
-    root.children.clear()
-    vs, args, kwargs, keys = rebuild(arrays)
+  def run(interceptor: LinenInterceptor, inputs: Any) -> Any:
+    vs, args, kwargs, keys = inputs
     snapshot = keys.as_flax() if isinstance(keys, RngSnapshot) else None
     keys = None if snapshot is not None else keys
-    with state.active():
+    with interceptor.active():
       result = fi.apply_fresh(
         module,
         vs,
@@ -87,8 +76,13 @@ def unflaxify_linen(
       mutated,
     )
 
-  with converting(root.where()):
-    mutated = jax.eval_shape(trace, arrays)
+  root = CallRecord(module, (), method_name)
+  mutated = record_calls(
+    root,
+    lambda: LinenInterceptor(side_inputs={}, building=True),
+    run,
+    (variables, example_args, example_kwargs, rngs),
+  )
   named = [mutable] if isinstance(mutable, str) else mutable
   named = list(named) if isinstance(named, list | tuple) else []
   tree = _build_tree(root, variables, mutated, capture_intermediates, named)
@@ -97,7 +91,7 @@ def unflaxify_linen(
     tree = (
       tree.select()
       .at(lambda t: t.scope_data)
-      .set(InterceptedFlaxScopeData.from_attributes(**{**data.attributes_dict(), "rngs": rngs}))
+      .set(type(data).from_attributes(**{**data.attributes_dict(), "rngs": rngs}))
     )
   return tree
 
@@ -124,44 +118,31 @@ def _build_tree(
   mutable_collections.update(named_mutable)
   mutable_collections.discard("params")
 
-  called_paths = {r.path for r in root.walk()}
-
-  scopes: dict[Path, InterceptedFlaxScopeData] = {
-    path: InterceptedFlaxScopeData(parameters={}, variables={}, immutable_variables={})
-    for path in called_paths
-  }
+  scopes = ScopeBuilder({r.path for r in root.walk()})
   for (collection, vpath), value in {**{k: None for k in created}, **given}.items():
-    owner = owner_of(vpath, called_paths)
-    name = join_name(vpath[len(owner) :])
     label = f"{collection}:{join_name(vpath)}"
-    data = scopes[owner]
     if collection == "params":
-      data.parameters[name] = Parameter(value, label=label)
+      scopes.add(vpath, None, Parameter(value, label=label))
     elif collection in mutable_collections:
       initial = Uninitialized() if (collection, vpath) not in given else value
-      data.variables.setdefault(collection, {})[name] = StateVariable(initial, label=label)
+      scopes.add(vpath, collection, StateVariable(initial, label=label))
     else:
-      data.immutable_variables.setdefault(collection, {})[name] = value
+      scopes.add(vpath, collection, value, mutable=False)
 
-  def build(record: CallRecord) -> InterceptedFlaxModuleMethod:
-    data = scopes[record.path]
+  def make(record: CallRecord, children: dict, origin: int) -> InterceptedFlaxModuleMethod:
     return InterceptedFlaxModuleMethod(
       module=record.module,
       method_name=record.method_name,
       path=record.path,
-      scope_data=InterceptedFlaxScopeData(
-        parameters=dict(data.parameters),
-        variables={c: dict(v) for c, v in data.variables.items()},
-        immutable_variables={c: dict(v) for c, v in data.immutable_variables.items()},
-      ),
-      submodule_calls={key: build(child) for key, child in record.children},
+      scope_data=scopes.scope_data(record.path),
+      submodule_calls=children,
       capture_intermediates=capture_intermediates,
       mutable=tuple(sorted(mutable_collections)),
       lifted_by=record.extra.get("lifted_by", ()),
+      sliced=record.extra.get("sliced", False),
       converted_module=record.module,
       call_specs=record.call_specs(),
       origin=origin,
     )
 
-  origin = new_origin()
-  return build(root)
+  return build_nodes(root, make)

@@ -1,11 +1,13 @@
 """Converting an NNX module into a tree of `InterceptedNNXModuleMethod` nodes.
 
-Conversion rebuilds a private, instrumented copy of the model inside `jax.eval_shape`
-and calls the method once while the `NNXInterceptor` records every reported call, so it
+Conversion rebuilds a private, instrumented copy of the model and calls the method once
+abstractly (`core._convert.record_calls`) while the `NNXInterceptor` records every
+reported call, so it
 costs no FLOPs, copies no buffers and does not grow with batch size. Every recorded call
 becomes a node; every NNX variable becomes a `Parameter` (`nnx.Param`) or a
-`StateVariable` (any other type) holding the user's own array, owned by the calls of
-its module, and variables the call creates start as `Uninitialized`. Flax internals
+`StateVariable` (any other type, grouped by its collection: see
+`InterceptedFlaxScopeData`) holding the user's own array, owned by the calls of its
+module, and variables the call creates start as `Uninitialized`. Flax internals
 used: see `flaxlens._flax_internals`.
 """
 
@@ -15,28 +17,23 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-import jax
 from flax import nnx
 
 from flaxlens import _flax_internals as fi
-from flaxlens.core._calls import CallRecord, Frame, Path, converting, new_origin, owner_of
-from flaxlens.core._jit import split_static
-from flaxlens.core._names import join_name
+from flaxlens.core._call_record import CallRecord
+from flaxlens.core._convert import build_nodes, record_calls
+from flaxlens.core._names import Path, join_name
+from flaxlens.core._scope import ScopeBuilder
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.nnx._tree import (
-  InterceptedNNXModuleMethod,
-  NNXInterceptor,
-  NNXModuleDef,
-  NNXVariableSpec,
-  abstract,
-  call_method,
-  leaf_paths,
-)
+from flaxlens.nnx._definition import NNXModuleDef, abstract, equal, leaf_paths
+from flaxlens.nnx._interceptor import NNXInterceptor, call_method
+from flaxlens.nnx._node import InterceptedNNXModuleMethod, NNXVariableSpec
 
 
-def _readable(path: Path) -> str:
-  return join_name(path)
+def label_of(path: Path, variable: Any) -> str:
+  """The label of the NNX variable at `path`: `"BatchStat:bn/mean"`."""
+  return f"{type(variable).__name__}:{join_name(path)}"
 
 
 def unflaxify_nnx(
@@ -64,7 +61,7 @@ def unflaxify_nnx(
     mode = fi.nnx_variable_mode(variable)
     if mode is not None:
       raise UnsupportedFlaxFeatureError(
-        f"{where}: the variable {_readable(path)!r} is in {mode} mode, which flaxlens"
+        f"{where}: the variable {join_name(path)!r} is in {mode} mode, which flaxlens"
         " does not support yet. Create the model with plain variables (the default)."
       )
   paths = leaf_paths(graphdef)
@@ -73,15 +70,9 @@ def unflaxify_nnx(
 
   root = CallRecord(type(model), (), method)
   created: dict[Path, Any] = {}
-  arrays, rebuild = split_static((leaves, example_args, example_kwargs))
 
-  def trace(arrays: list[Any]) -> None:
-    leaves, args, kwargs = rebuild(arrays)
-    interceptor = NNXInterceptor(side_inputs={}, building=True)
-    root.children.clear()
-    interceptor.frames[:] = [
-      Frame((), record=root, absorb=method if isinstance(method, str) else None)
-    ]
+  def run(interceptor: NNXInterceptor, inputs: Any) -> None:
+    leaves, args, kwargs = inputs
     copy = nnx.merge(graphdef, list(leaves))
     interceptor.instrument(copy, ())
     statics = {p: fi.nnx_static_attributes(m) for p, m in interceptor.by_path.items()}
@@ -95,18 +86,13 @@ def unflaxify_nnx(
         _check_created(where, path, variable, interceptor.by_path)
         created[path] = variable
 
-  with converting(root.where()):
-    jax.eval_shape(trace, arrays)
+  record_calls(
+    root,
+    lambda: NNXInterceptor(side_inputs={}, building=True),
+    run,
+    (leaves, example_args, example_kwargs),
+  )
   return _build_tree(model, definition, root, given, created)
-
-
-def _same(a: Any, b: Any) -> bool:
-  if a is b:
-    return True
-  try:
-    return bool(a == b)
-  except Exception:
-    return False
 
 
 def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict]) -> None:
@@ -122,17 +108,17 @@ def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict
     for name in sorted(set(old) | set(new)):
       if name in old and name not in new and name in vars(module):
         continue
-      if name not in old or name not in new or not _same(old[name], new[name]):
+      if name not in old or name not in new or not equal(old[name], new[name]):
         raise UnsupportedFlaxFeatureError(
           f"{where}: the call changes the static attribute {name!r} of the module at"
-          f" {_readable(path) or '<root>'!r}. flaxlens replays every call from the"
+          f" {join_name(path) or '<root>'!r}. flaxlens replays every call from the"
           " static attributes seen at conversion; keep values that change while"
           " running in an nnx.Variable, or set them before converting."
         )
 
 
 def _check_created(where: str, path: Path, variable: Any, modules: dict[Path, Any]) -> None:
-  name = f"{type(variable).__name__} {_readable(path)!r}"
+  name = f"{type(variable).__name__} {join_name(path)!r}"
   if isinstance(variable, nnx.Param):
     raise UnsupportedFlaxFeatureError(
       f"{where}: the call creates the parameter {name} (lazy initialization)."
@@ -164,38 +150,36 @@ def _build_tree(
   definitions = {
     p: definition if p == () else _definition(modules[p], definition.family) for p in called
   }
-  owned: dict[Path, tuple[dict, dict, list]] = {p: ({}, {}, []) for p in called}
+  scopes = ScopeBuilder(called)
+  specs: dict[Path, list[NNXVariableSpec]] = {p: [] for p in called}
   variables = [(p, v, False) for p, v in given.items()]
   variables += [(p, v, True) for p, v in created.items()]
   for path, variable, is_new in variables:
-    owner = owner_of(path, called)
-    rel = path[len(owner) :]
-    name = _readable(rel)
-    label = f"{type(variable).__name__}:{_readable(path)}"
-    parameters, states, specs = owned[owner]
+    label = label_of(path, variable)
     if isinstance(variable, nnx.Param):
-      parameters[name] = Parameter(variable.get_raw_value(), label=label)
+      collection = None
+      entry = Parameter(variable.get_raw_value(), label=label)
     else:
-      initial = Uninitialized() if is_new else variable.get_raw_value()
-      states[name] = StateVariable(initial, label=label)
+      collection = fi.nnx_collection_name(type(variable))
+      entry = StateVariable(Uninitialized() if is_new else variable.get_raw_value(), label=label)
+    name = scopes.add(path, collection, entry)
+    owner = scopes.owner(path)
     metadata = tuple(variable.get_metadata().items())
-    specs.append(NNXVariableSpec(name, rel, type(variable), metadata, is_new))
+    spec = NNXVariableSpec(name, collection, path[len(owner) :], type(variable), metadata, is_new)
+    specs[owner].append(spec)
 
-  def build(record: CallRecord) -> InterceptedNNXModuleMethod:
-    parameters, states, specs = owned[record.path]
+  def make(record: CallRecord, children: dict, origin: int) -> InterceptedNNXModuleMethod:
     return InterceptedNNXModuleMethod(
       module_type=record.module,
       method_name=record.method_name,
       path=record.path,
-      parameters=dict(parameters),
-      variables=dict(states),
-      submodule_calls={key: build(child) for key, child in record.children},
+      scope_data=scopes.scope_data(record.path),
+      submodule_calls=children,
       definition=definitions[record.path],
-      specs=tuple(specs),
+      specs=tuple(specs[record.path]),
       sliced=record.extra.get("sliced", False),
       call_specs=record.call_specs(),
       origin=origin,
     )
 
-  origin = new_origin()
-  return build(root)
+  return build_nodes(root, make)

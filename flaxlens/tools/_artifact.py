@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -33,15 +34,12 @@ import flax
 import jax
 import numpy as np
 
-import flaxlens
-from flaxlens import _flax_internals as fi
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._calls import iter_call_nodes
-from flaxlens.core._variables import StateVariableValue, bind_variables
+from flaxlens.core._node import is_call_node, iter_call_nodes
+from flaxlens.core._recipe import recipe_of, submodel_from
+from flaxlens.core._variables import StateVariableValue
 from flaxlens.errors import ArtifactError
-from flaxlens.linen._tree import InterceptedFlaxModuleMethod, RngSnapshot, _gather
 from flaxlens.tools._codec import Decoder, Encoder, resolve_references
-from flaxlens.tools._isolate import IsolatedSubmodel, linen_submodel
 from flaxlens.tools._manifest import (
   FORMAT,
   FORMAT_VERSION,
@@ -51,6 +49,7 @@ from flaxlens.tools._manifest import (
   references_of,
 )
 from flaxlens.tools._policy import DEFAULT_PACKAGES, LoadPolicy, package_of
+from flaxlens.tools._replay import IsolatedSubmodel
 
 MANIFEST = "manifest.json"
 ARRAYS = "arrays.npz"
@@ -91,21 +90,16 @@ def save_isolated(
     >>> bool(fl.load_isolated(path).replay())
     True
   """
-  from flaxlens.nnx._tree import InterceptedNNXModuleMethod
-
   target = pathlib.Path(path)
   _check_target(target, overwrite)
   submodel = isolated.submodel
   encoder = Encoder()
-  if isinstance(submodel, InterceptedFlaxModuleMethod):
-    recipe = _linen_recipe(encoder, submodel, isolated.initial_var_values)
-  elif isinstance(submodel, InterceptedNNXModuleMethod):
-    recipe = _nnx_recipe(encoder, submodel, isolated.initial_var_values)
-  else:
+  if not is_call_node(submodel):
     raise ArtifactError(
       f"save_isolated saves isolated Linen and NNX calls; this submodel is a"
       f" {type(submodel).__name__}."
     )
+  recipe = recipe_of(submodel, isolated.initial_var_values, encoder.encode)
   saved = {
     "args": encoder.encode(tuple(isolated.saved_arg.args), "saved_arg.args"),
     "kwargs": encoder.encode(dict(isolated.saved_arg.kwargs), "saved_arg.kwargs"),
@@ -119,7 +113,7 @@ def save_isolated(
     "format_version": FORMAT_VERSION,
     "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "versions": {
-      "flaxlens": flaxlens.__version__,
+      "flaxlens": importlib.metadata.version("flaxlens"),
       "jax": jax.__version__,
       "flax": flax.__version__,
       "python": platform.python_version(),
@@ -173,41 +167,6 @@ def _array_digest(dtype: str, shape: Iterable[int], data: bytes = b"") -> Any:
   """SHA-256 over an array's dtype, shape and bytes (`update` it with more bytes), so that
   none of the three can change unnoticed."""
   return hashlib.sha256(f"flaxlens-array {dtype} {list(shape)}\n".encode() + data)
-
-
-def _linen_recipe(encoder: Encoder, submodel: Any, initial: tuple[Any, ...]) -> dict:
-  snapshot = submodel.scope_data.rngs
-  variables = _gather(bind_variables(submodel, initial)).variables
-  return {
-    "kind": "linen",
-    "module": encoder.encode(submodel.module, "module"),
-    "method": encoder.encode(submodel.method_name, "method"),
-    "variables": encoder.encode(dict(variables), "variables"),
-    "rngs": None
-    if snapshot is None
-    else {
-      "keys": encoder.encode(dict(snapshot.keys), "rng keys"),
-      "suffixes": encoder.encode(dict(snapshot.suffixes), "rng suffixes"),
-      "counters": fi.counters_to_data(snapshot.counters),
-    },
-    "mutable": submodel.mutable if isinstance(submodel.mutable, bool) else list(submodel.mutable),
-    "capture_intermediates": encoder.encode(submodel.capture_intermediates, "capture"),
-  }
-
-
-def _nnx_recipe(encoder: Encoder, submodel: Any, initial: tuple[Any, ...]) -> dict:
-  """An NNX call by its module's `GraphDef` and variable values (merge order)."""
-  from flaxlens.nnx._tree import _Gathered
-
-  bound = bind_variables(submodel, initial)
-  values = _Gathered(bound).values(submodel._where())
-  definition = submodel.definition
-  return {
-    "kind": "nnx",
-    "graphdef": encoder.encode(definition.graphdef, "graphdef"),
-    "leaves": encoder.encode([values[p] for p in definition.leaf_paths], "variables"),
-    "method": encoder.encode(submodel.method_name, "method"),
-  }
 
 
 def _encode_values(encoder: Encoder, values: tuple[Any, ...], where: str) -> list:
@@ -338,10 +297,7 @@ def _rebuild(source: pathlib.Path, manifest: Manifest, decoder: Decoder) -> Isol
   )
   side_inputs = decoder.decode(saved["side_inputs"], "saved.side_inputs")
   try:
-    if recipe["kind"] == "linen":
-      submodel, initial = _linen_submodel(source, decoder, recipe, argument, side_inputs)
-    else:
-      submodel, initial = _nnx_submodel(source, decoder, recipe, argument)
+    submodel, initial = submodel_from(recipe, decoder.decode, argument, side_inputs)
   except ArtifactError:
     raise
   except Exception as e:
@@ -364,43 +320,6 @@ def _rebuild(source: pathlib.Path, manifest: Manifest, decoder: Decoder) -> Isol
     final_var_values=_decode_values(decoder, saved["final"]),
     call_number=manifest.data["call_number"],
     recorded_compiled=bool(manifest.replay_jit),
-  )
-
-
-def _nnx_submodel(source, decoder, recipe, argument):
-  from flax import nnx
-
-  from flaxlens.tools._isolate_nnx import nnx_submodel
-
-  graphdef = decoder.decode(recipe["graphdef"], "recipe.graphdef")
-  if not isinstance(graphdef, nnx.graph.GraphDef):
-    raise ArtifactError(f"{source}: the recipe's graphdef is not an NNX GraphDef.")
-  module = nnx.merge(graphdef, list(decoder.decode(recipe["leaves"], "recipe.leaves")))
-  if not isinstance(module, nnx.Module):
-    raise ArtifactError(f"{source}: the recipe does not describe an nnx.Module.")
-  return nnx_submodel(module, decoder.decode(recipe["method"]), argument)
-
-
-def _linen_submodel(source, decoder, recipe, argument, side_inputs):
-  module = decoder.decode(recipe["module"], "recipe.module")
-  if not isinstance(module, flax.linen.Module):
-    raise ArtifactError(f"{source}: the recipe's module is not a flax.linen.Module.")
-  rngs = recipe["rngs"]
-  snapshot = None
-  if rngs is not None:
-    snapshot = RngSnapshot(
-      keys=decoder.decode(rngs["keys"]),
-      suffixes=tuple(sorted(decoder.decode(rngs["suffixes"]).items())),
-      counters=fi.counters_from_data(rngs["counters"]),
-    )
-  return linen_submodel(
-    module,
-    decoder.decode(recipe["method"]),
-    decoder.decode(recipe["variables"], "recipe.variables"),
-    argument,
-    snapshot if snapshot is not None else side_inputs.get("random_streams"),
-    recipe["mutable"],
-    decoder.decode(recipe["capture_intermediates"]),
   )
 
 

@@ -20,6 +20,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from flaxlens.core._variables import Uninitialized
 from flaxlens.errors import ArtifactError
 
 # The packages flaxlens runs on: importing their modules runs nothing a user of flaxlens
@@ -91,8 +92,6 @@ def _vetted_bases() -> dict[str, tuple[type, ...]]:
   from flax.core import frozen_dict, meta
   from flax.nnx import graphlib, pytreelib
   from flax.typing import HashableMapping
-
-  from flaxlens.core._variables import Uninitialized
 
   graph_data = tuple(
     getattr(graphlib, name)

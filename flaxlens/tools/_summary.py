@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from rich.table import Table
 
-from flaxlens.core._calls import is_call_node
+from flaxlens.core._node import is_call_node
 from flaxlens.core._variables import AbstractVariable, Parameter, variables_in
 
 _HEADER = ("path", "module", "method", "params", "param bytes", "state")
@@ -145,16 +145,10 @@ def _own_variables(node: Any) -> tuple[AbstractVariable, ...]:
   return variables_in(own)
 
 
-def _module_class(node: Any) -> str:
-  # A Linen node holds its module; an NNX node holds the module's class.
-  module_type = getattr(node, "module_type", None)
-  return (module_type or type(node.module)).__name__
-
-
 def _rows(node: Any, depth: int, max_depth: int | None) -> Iterator[SummaryRow]:
   path, method = node.readable_path()
   counts = _counts(_own_variables(node))
-  yield SummaryRow(depth, path, _module_class(node), method, *counts)
+  yield SummaryRow(depth, path, node.module_type.__name__, method, *counts)
   if max_depth is not None and depth >= max_depth:
     return
   for (_, name), child in node.submodule_calls.items():

@@ -1,0 +1,256 @@
+"""Running a converted tree: gather its variables, run the root natively, write back.
+
+A call of a root node gathers the entries (variables, frozen values, plain values) of
+every node whose variables the run uses (`own_call_nodes`) by key, asks the node's
+`FrameworkAdapter` for a native run on their values, runs it once while the adapter's
+interceptor dispatches every submodule call (`_calls`), checks that every replaced call
+was reached, and writes the updated values back into the tree's variables. The same
+code runs Linen and NNX trees. No Flax internals here.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from flaxlens.core._adapter import adapter_of
+from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._calls import CallInterceptor, Frame
+from flaxlens.core._inner_jit import RunToken
+from flaxlens.core._node import CallNode, own_call_nodes
+from flaxlens.core._random import RandomStream
+from flaxlens.core._variables import (
+  AbstractVariable,
+  AbstractVariableSlot,
+  AbstractVariableValue,
+  check_storable,
+)
+from flaxlens.errors import ArgumentError, CallStructureError, FlaxlensError, VariableError
+
+
+class Gathered:
+  """The variables of one run, gathered from the nodes of a tree by key.
+
+  Attributes:
+    entries: `{key: entry}`, each variable once (a `Parameter`, `StateVariable`, frozen
+      value, or plain value).
+    values: `{key: value}`, the entries' current values (`Uninitialized` included).
+    info: `{key: what the adapter needs to rebuild the variable}`.
+  """
+
+  def __init__(self, root: CallNode):
+    adapter = adapter_of(root)
+    self.entries: dict[Any, Any] = {}
+    self.values: dict[Any, Any] = {}
+    self.info: dict[Any, Any] = {}
+    prefix = root.path
+    for node in own_call_nodes(root):
+      if node.path[: len(prefix)] != prefix:
+        raise FlaxlensError(
+          f"{root.where()}: this call uses the module at"
+          f" {'/'.join(map(str, node.path))!r}, which lives outside it; call the enclosing"
+          " tree instead."
+        )
+      where = node.where()
+      for key, entry, info in adapter.entries(node, node.path[len(prefix) :]):
+        seen = self.entries.get(key, _ABSENT)
+        if seen is not _ABSENT:
+          if not same_entry(seen, entry):
+            raise FlaxlensError(
+              f"{where}: two calls of the module hold different values for"
+              f" {adapter.key_name(key)}. Calls of one module share their variables;"
+              " edit the shared variable's .value instead of replacing it in one call."
+            )
+          continue
+        self.entries[key] = entry
+        self.values[key] = value_of(entry, where)
+        self.info[key] = info
+
+
+_ABSENT = object()
+
+
+def run_tree(
+  root: CallNode,
+  argument: ArgsAndKwargs,
+  random_streams: Any,
+  side_inputs: dict[str, Any],
+  interceptor: CallInterceptor | None = None,
+) -> Any:
+  """Runs `root` natively once, its submodule calls dispatched by `interceptor`.
+
+  `interceptor` defaults to the adapter's plain one; one with a recorder (see
+  `_recorder`) records executions on the way, and keeps a token of its own so that
+  inner jits trace afresh and report to it.
+  """
+  adapter = adapter_of(root)
+  root.check_runs_alone(
+    "be called on its own. Call the tree it belongs to (patches inside it apply at every iteration)"
+  )
+  gathered = Gathered(root)
+  if interceptor is None:
+    interceptor = adapter.new_interceptor(root, side_inputs)
+    # Plain runs of one tree share inner-jit traces; a recording run keeps its own.
+    interceptor.token = RunToken(
+      interceptor, (root, side_inputs), frozenset(map(id, gathered.entries.values()))
+    )
+  run = adapter.native_run(root, gathered, random_streams, interceptor)
+  method = root.method_name
+  frame = Frame(root.path, node=root, absorb=method if isinstance(method, str) else None)
+  interceptor.frames.append(frame)
+  with interceptor.active():
+    output, updates = run(argument)
+  interceptor.check_reached(frame)
+  write_back(root, gathered, updates)
+  return output
+
+
+def write_back(root: CallNode, gathered: Gathered, updates: Mapping[Any, Any]) -> None:
+  """Stores the values a run of `root` changed into the tree's variables.
+
+  Raises:
+    CallStructureError: if the run created variables conversion did not see.
+  """
+  where = root.where()
+  unknown = [k for k in updates if k not in gathered.entries]
+  if unknown:
+    names = [adapter_of(root).key_name(k) for k in unknown[:6]]
+    raise CallStructureError(
+      f"{where}: this call created variables that did not exist at conversion:"
+      f" {names}. Convert with example arguments that create them (for example the"
+      " same flags), so the tree has state variables to hold them."
+    )
+  changed = [
+    (gathered.entries[key], value)
+    for key, value in updates.items()
+    if value is not gathered.values[key]
+  ]
+  frozen = [e.label for e, _ in changed if isinstance(e, AbstractVariableValue)]
+  if frozen:
+    raise VariableError(
+      f"{where}: this call updates {frozen[:6]}, which the tree holds frozen"
+      " (fl.freeze_variables), so the update would be lost. Call a tree whose state is"
+      " StateVariables, or unbind the state and use stateless_call, which returns it."
+    )
+  changed = [(e, v) for e, v in changed if isinstance(e, AbstractVariable)]
+  for entry, value in changed:
+    check_storable(entry, value, where)
+  for entry, value in changed:
+    entry.value = value
+
+
+def resolve_random_streams(random_streams: Any, where: str) -> Any:
+  """`random_streams` with each `RandomStream` replaced by its next key.
+
+  A single key (as Flax takes `rngs=key`) and None pass through.
+
+  Raises:
+    ArgumentError: for a stream that is neither a JAX key nor a `RandomStream`.
+
+  Example:
+    >>> import flaxlens as fl, jax
+    >>> from flaxlens.core._runtime import resolve_random_streams
+    >>> stream = fl.RandomStream.from_base_key(jax.random.key(0))
+    >>> keys = resolve_random_streams({"dropout": stream}, "f")
+    >>> sorted(keys)
+    ['dropout']
+  """
+  if random_streams is None or not isinstance(random_streams, Mapping):
+    return random_streams
+  keys = {}
+  for name, stream in random_streams.items():
+    if isinstance(stream, RandomStream):
+      keys[name] = stream.next_key()
+    elif isinstance(stream, jax.Array):
+      keys[name] = stream
+    else:
+      raise ArgumentError(
+        f"{where}: random_streams[{name!r}] must be a JAX key or an fl.RandomStream,"
+        f" got {type(stream).__name__}."
+      )
+  return keys
+
+
+def value_of(entry: Any, where: str) -> Any:
+  """The value held by a variable, a frozen value or a plain value.
+
+  Raises:
+    FlaxlensError: for a slot, naming `where` and how to bind it.
+  """
+  if isinstance(entry, AbstractVariable | AbstractVariableValue):
+    return entry.value
+  if isinstance(entry, AbstractVariableSlot):
+    raise FlaxlensError(
+      f"{where}: the variable {entry.label!r} is unbound (a slot). Bind it with"
+      " fl.bind_variables(tree, values), or call the tree through stateless_call."
+    )
+  return entry
+
+
+_IMMUTABLE_LEAVES = (
+  jax.Array,
+  jax.ShapeDtypeStruct,
+  np.generic,
+  int,
+  float,
+  complex,
+  str,
+  bytes,
+  type(None),
+)
+
+
+def private_value(value: Any) -> Any:
+  """`value` with every leaf that can change in place copied, JAX arrays shared.
+
+  A model run on a tree's values may update them in place (NNX's `v[...] = ...` on a
+  NumPy array writes into it); the run gets copies of such leaves (NumPy arrays and any
+  other mutable object), so the caller's buffers never change. JAX arrays, tracers and
+  Python scalars are immutable and stay shared.
+
+  Example:
+    >>> import numpy as np, jax.numpy as jnp
+    >>> from flaxlens.core._runtime import private_value
+    >>> a, b = np.zeros(2), jnp.zeros(2)
+    >>> private_value(a) is a, private_value(b) is b
+    (False, True)
+  """
+  if isinstance(value, _IMMUTABLE_LEAVES):
+    return value
+  return jax.tree_util.tree_map(_private_leaf, value)
+
+
+def _private_leaf(leaf: Any) -> Any:
+  if isinstance(leaf, _IMMUTABLE_LEAVES):
+    return leaf
+  if isinstance(leaf, np.ndarray):
+    return leaf.copy()
+  return copy.deepcopy(leaf)
+
+
+def same_entry(a: Any, b: Any) -> bool:
+  """Whether two entries found for one variable in two calls of its module agree.
+
+  Bound variables must be the same object. Frozen or plain values agree when they are
+  the same value; under a JAX transformation one shared value arrives as two tracers,
+  which cannot be told apart, so tracers agree.
+  """
+  if a is b:
+    return True
+  if isinstance(a, AbstractVariable) or isinstance(b, AbstractVariable):
+    return False
+  if isinstance(a, AbstractVariableValue) or isinstance(b, AbstractVariableValue):
+    if not (isinstance(a, AbstractVariableValue) and isinstance(b, AbstractVariableValue)):
+      return False
+    if a.label != b.label:
+      return False
+    a, b = a.value, b.value
+  leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  return len(leaves_a) == len(leaves_b) and all(
+    x is y or isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer)
+    for x, y in zip(leaves_a, leaves_b, strict=True)
+  )

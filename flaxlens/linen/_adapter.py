@@ -1,0 +1,203 @@
+"""`LinenAdapter`: how the runtime converts, runs and isolates Linen calls.
+
+A Linen variable's key is `(collection, path)`. A run applies the root's module once
+with `module.apply` on the gathered variables (mutable: the collections holding state
+variables and those named at conversion) and returns the updated collections. An
+isolated execution is rebuilt from the module's variables, its scope's rng state (keys,
+lazy suffixes and counters) and its arguments. Flax internals used: see
+`flaxlens._flax_internals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.linen as nn
+
+from flaxlens import _flax_internals as fi
+from flaxlens.core._adapter import FrameworkAdapter, register_adapter
+from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._names import join_name, split_name
+from flaxlens.core._recorder import Execution, standalone
+from flaxlens.core._runtime import Gathered, private_value, resolve_random_streams
+from flaxlens.core._variables import StateVariable, Uninitialized
+from flaxlens.errors import ArgumentError
+from flaxlens.linen._collections import flatten_collections, nest_collections
+from flaxlens.linen._convert import unflaxify_linen
+from flaxlens.linen._interceptor import LinenInterceptor
+from flaxlens.linen._node import InterceptedFlaxModuleMethod, RngSnapshot
+
+
+class LinenAdapter(FrameworkAdapter):
+  """Flax Linen (`flax.linen.Module`) behind the runtime's `FrameworkAdapter` interface."""
+
+  name = "linen"
+  node_type = InterceptedFlaxModuleMethod
+
+  def accepts(self, model: Any) -> bool:
+    return isinstance(model, nn.Module)
+
+  def convert(self, model: Any, *args: Any, **kwargs: Any) -> InterceptedFlaxModuleMethod:
+    if not args:
+      raise ArgumentError(
+        f"unflaxify({type(model).__name__}): a Linen module needs its variables as the"
+        " second argument: fl.unflaxify(module, variables, *example_args)."
+      )
+    return unflaxify_linen(model, *args, **kwargs)
+
+  def example_call(
+    self, args: tuple[Any, ...], options: dict[str, Any]
+  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    rngs = options.get("rngs")
+    return args[1:], ({"random_streams": rngs} if rngs is not None else {})
+
+  def entries(self, node: Any, base: tuple[Any, ...]) -> Iterator[tuple[Any, Any, Any]]:
+    data = node.scope_data
+    for name, entry in data.parameters.items():
+      yield ("params", base + split_name(name)), entry, None
+    for group in (data.variables, data.immutable_variables):
+      for collection, entries in group.items():
+        for name, entry in entries.items():
+          yield (collection, base + split_name(name)), entry, None
+
+  def key_name(self, key: Any) -> str:
+    collection, path = key
+    return f"{collection}:{join_name(path)}"
+
+  def new_interceptor(self, root: Any, side_inputs: dict[str, Any]) -> LinenInterceptor:
+    return LinenInterceptor(side_inputs, building=False, prefix=root.path)
+
+  def native_run(
+    self, root: Any, gathered: Gathered, random_streams: Any, interceptor: Any
+  ) -> Callable[[ArgsAndKwargs], tuple[Any, dict[Any, Any]]]:
+    variables = _variables(gathered)
+    held = {c for (c, _), e in gathered.entries.items() if isinstance(e, StateVariable)}
+    mutable = tuple(sorted(held.union(root.mutable)))
+    interceptor.mutable = mutable
+    rngs = resolve_random_streams(random_streams, root.where())
+    snapshot = root.scope_data.rngs if random_streams is None else None
+    capture = interceptor.capture_only_native(fi.capture_filter(root.capture_intermediates))
+
+    def run(argument: ArgsAndKwargs) -> tuple[Any, dict[Any, Any]]:
+      result = fi.apply_fresh(
+        root.module,
+        variables,
+        *argument.args,
+        method=root.method_name,
+        rngs=rngs,
+        mutable=list(mutable) if mutable else False,
+        capture_intermediates=capture,
+        rng_snapshot=snapshot.as_flax() if snapshot is not None else None,
+        **argument.kwargs,
+      )
+      if not mutable:
+        return result, {}
+      output, updates = result
+      return output, flatten_collections(updates)
+
+    return run
+
+  def record_before(
+    self, interceptor: Any, node: Any, module: Any, args: Any, kwargs: Any
+  ) -> tuple[Any, Any]:
+    keys, suffixes, counters = fi.rng_snapshot(module)
+    static = (
+      fi.unbound_clone(module),  # With any settings edited in the node applied.
+      node.method_name,
+      tuple(sorted(suffixes.items())),
+      counters,
+      interceptor.mutable,
+      node.capture_intermediates,
+    )
+    return static, (fi.call_variables(module), keys)
+
+  def record_after(self, node: Any, module: Any, output: Any) -> tuple[Any, Any]:
+    after = fi.call_variables(module)
+    capture = fi.capture_filter(node.capture_intermediates)
+    if capture is not None and capture(module, node.method_name):
+      # Flax sows a captured output after the interceptor returns; add it as Flax will.
+      sown = after.setdefault("intermediates", {})
+      sown[node.method_name] = tuple(sown.get(node.method_name, ())) + (output,)
+    return None, after
+
+  def isolated_call(self, execution: Execution) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    module, method, suffixes, counters, mutable, capture = execution.static_before
+    variables, keys = execution.before
+    after = execution.after
+    snapshot = RngSnapshot(keys=keys, suffixes=suffixes, counters=counters)
+    argument = execution.argument
+    tree = unflaxify_linen(
+      module,
+      variables,
+      *argument.args,
+      method=method,
+      rngs=snapshot,
+      mutable=[c for c in mutable if c in after or c in variables],
+      capture_intermediates=capture,
+      **argument.kwargs,
+    )
+    submodel, state = standalone(tree)
+    final = {self.key_name(k): v for k, v in flatten_collections(after).items()}
+    return submodel, state, final
+
+  def describe(self, submodel: Any, encode: Callable[[Any, str], Any]) -> dict[str, Any]:
+    snapshot = submodel.scope_data.rngs
+    return {
+      "module": encode(submodel.module, "module"),
+      "method": encode(submodel.method_name, "method"),
+      "variables": encode(_variables(Gathered(submodel)), "variables"),
+      "rngs": None
+      if snapshot is None
+      else {
+        "keys": encode(dict(snapshot.keys), "rng keys"),
+        "suffixes": encode(dict(snapshot.suffixes), "rng suffixes"),
+        "counters": fi.counters_to_data(snapshot.counters),
+      },
+      "mutable": list(submodel.mutable),
+      "capture_intermediates": encode(submodel.capture_intermediates, "capture"),
+    }
+
+  def rebuild(
+    self,
+    recipe: dict[str, Any],
+    decode: Callable[[Any, str], Any],
+    argument: ArgsAndKwargs,
+    side_inputs: dict[str, Any],
+  ) -> tuple[Any, tuple[Any, ...]]:
+    module = decode(recipe["module"], "recipe.module")
+    if not isinstance(module, nn.Module):
+      raise TypeError("the recipe's module is not a flax.linen.Module")
+    rngs = recipe["rngs"]
+    if rngs is None:
+      rngs = side_inputs.get("random_streams")
+    else:
+      rngs = RngSnapshot(
+        keys=decode(rngs["keys"], "recipe.rngs.keys"),
+        suffixes=tuple(sorted(decode(rngs["suffixes"], "recipe.rngs.suffixes").items())),
+        counters=fi.counters_from_data(rngs["counters"]),
+      )
+    tree = unflaxify_linen(
+      module,
+      decode(recipe["variables"], "recipe.variables"),
+      *argument.args,
+      method=decode(recipe["method"], "recipe.method"),
+      rngs=rngs,
+      mutable=recipe["mutable"],
+      capture_intermediates=decode(recipe["capture_intermediates"], "recipe.capture"),
+      **argument.kwargs,
+    )
+    return standalone(tree)
+
+  def export(self, node: Any) -> dict[str, Any]:
+    return _variables(Gathered(node))
+
+
+def _variables(gathered: Gathered) -> dict[str, dict[str, Any]]:
+  """The gathered values as a Flax variables dict (variables not created yet left out)."""
+  return nest_collections(
+    {k: private_value(v) for k, v in gathered.values.items() if not isinstance(v, Uninitialized)}
+  )
+
+
+LINEN = register_adapter(LinenAdapter())

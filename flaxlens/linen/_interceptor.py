@@ -1,0 +1,166 @@
+"""`LinenInterceptor`: receives Linen's method-interceptor callbacks for one `apply`.
+
+Flax calls the interceptor for every module method call (`nn.intercept_methods`); it
+names the call within its caller and hands it to the framework-neutral dispatch of
+`CallInterceptor`. It also keys Flax's `nn.jit` caches on the run, and applies settings
+edited in a node's module (`module.clone(dtype=...)`) for the duration of its call.
+Flax internals used: see `flaxlens._flax_internals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import flax.linen as nn
+from flax import errors as flax_errors
+
+from flaxlens import _flax_internals as fi
+from flaxlens.core._active import current_interceptor
+from flaxlens.core._call_record import CallRecord
+from flaxlens.core._calls import CallInterceptor
+from flaxlens.core._names import Path
+from flaxlens.core._node import CallNode
+from flaxlens.errors import FlaxlensError
+
+# Flax's errors for a module whose variables differ from those it is given.
+_UNFIT_EDIT = (
+  flax_errors.ScopeParamNotFoundError,
+  flax_errors.ScopeParamShapeError,
+  flax_errors.ScopeCollectionNotFound,
+  flax_errors.ScopeVariableNotFoundError,
+)
+
+
+class LinenInterceptor(CallInterceptor):
+  """Receives Linen's method-interceptor callbacks for one `apply`.
+
+  Flax captures a call's output for `capture_intermediates` after the interceptors
+  return. A call whose replacement never ran the original has no node (and so no
+  state variable) in the tree to hold it; the capture filter made by
+  `capture_only_native` leaves such a call out, so its intermediates are absent.
+  """
+
+  mutable: tuple[str, ...] = ()
+  _not_run: tuple[Any, str] | None = None  # The last call that did not run natively.
+
+  def intercept(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+    if current_interceptor() is not self or context.method_name == "setup":
+      return next_fun(*args, **kwargs)
+    module = context.module
+    if fi.is_setup_check(module):
+      self.frames[-1].lifted = [None, None]
+      return next_fun(*args, **kwargs)
+    path = self.prefix + fi.module_path(module)
+    ran = []
+
+    def native(*a: Any, **k: Any) -> Any:
+      ran.append(True)
+      return next_fun(*a, **k)
+
+    output = self.dispatch(module, path, context.method_name, native, args, kwargs)
+    self._not_run = None if ran else (module, context.method_name)
+    return output
+
+  def capture_only_native(
+    self, capture: Callable[[Any, str], bool] | None
+  ) -> Callable[[Any, str], bool] | None:
+    """`capture` (a `capture_intermediates` filter) minus calls that did not run natively."""
+    if capture is None:
+      return None
+
+    def only_native(module: Any, method_name: str) -> bool:
+      not_run, self._not_run = self._not_run, None
+      if not_run is not None and not_run[0] is module and not_run[1] == method_name:
+        return False
+      return capture(module, method_name)
+
+    return only_native
+
+  @contextmanager
+  def active(self) -> Iterator[None]:
+    opened: list[Any] = []
+
+    def start() -> Any:
+      context = self.inner_jit(fi.current_trace())
+      key = context.__enter__()
+      opened.append(context)
+      return key
+
+    def finish() -> None:
+      opened.pop().__exit__(None, None, None)
+
+    with (
+      super().active(),
+      fi.intercept_methods(self.intercept),
+      fi.linen_jit_keys(start, finish),
+    ):
+      yield
+
+  def new_record(self, module: Any, path: Path, name: str) -> CallRecord:
+    return CallRecord(fi.unbound_clone(module), path, name)
+
+  def same_module(self, node: CallNode, module: Any) -> bool:
+    return type(node.module) is type(module)
+
+  def run_node(
+    self, node: CallNode, module: Any, next_fun: Callable[..., Any], args: Any, kwargs: Any
+  ) -> Any:
+    """Runs `node`'s call natively, with the settings edited in `node.module` applied.
+
+    The settings (dataclass fields) in which `node.module` differs from the module
+    conversion recorded are set on the model's own module for the duration of the
+    call, so the call runs as in a model built with them: same variables, rngs and
+    submodule calls.
+    """
+    fields = self.edited_fields(node, module)
+    if not fields:
+      return super().run_node(node, module, next_fun, args, kwargs)
+    with fi.fields_set(module, fields):
+      try:
+        return super().run_node(node, module, next_fun, args, kwargs)
+      except _UNFIT_EDIT as e:
+        raise FlaxlensError(
+          f"{node.where()}: the edited settings {sorted(fields)} do not fit the variables"
+          f" the tree holds for this call ({type(e).__name__}: {str(e).splitlines()[0]})."
+          " Edit settings that keep the module's variables (dtype, precision, ...), or"
+          " convert a model built with the new settings."
+        ) from e
+
+  def edited_fields(self, node: CallNode, module: Any) -> dict[str, Any]:
+    """The settings edited in `node.module`, to set on the model's `module` ({} if none).
+
+    Raises:
+      FlaxlensError: for an edit that cannot apply (another class or name, another
+        submodule, or any setting of a module with `setup`, which runs first).
+    """
+    where, recorded = node.where(), node.converted_module
+    if node.module is recorded or recorded is None:
+      return {}
+    if type(node.module) is not type(recorded) or node.module.name != recorded.name:
+      raise FlaxlensError(
+        f"{where}: the node's module was replaced by a {type(node.module).__name__} named"
+        f" {node.module.name!r}; a node's module can only change its settings"
+        " (module.clone(dtype=...)). To run other code here, replace the call with a layer."
+      )
+    fields = fi.changed_fields(node.module, recorded)
+    held = [n for n, v in fields.items() if isinstance(v, nn.Module)]
+    if held or (fields and fi.defines_setup(module)):
+      what = f"the submodules {held}" if held else "settings of a module with setup()"
+      raise FlaxlensError(
+        f"{where}: the edit changes {what}, which Flax has used before the call starts"
+        " (setup runs first). Edit settings of modules without setup, such as the"
+        " submodules' own nodes, or convert a model built with the new settings."
+      )
+    return fields
+
+  def record_call(self, record: CallRecord, module: Any, run: Callable[[], Any]) -> Any:
+    lifted_by = fi.lifting_transforms(module)
+    record.extra["lifted_by"] = lifted_by
+    record.extra["sliced"] = any(t not in _SHAPE_PRESERVING_LIFTS for t in lifted_by)
+    return super().record_call(record, module, run)
+
+
+# Lifted transforms that run their body on the whole variables (no slicing).
+_SHAPE_PRESERVING_LIFTS = ("jit", "remat", "checkpoint", "named_call")

@@ -1,0 +1,173 @@
+"""`NNXAdapter`: how the runtime converts, runs and isolates NNX calls.
+
+An NNX variable's key is its attribute path from the root of the run. A run rebuilds a
+private copy of the root's module from its `GraphDef` and the gathered values, marks
+its modules for the `NNXInterceptor`, calls the method and reads the copy's state back.
+An isolated execution is rebuilt from the module's `GraphDef` and variable values at the
+start of the call (NNX keeps random state in variables, so no rng state is needed).
+Flax internals used: see `flaxlens._flax_internals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from flax import nnx
+
+from flaxlens.core._adapter import FrameworkAdapter, register_adapter
+from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._names import join_name
+from flaxlens.core._recorder import Execution, standalone
+from flaxlens.core._runtime import Gathered, private_value
+from flaxlens.core._variables import Uninitialized
+from flaxlens.errors import FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens.nnx._convert import label_of, unflaxify_nnx
+from flaxlens.nnx._definition import apply_static_edits, plain_module, split_leaves, static_edits
+from flaxlens.nnx._interceptor import NNXInterceptor, call_method
+from flaxlens.nnx._node import InterceptedNNXModuleMethod
+
+Path = tuple[Any, ...]
+
+
+class NNXAdapter(FrameworkAdapter):
+  """Flax NNX (`flax.nnx.Module`) behind the runtime's `FrameworkAdapter` interface."""
+
+  name = "nnx"
+  node_type = InterceptedNNXModuleMethod
+
+  def accepts(self, model: Any) -> bool:
+    return isinstance(model, nnx.Module)
+
+  def convert(self, model: Any, *args: Any, **kwargs: Any) -> InterceptedNNXModuleMethod:
+    return unflaxify_nnx(model, *args, **kwargs)
+
+  def example_call(
+    self, args: tuple[Any, ...], options: dict[str, Any]
+  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return args, {}
+
+  def entries(self, node: Any, base: tuple[Any, ...]) -> Iterator[tuple[Any, Any, Any]]:
+    data = node.scope_data
+    for spec in node.specs:
+      group = data.parameters if spec.collection is None else data.variables.get(spec.collection)
+      entry = (group or {}).get(spec.name, _ABSENT)
+      if entry is _ABSENT:
+        raise FlaxlensError(
+          f"{node.where()}: the node has no entry {spec.name!r} any more. Edit a"
+          " variable's .value instead of removing it from its scope_data."
+        )
+      yield base + spec.path, entry, spec
+
+  def key_name(self, key: Any) -> str:
+    return repr(join_name(key))
+
+  def new_interceptor(self, root: Any, side_inputs: dict[str, Any]) -> NNXInterceptor:
+    return NNXInterceptor(side_inputs=side_inputs, building=False)
+
+  def native_run(
+    self, root: Any, gathered: Gathered, random_streams: Any, interceptor: Any
+  ) -> Callable[[ArgsAndKwargs], tuple[Any, dict[Any, Any]]]:
+    model, orphans = _rebuild(root, gathered)
+    interceptor.instrument(model, root.path)
+
+    def run(argument: ArgsAndKwargs) -> tuple[Any, dict[Any, Any]]:
+      output = call_method(model, root.method_name, argument.args, argument.kwargs)
+      state = nnx.to_flat_state(nnx.state(model))
+      updates = {tuple(p): v.get_raw_value() for p, v in state if tuple(p) not in orphans}
+      return output, updates
+
+    return run
+
+  def record_before(
+    self, interceptor: Any, node: Any, module: Any, args: Any, kwargs: Any
+  ) -> tuple[Any, Any]:
+    _refuse_graph_arguments(node, (args, kwargs))
+    graphdef, before = split_leaves(module)
+    return (graphdef, node.method_name), before
+
+  def record_after(self, node: Any, module: Any, output: Any) -> tuple[Any, Any]:
+    return split_leaves(module)
+
+  def isolated_call(self, execution: Execution) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    graphdef, method = execution.static_before
+    argument = execution.argument
+    module = plain_module(graphdef, execution.before)
+    submodel, state = standalone(
+      unflaxify_nnx(module, *argument.args, method=method, **argument.kwargs)
+    )
+    after = plain_module(execution.static_after, execution.after)
+    final = {
+      label_of(tuple(p), v): v.get_raw_value() for p, v in nnx.to_flat_state(nnx.state(after))
+    }
+    return submodel, state, final
+
+  def describe(self, submodel: Any, encode: Callable[[Any, str], Any]) -> dict[str, Any]:
+    values = Gathered(submodel).values
+    definition = submodel.definition
+    return {
+      "graphdef": encode(definition.graphdef, "graphdef"),
+      "leaves": encode([values[p] for p in definition.leaf_paths], "variables"),
+      "method": encode(submodel.method_name, "method"),
+    }
+
+  def rebuild(
+    self,
+    recipe: dict[str, Any],
+    decode: Callable[[Any, str], Any],
+    argument: ArgsAndKwargs,
+    side_inputs: dict[str, Any],
+  ) -> tuple[Any, tuple[Any, ...]]:
+    graphdef = decode(recipe["graphdef"], "recipe.graphdef")
+    if not isinstance(graphdef, nnx.graph.GraphDef):
+      raise TypeError("the recipe's graphdef is not an NNX GraphDef")
+    module = nnx.merge(graphdef, list(decode(recipe["leaves"], "recipe.leaves")))
+    if not isinstance(module, nnx.Module):
+      raise TypeError("the recipe does not describe an nnx.Module")
+    method = decode(recipe["method"], "recipe.method")
+    return standalone(unflaxify_nnx(module, *argument.args, method=method, **argument.kwargs))
+
+  def export(self, node: Any) -> nnx.Module:
+    node.check_runs_alone("be exported on its own; export the tree it belongs to")
+    gathered = Gathered(node)
+    missing = [
+      "/".join(map(str, p)) for p in node.definition.leaf_paths if p not in gathered.entries
+    ]
+    if missing:
+      raise FlaxlensError(
+        f"{node.where()}: the tree no longer holds the variables {missing[:6]}: their calls"
+        " were replaced. Export before replacing them, or keep the replaced node inside the"
+        " replacement layer."
+      )
+    model, _ = _rebuild(node, gathered)
+    return model
+
+
+_ABSENT = object()
+
+
+def _rebuild(root: Any, gathered: Gathered) -> tuple[Any, set[Path]]:
+  """The root's module rebuilt from the gathered values, and the paths no node holds."""
+  values, created = {}, {}
+  for path, value in gathered.values.items():
+    spec = gathered.info[path]
+    if not spec.created:
+      values[path] = value
+    elif not isinstance(value, Uninitialized):
+      created[path] = spec.type.from_metadata(private_value(value), dict(spec.metadata))
+  model, orphans = root.definition.rebuild(values, created)
+  apply_static_edits(model, static_edits(root))
+  return model, orphans
+
+
+def _refuse_graph_arguments(node: Any, arguments: Any) -> None:
+  leaves = jax.tree_util.tree_leaves(arguments, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+  if any(isinstance(x, nnx.Pytree | nnx.Variable) for x in leaves):
+    raise UnsupportedFlaxFeatureError(
+      f"{node.where()}: the call receives NNX objects (modules, Rngs or variables) as"
+      " arguments, which isolating does not support yet. Isolate the call that owns them."
+    )
+
+
+NNX = register_adapter(NNXAdapter())

@@ -1,0 +1,211 @@
+"""The static definition of a converted NNX module, and rebuilding the module from it.
+
+A node keeps its module's `GraphDef` and variable shapes (`NNXModuleDef`); a run merges
+it with the tree's current values into a private copy (`rebuild`). Static attributes
+changed on a subtree alone (`node.eval()` grafted back into a tree) are found by
+`static_edits` and set on the rebuilt copy. Flax internals used: see
+`flaxlens._flax_internals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flaxlens import _flax_internals as fi
+from flaxlens.core._names import Path
+from flaxlens.core._node import CallNode, own_call_nodes
+from flaxlens.core._runtime import private_value
+
+
+class _Marker:
+  __slots__ = ("index",)
+
+  def __init__(self, index: int):
+    self.index = index
+
+
+def leaf_paths(graphdef: Any) -> tuple[Path, ...]:
+  """The variable paths of `graphdef`, in the order `nnx.merge` takes a list of leaves."""
+  count = fi.nnx_leaf_count(graphdef)
+  probe = nnx.merge(graphdef, [_Marker(i) for i in range(count)])
+  paths: list[Path] = [()] * count
+  for path, variable in nnx.to_flat_state(nnx.state(probe)):
+    paths[variable.get_raw_value().index] = tuple(path)
+  return tuple(paths)
+
+
+def abstract(value: Any) -> Any:
+  """`value` with every array replaced by its `jax.ShapeDtypeStruct`."""
+  return jax.tree_util.tree_map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, value
+  )
+
+
+class NNXModuleDef:
+  """The static definition of a converted module: its `GraphDef` and variable shapes.
+
+  Attributes:
+    graphdef: the module's `nnx.GraphDef` (static attributes such as `deterministic`
+      included, and the type and metadata of every variable).
+    abstract_leaves: shape and dtype (`jax.ShapeDtypeStruct`s) of every variable of
+      `graphdef`, in the order `nnx.merge` takes them.
+    leaf_paths: the paths of those variables, in the same order.
+
+  Its hash is computed once: hashing a `GraphDef` walks all of it, and jit looks up its
+  cache by the static fields of a tree on every call. A static attribute NNX cannot hash
+  (a dict, a list) leaves the variables' paths as the hash; equality still compares
+  the whole `GraphDef`, as NNX does.
+  """
+
+  __slots__ = ("graphdef", "abstract_leaves", "leaf_paths", "family", "_hash", "_statics")
+
+  def __init__(
+    self,
+    graphdef: Any,
+    abstract_leaves: tuple[Any, ...],
+    paths: tuple[Path, ...] | None = None,
+    family: object | None = None,
+  ):
+    self.graphdef = graphdef
+    self.abstract_leaves = abstract_leaves
+    self.leaf_paths = leaf_paths(graphdef) if paths is None else paths
+    # Definitions made together from one model (by conversion, or by one change of
+    # static attributes) share a family: they agree on every module they both hold.
+    self.family = object() if family is None else family
+    self._statics: dict[Path, dict[str, Any]] | None = None
+    self._hash = _hash_or(graphdef, lambda: hash(self.leaf_paths))
+    self._hash = _hash_or((self._hash, abstract_leaves), lambda: self._hash)
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: object) -> bool:
+    return self is other or (
+      type(other) is NNXModuleDef
+      and self._hash == other._hash
+      and equal(self.graphdef, other.graphdef)
+      and equal(self.abstract_leaves, other.abstract_leaves)
+    )
+
+  def __repr__(self) -> str:
+    return f"NNXModuleDef(<GraphDef>, {len(self.leaf_paths)} variables)"
+
+  def with_graphdef(self, graphdef: Any, family: object) -> NNXModuleDef:
+    """The same module with other static attributes (same variables)."""
+    return NNXModuleDef(graphdef, self.abstract_leaves, self.leaf_paths, family)
+
+  def statics(self) -> dict[Path, dict[str, Any]]:
+    """The static attributes of each module of the definition, by relative path."""
+    if self._statics is None:
+      template = nnx.merge(self.graphdef, [None] * len(self.leaf_paths))
+      self._statics = {tuple(p): fi.nnx_static_attributes(m) for p, m in nnx.iter_modules(template)}
+    return self._statics
+
+  def rebuild(self, values: dict[Path, Any], created: dict[Path, Any]) -> tuple[Any, set[Path]]:
+    """The module rebuilt from `values`, and the paths of its variables no node holds.
+
+    `nnx.merge` creates fresh `Variable`s of the types and metadata the `GraphDef`
+    records, and values that can change in place (NumPy arrays) are copied, so nothing
+    is shared with the model the values came from but immutable arrays. Variables no
+    node holds belong to calls that were replaced: they stand in as zeros of their
+    shape, so that transforms over the module's state (`nnx.vmap`, `nnx.scan`) still
+    see the shapes they need. `created` variables (made by the
+    converted call) are set as attributes of their modules.
+    """
+    leaves = [
+      private_value(values[p]) if p in values else jax.tree_util.tree_map(_zeros, a)
+      for p, a in zip(self.leaf_paths, self.abstract_leaves, strict=True)
+    ]
+    model = nnx.merge(self.graphdef, leaves)
+    for path, variable in created.items():
+      setattr(navigate(model, path[:-1]), path[-1], variable)
+    return model, {p for p in self.leaf_paths if p not in values}
+
+
+def _hash_or(value: Any, fallback: Callable[[], int]) -> int:
+  try:
+    return hash(value)
+  except TypeError:
+    return fallback()
+
+
+def equal(a: Any, b: Any) -> bool:
+  """`a == b`, False where comparing raises (arrays held as static attributes, say)."""
+  if a is b:
+    return True
+  try:
+    return bool(a == b)
+  except Exception:
+    return False
+
+
+def static_edits(root: CallNode) -> dict[Path, dict[str, Any]]:
+  """Static attributes that nodes under `root` set otherwise than `root.definition`.
+
+  A subtree whose mode was changed on its own (`node.eval()` grafted back into the
+  tree) holds definitions of another family than the root's; where they differ from
+  the root's, their modules' static attributes are set on the rebuilt model (nodes
+  deeper in the tree win). Computed once per root node.
+  """
+  cached = root.__dict__.get("_flaxlens_static_edits")
+  if cached is not None:
+    return cached
+  family = root.definition.family
+  edits: dict[Path, dict[str, Any]] = {}
+  base: dict[Path, dict[str, Any]] | None = None
+  for node in own_call_nodes(root):
+    if node.definition.family is family:
+      continue
+    base = root.definition.statics() if base is None else base
+    rel = node.path[len(root.path) :]
+    for sub, statics in node.definition.statics().items():
+      before = base.get(rel + sub)
+      if before is None:
+        continue
+      changed = {k: v for k, v in statics.items() if k not in before or not equal(before[k], v)}
+      if changed:
+        edits.setdefault(rel + sub, {}).update(changed)
+  object.__setattr__(root, "_flaxlens_static_edits", edits)
+  return edits
+
+
+def apply_static_edits(model: Any, edits: dict[Path, dict[str, Any]]) -> None:
+  """Sets the static attributes `static_edits` found on the modules of `model`."""
+  for path, attributes in edits.items():
+    module = navigate(model, path)
+    for name, value in attributes.items():
+      fi.nnx_set_static(module, name, value)
+
+
+def _zeros(leaf: Any) -> Any:
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return jnp.zeros(leaf.shape, leaf.dtype)
+  return leaf
+
+
+def navigate(root: Any, path: Path) -> Any:
+  """The object at `path` (attribute names and list indices) inside an NNX graph."""
+  node = root
+  for key in path:
+    node = node[key] if isinstance(key, int) else getattr(node, key)
+  return node
+
+
+def plain_module(graphdef: Any, leaves: list[Any]) -> Any:
+  """A plain NNX module (no run site) from a split of a module of a run."""
+  module = nnx.merge(graphdef, leaves)
+  for _, sub in nnx.iter_modules(module):
+    fi.nnx_clear_site(sub)
+  return module
+
+
+def split_leaves(module: Any) -> tuple[Any, list[Any]]:
+  """`(graphdef, leaves)` of `module`, leaves in the order `nnx.merge` takes them."""
+  graphdef, state = nnx.split(module)
+  flat = {tuple(p): v for p, v in nnx.to_flat_state(state)}
+  return graphdef, [flat[p].get_raw_value() for p in leaf_paths(graphdef)]

@@ -1,0 +1,186 @@
+"""`NNXInterceptor`: instrumenting the classes of a private copy so its calls report.
+
+NNX has no interception hook. While a run is active, the methods of the copy's classes
+are wrapped in place and report the calls of modules that carry a site of the run; see
+`NNXInterceptor`. Flax internals used: see `flaxlens._flax_internals`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import jax
+from flax import nnx
+
+from flaxlens import _flax_internals as fi
+from flaxlens.core._active import is_active
+from flaxlens.core._call_record import CallRecord
+from flaxlens.core._calls import CallInterceptor
+from flaxlens.core._inner_jit import RunToken
+from flaxlens.core._names import Path
+from flaxlens.core._node import CallNode
+
+
+def call_method(model: Any, method: Any, args: Any, kwargs: Any) -> Any:
+  """Calls `method` (a name, or a function taking the module first) of `model`."""
+  if isinstance(method, str):
+    return getattr(model, method)(*args, **kwargs)
+  return method(model, *args, **kwargs)
+
+
+_STDLIB_MODULES = ("builtins", "abc", "typing", "collections.abc")
+
+
+class _Site(NamedTuple):
+  """What a module of a run's private copy carries (static, so it survives transforms).
+
+  `token` finds the run and keys inner jits on it; `jit` is the key of the jitted call
+  the module is passed to, while that call runs.
+  """
+
+  path: Path
+  token: RunToken
+  jit: Any = None
+
+
+def _is_flax_base(cls: type) -> bool:
+  return cls in fi.nnx_flax_bases() or cls.__module__ in _STDLIB_MODULES
+
+
+def _is_method(attr: Any) -> bool:
+  if isinstance(attr, type | staticmethod | classmethod | property):
+    return False
+  return inspect.isfunction(attr) or (callable(attr) and hasattr(type(attr), "__get__"))
+
+
+@functools.cache
+def _reported(cls: type) -> tuple[tuple[type, str], ...]:
+  """`(defining class, name)` of the methods of `cls` that report calls.
+
+  The public methods and `__call__` that `cls` and its bases define, up to (not
+  including) NNX's own base and container classes, each at the class that defines the
+  one `cls` uses.
+  """
+  found = []
+  for name in sorted({n for k in cls.__mro__ for n in vars(k)}):
+    if name.startswith("_") and name != "__call__":
+      continue
+    definer = _definer(cls, name)
+    if not _is_flax_base(definer) and _is_method(vars(definer)[name]):
+      found.append((definer, name))
+  return tuple(found)
+
+
+@functools.cache
+def _definer(cls: type, name: str) -> type:
+  return next(k for k in cls.__mro__ if name in vars(k))
+
+
+def _report(definer: type, name: str) -> Callable[[Any], Callable[..., Any]]:
+  """Wraps `definer.name` so that a module of an active run reports its calls."""
+
+  def wrap(method: Any) -> Callable[..., Any]:
+    def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
+      bound = method.__get__(self, type(self))
+      site = fi.nnx_site(self)
+      if site is None or _definer(type(self), name) is not definer:
+        return bound(*args, **kwargs)  # Not a run's module, or reached through super().
+      interceptor = site.token.interceptor
+      if interceptor is None or not interceptor.frames or not is_active(interceptor):
+        return bound(*args, **kwargs)
+      return interceptor.dispatch(self, site.path, name, bound, args, kwargs)
+
+    functools.update_wrapper(reporting, method, updated=())
+    return reporting
+
+  return wrap
+
+
+def _variable_shapes(module: Any) -> tuple[Any, ...]:
+  return tuple(
+    (tuple(p), getattr(v.get_raw_value(), "shape", None))
+    for p, v in nnx.to_flat_state(nnx.state(module))
+  )
+
+
+class NNXInterceptor(CallInterceptor):
+  """Receives the calls reported by the modules of one private copy of a model.
+
+  While active, the methods of the copy's classes are wrapped in place (in the
+  `__dict__` of the classes that define them) and restored exactly afterwards. A
+  wrapper reports a call only for a module carrying a site of an active run of this
+  thread; any other call of the class (the user's own model, another thread) runs the
+  original method directly. So `type(module)` is the user's class, the `GraphDef`
+  records it, and no class is ever created: user `__init_subclass__` hooks and class
+  registries see nothing. (Swapping each instance's class for a cached subclass, the
+  earlier design, made `type(m) is nnx.Linear` false inside a call and ran those hooks.)
+  Inner `nnx.jit` calls key their traces on the run and on the jitted call's position,
+  by putting that key into the site attributes of the modules they are passed.
+  """
+
+  def __init__(self, side_inputs: dict[str, Any], building: bool):
+    super().__init__(side_inputs, building)
+    self.modules: dict[int, Any] = {}  # id -> module, for the copy's own instances
+    self.by_path: dict[Path, Any] = {}
+    self.classes: set[type] = set()
+
+  def instrument(self, model: Any, prefix: Path) -> None:
+    """Records its path on every module of `model` (its class is wrapped while active)."""
+    for rel, module in nnx.iter_modules(model):
+      path = prefix + tuple(rel)
+      self.by_path[path] = module
+      self.classes.add(type(module))
+      fi.nnx_set_site(module, _Site(path, self.token))
+      self.modules[id(module)] = module
+
+  @contextmanager
+  def active(self) -> Iterator[None]:
+    methods = {pair for cls in self.classes for pair in _reported(cls)}
+    wrappers = {(definer, name): _report(definer, name) for definer, name in methods}
+    with fi.patched(wrappers), fi.nnx_jit_keys(self._jit_call), super().active():
+      yield
+
+  def _jit_call(self, call: Callable[[], Any], arguments: Any) -> Any:
+    """Runs one `nnx.jit` call with the run's key in its modules' sites."""
+    ours = [
+      m
+      for leaf in jax.tree_util.tree_leaves(arguments, is_leaf=_is_module)
+      if _is_module(leaf)
+      for _, m in nnx.iter_modules(leaf)
+      if _site_of(m, self) is not None
+    ]
+    if not ours or not self.frames:
+      return call()
+    sites = [fi.nnx_site(m) for m in ours]
+    with self.inner_jit(fi.current_trace()) as key:
+      for module, site in zip(ours, sites, strict=True):
+        fi.nnx_set_site(module, site._replace(jit=key[1]))
+      try:
+        return call()
+      finally:
+        for module, site in zip(ours, sites, strict=True):
+          fi.nnx_set_site(module, site)
+
+  def new_record(self, module: Any, path: Path, name: str) -> CallRecord:
+    record = CallRecord(type(module), path, name)
+    if id(module) not in self.modules:
+      # A transform re-created the module inside its trace; it slices the variables
+      # (nnx.scan, nnx.vmap) when their shapes differ from the model's own.
+      record.extra["sliced"] = _variable_shapes(module) != _variable_shapes(self.by_path[path])
+    return record
+
+  def same_module(self, node: CallNode, module: Any) -> bool:
+    return node.module_type is type(module)
+
+
+def _is_module(x: Any) -> bool:
+  return isinstance(x, nnx.Module)
+
+
+def _site_of(module: Any, interceptor: NNXInterceptor) -> _Site | None:
+  site = fi.nnx_site(module)
+  return site if site is not None and site.token.interceptor is interceptor else None
