@@ -1,1 +1,2 @@
-"""Tools that work on converted trees: summaries (and, later, isolate, capture, export)."""
+"""Tools on converted trees, written against the runtime and the adapter interface only:
+isolate and replay, artifacts, summaries."""
