@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import jax
 import pytest
+from comparisons import assert_trees_equal
 from flax import nnx
+from replacements import PlusOne
 
 import flaxlens as fl
-from tests.comparisons import assert_trees_equal
-from tests.replacements import PlusOne
 
 X = jax.random.normal(jax.random.key(0), (3, 4))
 

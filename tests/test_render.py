@@ -7,10 +7,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import treescope
+from linen import corpus as linen_corpus
+from nnx import corpus as nnx_corpus
 
 import flaxlens as fl
-from tests.linen import corpus as linen_corpus
-from tests.nnx import corpus as nnx_corpus
 
 
 def _linen_tree():

@@ -10,12 +10,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 from flax import nnx
+from linen import corpus as linen_corpus
+from nnx import corpus as nnx_corpus
+from replacements import PlusOne
 from rich.console import Console
 
 import flaxlens as fl
-from tests.linen import corpus as linen_corpus
-from tests.nnx import corpus as nnx_corpus
-from tests.replacements import PlusOne
 
 
 def _size_and_bytes(tree) -> tuple[int, int]:
