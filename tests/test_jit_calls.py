@@ -6,6 +6,7 @@ inner jit bakes into its trace; every result is compared with native Flax.
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -262,7 +263,6 @@ MEMORY_SCRIPT = textwrap.dedent(
   import flax.linen as nn, jax, jax.numpy as jnp
   from flax import nnx
   import flaxlens as fl
-  sys.path[:0] = ["tests"]
   from test_jit_calls import LinenTied, NNXTied, X
 
   def rss():
@@ -287,7 +287,11 @@ MEMORY_SCRIPT = textwrap.dedent(
 
 def test_repeated_eager_calls_with_an_inner_jit_keep_memory_bounded():
   done = subprocess.run(
-    [sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, check=True
+    [sys.executable, "-c", MEMORY_SCRIPT],
+    capture_output=True,
+    text=True,
+    check=True,
+    cwd=pathlib.Path(__file__).parent,  # so the script imports this module
   )
   growth_mb = float(done.stdout.strip().splitlines()[-1])
   assert growth_mb < 50, growth_mb
