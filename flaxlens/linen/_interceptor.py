@@ -135,9 +135,10 @@ class LinenInterceptor(CallInterceptor):
       FlaxlensError: for an edit that cannot apply (another class or name, another
         submodule, or any setting of a module with `setup`, which runs first).
     """
-    where, recorded = node.where(), node.converted_module
+    recorded = node.converted_module
     if node.module is recorded or recorded is None:
       return {}
+    where = node.where()
     if type(node.module) is not type(recorded) or node.module.name != recorded.name:
       raise FlaxlensError(
         f"{where}: the node's module was replaced by a {type(node.module).__name__} named"
