@@ -163,8 +163,8 @@ def isolate(model: Any, *args: Any, at: str, **kwargs: Any) -> IsolatedSubmodel:
   """Isolates the call at path `at` of a plain Flax model, converting it first.
 
   Linen: `isolate(module, variables, *args, at=..., method=None, rngs=None,
-  mutable=False, **kwargs)`. NNX: `isolate(model, *args, at=..., method="__call__",
-  **kwargs)`. The model is not modified.
+  mutable=False, capture_intermediates=False, **kwargs)`. NNX: `isolate(model, *args,
+  at=..., method="__call__", **kwargs)`. The model is not modified.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
@@ -174,7 +174,8 @@ def isolate(model: Any, *args: Any, at: str, **kwargs: Any) -> IsolatedSubmodel:
     >>> isolated.saved_arg.args[0].shape
     (1, 4)
   """
-  options = {k: kwargs.pop(k) for k in ("method", "rngs", "mutable") if k in kwargs}
+  conversion = ("method", "rngs", "mutable", "capture_intermediates")
+  options = {k: kwargs.pop(k) for k in conversion if k in kwargs}
   tree = unflaxify(model, *args, **options, **kwargs)
   args, side_inputs = adapter_of(tree).example_call(args, options)
   return isolate_submodel(

@@ -110,3 +110,13 @@ def test_an_isolated_call_with_an_edited_setting_replays_with_it(cases):
   assert isolated.submodel.module.dtype == jnp.bfloat16
   assert isolated.saved_output.dtype == jnp.bfloat16
   assert isolated.replay()
+
+
+def test_isolate_takes_capture_intermediates_as_a_conversion_option():
+  model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+  x = jnp.ones((1, 3))
+  variables = model.init(jax.random.key(0), x)
+  isolated = fl.isolate(model, variables, x, at="layers_2", capture_intermediates=True)
+  _, state = model.apply(variables, x, capture_intermediates=True)
+  assert (isolated.saved_output == state["intermediates"]["layers_2"]["__call__"][0]).all()
+  assert isolated.replay()
