@@ -59,8 +59,8 @@ _NEEDS_VALUES = (
 
 
 @contextmanager
-def converting(where: str) -> Iterator[None]:
-  """Explains JAX's errors for code that needs array values while converting `where`.
+def converting(record: CallRecord) -> Iterator[None]:
+  """Explains JAX's errors for code that needs array values while converting `record`.
 
   Conversion traces abstractly (arrays have shapes, not values), so a Python branch on
   an array's value cannot run; the error names the innermost call being converted.
@@ -69,7 +69,7 @@ def converting(where: str) -> Iterator[None]:
     yield
   except _NEEDS_VALUES as e:
     raise FlaxlensError(
-      f"{where}: this call uses the value of an array in Python (`if float(h.mean()) >"
+      f"{record.where()}: this call uses the value of an array in Python (`if float(h.mean()) >"
       f" 0`, `int(n)`, ...), which conversion cannot provide: it traces abstractly, with"
       f" shapes and no values ({type(e).__name__}). Compute the branch with jnp.where or"
       " jax.lax.cond, or, if it depends on an argument, pass that argument as a Python"

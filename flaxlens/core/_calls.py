@@ -193,7 +193,7 @@ class CallInterceptor:
 
   def record_call(self, record: CallRecord, module: Any, run: Callable[[], Any]) -> Any:
     """Runs a call being recorded; subclasses add what they learn from it."""
-    with converting(record.where()):
+    with converting(record):
       return run()
 
   def new_record(self, module: Any, path: Path, name: str) -> CallRecord:

@@ -43,7 +43,7 @@ def record_calls(
     ]
     return run(interceptor, rebuild(arrays))
 
-  with converting(root.where()):
+  with converting(root):
     return jax.eval_shape(trace, arrays)
 
 

@@ -55,19 +55,18 @@ class Gathered:
           f" {'/'.join(map(str, node.path))!r}, which lives outside it; call the enclosing"
           " tree instead."
         )
-      where = node.where()
       for key, entry, info in adapter.entries(node, node.path[len(prefix) :]):
         seen = self.entries.get(key, _ABSENT)
         if seen is not _ABSENT:
           if not same_entry(seen, entry):
             raise FlaxlensError(
-              f"{where}: two calls of the module hold different values for"
+              f"{node.where()}: two calls of the module hold different values for"
               f" {adapter.key_name(key)}. Calls of one module share their variables;"
               " edit the shared variable's .value instead of replacing it in one call."
             )
           continue
         self.entries[key] = entry
-        self.values[key] = value_of(entry, where)
+        self.values[key] = value_of(entry, node)
         self.info[key] = info
 
 
@@ -175,17 +174,17 @@ def resolve_random_streams(random_streams: Any, where: str) -> Any:
   return keys
 
 
-def value_of(entry: Any, where: str) -> Any:
-  """The value held by a variable, a frozen value or a plain value.
+def value_of(entry: Any, node: CallNode) -> Any:
+  """The value held by a variable, a frozen value or a plain value of `node`.
 
   Raises:
-    FlaxlensError: for a slot, naming `where` and how to bind it.
+    FlaxlensError: for a slot, naming the node's call and how to bind it.
   """
   if isinstance(entry, AbstractVariable | AbstractVariableValue):
     return entry.value
   if isinstance(entry, AbstractVariableSlot):
     raise FlaxlensError(
-      f"{where}: the variable {entry.label!r} is unbound (a slot). Bind it with"
+      f"{node.where()}: the variable {entry.label!r} is unbound (a slot). Bind it with"
       " fl.bind_variables(tree, values), or call the tree through stateless_call."
     )
   return entry
