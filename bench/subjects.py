@@ -141,3 +141,16 @@ def nnx_subject(sizes: Sizes) -> Subject:
     lambda: fl.unflaxify(model, x),
     jax.tree_util.tree_leaves(state),
   )
+
+
+def per_subject(name: str, measure_one: Callable[[Subject, Sizes], list[Any]]) -> Any:
+  """A case's `measure`: `measure_one(subject, sizes)` for each subject, in order."""
+
+  def measure(subjects: list[Subject], sizes: Sizes, progress: Callable[[str], None]) -> list:
+    rows = []
+    for subject in subjects:
+      progress(f"{name}, {subject.framework}")
+      rows += measure_one(subject, sizes)
+    return rows
+
+  return measure

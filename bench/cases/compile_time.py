@@ -14,20 +14,12 @@ from typing import Any
 
 import jax
 
-from bench.harness import Progress, Sample, interleaved, median, ratios, seconds, timed
+from bench.harness import Sample, interleaved, median, ratios, seconds, timed
 from bench.models import Sizes
 from bench.report import Row
-from bench.subjects import Subject, is_plain_jit
+from bench.subjects import Subject, is_plain_jit, per_subject
 
 NAME = "2. compile time"
-
-
-def measure(subjects: list[Subject], sizes: Sizes, progress: Progress) -> list[Row]:
-  rows = []
-  for subject in subjects:
-    progress(f"{NAME}, {subject.framework}")
-    rows += _measure(subject, sizes)
-  return rows
 
 
 def _measure(subject: Subject, sizes: Sizes) -> list[Row]:
@@ -96,3 +88,6 @@ def _measure(subject: Subject, sizes: Sizes) -> list[Row]:
       )
     )
   return rows
+
+
+measure = per_subject(NAME, _measure)

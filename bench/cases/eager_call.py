@@ -8,20 +8,12 @@ from __future__ import annotations
 
 import functools
 
-from bench.harness import Progress, interleaved, median, ratios, seconds, timed
+from bench.harness import interleaved, median, ratios, seconds, timed
 from bench.models import Sizes
 from bench.report import Row
-from bench.subjects import Subject
+from bench.subjects import Subject, per_subject
 
 NAME = "4. eager call"
-
-
-def measure(subjects: list[Subject], sizes: Sizes, progress: Progress) -> list[Row]:
-  rows = []
-  for subject in subjects:
-    progress(f"{NAME}, {subject.framework}")
-    rows += _measure(subject, sizes)
-  return rows
 
 
 def _measure(subject: Subject, sizes: Sizes) -> list[Row]:
@@ -48,3 +40,6 @@ def _measure(subject: Subject, sizes: Sizes) -> list[Row]:
       )
     )
   return rows
+
+
+measure = per_subject(NAME, _measure)

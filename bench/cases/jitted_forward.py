@@ -16,10 +16,10 @@ from typing import Any
 
 import jax
 
-from bench.harness import Progress, Sample, interleaved, median, ratios, seconds
+from bench.harness import Sample, interleaved, median, ratios, seconds
 from bench.models import Sizes
 from bench.report import Row
-from bench.subjects import Subject, is_plain_jit
+from bench.subjects import Subject, is_plain_jit, per_subject
 
 NAME = "1. jitted forward"
 
@@ -27,14 +27,6 @@ NAME = "1. jitted forward"
 def op_counts(lowered: Any) -> collections.Counter:
   """StableHLO operations of a lowered program, by name (locations and names ignored)."""
   return collections.Counter(re.findall(r"stablehlo\.[a-z_]+|call @", lowered.as_text()))
-
-
-def measure(subjects: list[Subject], sizes: Sizes, progress: Progress) -> list[Row]:
-  rows = []
-  for subject in subjects:
-    progress(f"{NAME}, {subject.framework}")
-    rows += _measure(subject, sizes)
-  return rows
 
 
 def _measure(subject: Subject, sizes: Sizes) -> list[Row]:
@@ -93,3 +85,6 @@ def _measure(subject: Subject, sizes: Sizes) -> list[Row]:
       )
     )
   return rows
+
+
+measure = per_subject(NAME, _measure)
