@@ -49,6 +49,14 @@ from flaxlens.nnx._node import InterceptedNNXModuleMethod as InterceptedNNXModul
 from flaxlens.tools._artifact import load_isolated as load_isolated
 from flaxlens.tools._artifact import save_isolated as save_isolated
 from flaxlens.tools._codec import register_value_codec as register_value_codec
+from flaxlens.tools._interventions import Intervention as Intervention
+from flaxlens.tools._interventions import ablate as ablate
+from flaxlens.tools._interventions import capture as capture
+from flaxlens.tools._interventions import modify as modify
+from flaxlens.tools._interventions import patch as patch
+from flaxlens.tools._interventions import run as run
+from flaxlens.tools._interventions import scale as scale
+from flaxlens.tools._interventions import steer as steer
 from flaxlens.tools._isolate import isolate as isolate
 from flaxlens.tools._isolate import isolate_calls as isolate_calls
 from flaxlens.tools._isolate import isolate_submodel as isolate_submodel

@@ -60,6 +60,15 @@ PUBLIC = {
   "save_isolated",
   "register_value_codec",
   "summary",
+  # interventions and captures
+  "Intervention",
+  "ablate",
+  "capture",
+  "modify",
+  "patch",
+  "run",
+  "scale",
+  "steer",
   # Errors.
   "FlaxlensError",
   "ArgumentError",

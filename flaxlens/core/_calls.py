@@ -127,6 +127,8 @@ class CallInterceptor:
     self.token = RunToken.unique(self)
     # Records the executions of one node (a `_recorder.Recorder`), for isolation.
     self.recorder: Any = None
+    # Interventions and captures at chosen nodes (a `_probes.Probing`), or None.
+    self.probing: Any = None
 
   @contextmanager
   def active(self) -> Iterator[None]:
@@ -182,8 +184,18 @@ class CallInterceptor:
   def run_node(
     self, node: CallNode, module: Any, next_fun: Callable[..., Any], args: Any, kwargs: Any
   ) -> Any:
-    """Runs the call of `node` natively (recording it if it is the recorder's target)."""
+    """Runs the call of `node` natively (probed, and recorded if it is the target)."""
+    probing = self.probing
+    probe = probing.probes.get(id(node)) if probing is not None else None
+    if probe is None:
+      return self._run_node(node, module, next_fun, args, kwargs)
+    return probing.run(
+      node, probe, lambda a, k: self._run_node(node, module, next_fun, a, k), args, kwargs
+    )
 
+  def _run_node(
+    self, node: CallNode, module: Any, next_fun: Callable[..., Any], args: Any, kwargs: Any
+  ) -> Any:
     def run() -> Any:
       return self.run_frame(Frame(node.path, node=node), next_fun, args, kwargs)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import jax
@@ -22,6 +23,7 @@ from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import CallInterceptor, Frame
 from flaxlens.core._inner_jit import RunToken
 from flaxlens.core._node import CallNode, own_call_nodes
+from flaxlens.core._probes import Probing, carrying_out
 from flaxlens.core._random import RandomStream
 from flaxlens.core._variables import (
   AbstractVariable,
@@ -79,12 +81,17 @@ def run_tree(
   random_streams: Any,
   side_inputs: dict[str, Any],
   interceptor: CallInterceptor | None = None,
+  probing: Probing | None = None,
+  probing_key: Any = None,
 ) -> Any:
   """Runs `root` natively once, its submodule calls dispatched by `interceptor`.
 
   `interceptor` defaults to the adapter's plain one; one with a recorder (see
   `_recorder`) records executions on the way, and keeps a token of its own so that
-  inner jits trace afresh and report to it.
+  inner jits trace afresh and report to it. With `probing` (see `_probes`), the run
+  applies its interventions and captures at the probed nodes; `probing_key` is what
+  the probes bake into traces (inner jits key on it) and `probing.results()` holds the
+  captures afterwards.
   """
   adapter = adapter_of(root)
   root.check_runs_alone(
@@ -95,17 +102,44 @@ def run_tree(
     interceptor = adapter.new_interceptor(root, side_inputs)
     # Plain runs of one tree share inner-jit traces; a recording run keeps its own.
     interceptor.token = RunToken(
-      interceptor, (root, side_inputs), frozenset(map(id, gathered.entries.values()))
+      interceptor,
+      (root, side_inputs, probing_key),
+      frozenset(map(id, gathered.entries.values())),
     )
   run = adapter.native_run(root, gathered, random_streams, interceptor)
   method = root.method_name
   frame = Frame(root.path, node=root, absorb=method if isinstance(method, str) else None)
   interceptor.frames.append(frame)
-  with interceptor.active():
-    output, updates = run(argument)
+  if probing is None:
+    with interceptor.active():
+      output, updates = run(argument)
+  else:
+    output, updates = _run_probed(root, run, argument, interceptor, probing)
   interceptor.check_reached(frame)
   write_back(root, gathered, updates)
   return output
+
+
+def _run_probed(
+  root: CallNode, run: Any, argument: ArgsAndKwargs, interceptor: CallInterceptor, probing: Probing
+) -> Any:
+  interceptor.probing = probing
+  updates: list[Any] = []
+
+  def call(args: Any, kwargs: Any) -> Any:
+    output, changed = run(ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs)))
+    updates.append(changed)
+    return output
+
+  with interceptor.active(), carrying_out() if probing.capturing else nullcontext():
+    with probing.channel():
+      probe = probing.probes.get(id(root))
+      if probe is None:
+        output = call(argument.args, argument.kwargs)
+      else:
+        output = probing.run(root, probe, call, argument.args, argument.kwargs)
+      probing.captured = probing.results()
+  return output, updates[-1]
 
 
 def write_back(root: CallNode, gathered: Gathered, updates: Mapping[Any, Any]) -> None:

@@ -1,0 +1,237 @@
+"""Probes: what one run of a tree does at chosen calls besides running them.
+
+A `Probing` is attached to a run's `CallInterceptor`. For each probed call node it holds
+a `Probe`: interventions to apply to the call's first argument and to its output, and
+whether to capture them. Interventions are plain functions of arrays, applied where the
+call runs (inside `nn.scan`/`nnx.scan` bodies at every iteration), so they are traced
+into the same program as the model.
+
+Captured values must leave the trace they were made in. A value captured in the run's
+own trace is returned as is. A value captured inside a body that JAX stages separately
+(the body of `jax.lax.scan`, `jax.vmap`, `jax.checkpoint` that Flax's lifted transforms
+call, and user code that calls them) is carried out as an extra output of that body:
+while a capturing run is active those entry points are wrapped (in place, restored in
+`finally`) so that each body opens a `Channel` and returns what was captured in it
+beside its own output; `scan` and `vmap` stack it along a new leading axis. A value
+captured in a trace no channel stands for (a body staged by a transform flaxlens does
+not wrap) is not returned: the run raises `UnsupportedFlaxFeatureError` naming the site.
+No Flax internals here.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import jax
+
+from flaxlens import _flax_internals as fi
+from flaxlens.core._active import current_interceptor
+from flaxlens.errors import UnsupportedFlaxFeatureError
+
+
+class Probe:
+  """What a run does at one call node.
+
+  Attributes:
+    name: the site's name in captured results.
+    before: functions `(argument, value) -> value` applied to the call's first
+      positional argument, in order.
+    after: functions `(argument, output) -> output` applied to the call's output.
+    output: whether to capture the output (after `after`).
+    input: whether to capture the positional arguments (after `before`).
+    shape: a function applied to every captured array (slicing, dtype), or None.
+  """
+
+  __slots__ = ("name", "before", "after", "output", "input", "shape")
+
+  def __init__(self, name: str):
+    self.name = name
+    self.before: list[Callable[[Any, Any], Any]] = []
+    self.after: list[Callable[[Any, Any], Any]] = []
+    self.output = False
+    self.input = False
+    self.shape: Callable[[Any], Any] | None = None
+
+
+class Channel:
+  """Values captured in one trace: the run's own, or one staged body's."""
+
+  __slots__ = ("trace", "values")
+
+  def __init__(self) -> None:
+    self.trace = fi.current_trace()
+    self.values: dict[str, Any] = {}
+
+
+class Probing:
+  """The probes of one run and what they captured.
+
+  Attributes:
+    probes: `{id(node): Probe}`.
+    capturing: whether any probe captures (only then are staged bodies wrapped).
+    channels: the open channels, the run's own first.
+    stray: `{site: where}` for values captured in a trace no channel carries out.
+  """
+
+  def __init__(self, probes: dict[int, Probe]):
+    self.probes = probes
+    self.capturing = any(p.output or p.input for p in probes.values())
+    self.channels: list[Channel] = []
+    self.stray: dict[str, str] = {}
+    self.captured: dict[str, Any] = {}  # What the run captured, once it ran.
+
+  def run(self, node: Any, probe: Probe, run: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Runs one probed call: interventions on its input, the call, on its output."""
+    from flaxlens.core._args import ArgsAndKwargs
+
+    if probe.before:
+      if not args:
+        raise UnsupportedFlaxFeatureError(
+          f"{node.where()}: an intervention on the input needs a positional argument,"
+          " and this call got none. Intervene on the output of the call before it."
+        )
+      first = args[0]
+      argument = ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs))
+      for fn in probe.before:
+        first = fn(argument, first)
+      args = (first, *args[1:])
+    if probe.input:
+      self.record(f"{probe.name}:input", args[0] if len(args) == 1 else tuple(args), probe)
+    output = run(args, kwargs)
+    if probe.after:
+      argument = ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs))
+      for fn in probe.after:
+        output = fn(argument, output)
+    if probe.output:
+      self.record(probe.name, output, probe)
+    return output
+
+  def record(self, name: str, value: Any, probe: Probe) -> None:
+    value = jax.tree_util.tree_map(lambda x: x if _is_array(x) else None, value)
+    if probe.shape is not None:
+      value = jax.tree_util.tree_map(probe.shape, value)
+    channel = self.channels[-1]
+    if fi.current_trace() == channel.trace:
+      channel.values[name] = value
+      self.stray.pop(name, None)
+    else:
+      self.stray[name] = "a body compiled separately"
+
+  @contextmanager
+  def channel(self) -> Iterator[Channel]:
+    channel = Channel()
+    self.channels.append(channel)
+    try:
+      yield channel
+    finally:
+      self.channels.remove(channel)
+
+  def merge(self, values: dict[str, Any]) -> None:
+    """Adds values a staged body carried out to the channel of the current trace."""
+    channel = self.channels[-1]
+    for name, value in values.items():
+      if fi.current_trace() == channel.trace:
+        channel.values[name] = value
+        self.stray.pop(name, None)
+      else:
+        self.stray[name] = "a body compiled separately"
+
+  def results(self) -> dict[str, Any]:
+    """What the run captured, by site; raises for values that could not leave."""
+    if self.stray:
+      sites = sorted(self.stray)
+      raise UnsupportedFlaxFeatureError(
+        f"The captured site(s) {sites[:6]} run inside a transform whose body flaxlens"
+        " cannot carry values out of (a jit or remat applied when the model was defined,"
+        " such as nn.jit, nnx.jit on a method, nnx.remat or nnx.vmap as decorators)."
+        " Interventions there work; to capture, capture the enclosing call, or convert"
+        " the model with those transforms applied inside the forward pass."
+      )
+    return self.channels[0].values if self.channels else {}
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, jax.Array | jax.core.Tracer) or (
+    hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
+  )
+
+
+def active_probing() -> Probing | None:
+  """The capturing probing of this thread's innermost run, or None."""
+  interceptor = current_interceptor()
+  probing = getattr(interceptor, "probing", None)
+  if probing is None or not probing.capturing or not probing.channels:
+    return None
+  return probing
+
+
+# --- carrying captured values out of staged bodies ------------------------------------
+
+
+def _wrap_scan(original: Callable[..., Any]) -> Callable[..., Any]:
+  @functools.wraps(original)
+  def scan(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    probing = active_probing()
+    if probing is None:
+      return original(f, *args, **kwargs)
+
+    def body(carry: Any, x: Any) -> Any:
+      with probing.channel() as channel:
+        carry, y = f(carry, x)
+      return carry, (y, channel.values)
+
+    carry, (ys, captured) = original(body, *args, **kwargs)
+    probing.merge(captured)
+    return carry, ys
+
+  return scan
+
+
+def _wrap_mapped(original: Callable[..., Any], axes_argument: str | None) -> Callable[..., Any]:
+  """Wraps a transform `original(fun, ...)` returning a function (vmap, checkpoint)."""
+  signature = inspect.signature(original)
+
+  @functools.wraps(original)
+  def transform(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    probing = active_probing()
+    if probing is None:
+      return original(fun, *args, **kwargs)
+    bound = signature.bind(fun, *args, **kwargs)
+
+    def body(*a: Any, **k: Any) -> Any:
+      with probing.channel() as channel:
+        out = fun(*a, **k)
+      return out, channel.values
+
+    first = next(iter(signature.parameters))
+    bound.arguments[first] = functools.wraps(fun)(body)
+    if axes_argument is not None:
+      axes = bound.arguments.get(axes_argument, signature.parameters[axes_argument].default)
+      bound.arguments[axes_argument] = (axes, 0)
+    transformed = original(*bound.args, **bound.kwargs)
+
+    @functools.wraps(fun)
+    def call(*a: Any, **k: Any) -> Any:
+      out, captured = transformed(*a, **k)
+      probing.merge(captured)
+      return out
+
+    return call
+
+  return transform
+
+
+def carrying_out() -> Any:
+  """While active, staged bodies of JAX's scan, vmap and checkpoint carry captures out."""
+  return fi.patched(
+    {
+      (jax.lax, "scan"): _wrap_scan,
+      (jax, "vmap"): lambda f: _wrap_mapped(f, "out_axes"),
+      (jax, "checkpoint"): lambda f: _wrap_mapped(f, None),
+      (jax, "remat"): lambda f: _wrap_mapped(f, None),
+    }
+  )

@@ -1,0 +1,724 @@
+"""Interventions and captures: edit and read the calls of a tree in one compiled run.
+
+An `Intervention` is data: where it applies (`at`, a site pattern), what it does
+(`kind`), which part of the call it acts on (`on`, `part`, `where`): all static, and
+the arrays it uses (`operands`, the arrays of `where`): all dynamic. Python numbers
+become arrays when an intervention is made, so one compiled program serves every
+value. `fl.run` resolves the sites of the interventions and captures against the
+tree, attaches a probe per call (`core/_probes.py`), and runs the tree once, compiled
+by default. No Flax internals here.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._jit import variable_jit
+from flaxlens.core._node import CallNode, is_call_node
+from flaxlens.core._probes import Probe, Probing
+from flaxlens.core._runtime import resolve_random_streams, run_tree
+from flaxlens.core._selectors import path_matches
+from flaxlens.core._struct import Struct, static_field
+from flaxlens.errors import ArgumentError, SelectionError
+
+# --- sites --------------------------------------------------------------------------------
+
+
+class Site(NamedTuple):
+  """One call of a tree that can be probed.
+
+  Attributes:
+    name: how results name it: the module path (`"Block_0/Dense_0"`), with
+      `.method` for methods other than `__call__`, `#k` for the k-th further call of the
+      same module and method, and the module class and method for the root.
+    node: the call node.
+    output: `(treedef, leaf summaries)` of the output conversion saw, or None.
+    inputs: `(treedef, leaf summaries)` of `(args, kwargs)` conversion saw, or None.
+  """
+
+  name: str
+  node: CallNode
+  output: Any
+  inputs: Any
+
+
+def sites_of(root: CallNode) -> list[Site]:
+  """Every call a run of `root` makes through its own nodes, in call order.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> from flaxlens.tools._interventions import sites_of
+    >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> [site.name for site in sites_of(tree)]
+    ['Sequential.__call__', 'layers_0', 'layers_2']
+  """
+  found: list[tuple[CallNode, Any]] = []
+
+  def walk(node: CallNode, spec: Any) -> None:
+    found.append((node, spec))
+    for key, child in node.submodule_calls.items():
+      spec = node._call_spec(key)
+      if is_call_node(child) and child.origin == node.origin:
+        walk(child, spec)
+        continue
+      for leaf in jax.tree_util.tree_leaves(child, is_leaf=is_call_node):
+        if is_call_node(leaf) and leaf.origin == node.origin and spec is not None:
+          if spec.continued_by(leaf):
+            walk(leaf, spec)
+
+  walk(root, None)
+  sites, seen = [], {}
+  for node, spec in found:
+    path, method = node.readable_path()
+    if node is root:
+      name = f"{node.module_type.__name__}.{method}"
+    else:
+      name = path if method == "__call__" else f"{path}.{method}"
+    count = seen.get(name, 0)
+    seen[name] = count + 1
+    if count:
+      name = f"{name}#{count}"
+    output = spec.output if spec is not None else None
+    inputs = spec.inputs if spec is not None else None
+    sites.append(Site(name, node, output, inputs))
+  return sites
+
+
+def _matches(at: Any, site: Site, root: CallNode) -> bool:
+  if isinstance(at, str):
+    if at in ("all", "**"):
+      return True
+    path, method = site.node.readable_path()
+    return (
+      at == site.name
+      or path_matches(at, site.name)
+      or (
+        site.node is not root and (path_matches(at, path) or path_matches(at, f"{path}.{method}"))
+      )
+    )
+  if isinstance(at, CallNode):
+    return site.node is at
+  if isinstance(at, type):
+    return issubclass(site.node.module_type, at)
+  if callable(at):
+    return bool(at(site.node))
+  raise ArgumentError(
+    f"A site is a path pattern (str), a Flax module class, a CallNode or a predicate"
+    f" on call nodes, got {type(at).__name__}."
+  )
+
+
+def select_sites(root: CallNode, at: Any, sites: list[Site] | None = None) -> list[Site]:
+  """The sites of `root` that `at` names (a pattern, class, node, predicate or a list).
+
+  Raises:
+    SelectionError: if nothing matches, with the closest site names.
+  """
+  sites = sites_of(root) if sites is None else sites
+  options = list(at) if isinstance(at, list | tuple) else [at]
+  chosen = [s for s in sites if any(_matches(a, s, root) for a in options)]
+  if not chosen:
+    names = [s.name for s in sites]
+    close = []
+    if isinstance(at, str):
+      close = difflib.get_close_matches(at, names, n=5, cutoff=0.3)
+    raise SelectionError(
+      f"No call of {root.where()} matches the site {at!r}. "
+      + (f"Closest: {close}. " if close else "")
+      + f"Sites include: {names[:10]}{' ...' if len(names) > 10 else ''}"
+    )
+  return chosen
+
+
+# --- interventions ------------------------------------------------------------------------
+
+_KINDS = ("zero", "patch", "mean", "resample", "steer", "scale", "modify")
+
+
+class Intervention(Struct):
+  """One edit of a call's input or output, applied wherever the call runs.
+
+  Make one with `fl.ablate`, `fl.patch`, `fl.steer`, `fl.scale` or `fl.modify`; pass a
+  list of them to `fl.run`. Static fields (in the treedef, so a change recompiles):
+  `at`, `kind`, `on`, `part`, `index`, `fn`. Arrays (`operands`, `where_arrays`) are
+  pytree leaves: under `jax.jit` or `fl.run`, new values reuse the compiled program.
+
+  Attributes:
+    at: the site pattern, class, node or predicate (see `fl.run`).
+    kind: one of "zero", "patch", "mean", "resample", "steer", "scale", "modify".
+    operands: the arrays the edit uses (a patch's values, a steering vector and alpha).
+    where_arrays: the arrays of `where` (a mask, or the array parts of an index).
+    on: "output" or "input" (the call's first positional argument).
+    part: which part of a structured output or input to edit (an index or key), or None.
+    index: the static structure of `where` (None: everywhere).
+    fn: for "modify", the function `fn(argument, value, *operands) -> value`.
+
+  Example:
+    >>> import flaxlens as fl, jax.numpy as jnp
+    >>> edit = fl.steer("Block_0", jnp.ones(4), alpha=2.0)
+    >>> edit.kind, [x.tolist() for x in edit.operands]
+    ('steer', [[1.0, 1.0, 1.0, 1.0], 2.0])
+  """
+
+  operands: tuple[Any, ...]
+  where_arrays: tuple[Any, ...]
+  at: Any = static_field()
+  kind: str = static_field()
+  on: str = static_field(default="output")
+  part: Any = static_field(default=None)
+  index: Any = static_field(default=None)
+  fn: Any = static_field(default=None)
+
+  def __post_init__(self) -> None:
+    if self.kind not in _KINDS:
+      raise ArgumentError(f"Unknown intervention kind {self.kind!r}; one of {_KINDS}.")
+    if self.on not in ("output", "input"):
+      raise ArgumentError(f"on= is 'output' or 'input', got {self.on!r}.")
+
+  def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
+    """`value` (the call's output or first argument) with this intervention applied."""
+    target = _get_part(value, self.part, site)
+    if not _is_array(target):
+      raise ArgumentError(
+        f"{site}: the {self.on} is a {type(target).__name__}, not an array; pass part=..."
+        " (an index or key) to choose the array to edit."
+      )
+    new = self._compute(site, argument, target)
+    if self.index is not None:
+      mask = self._mask(site, target)
+      new = jnp.where(mask, new, target)
+    return _set_part(value, self.part, new.astype(target.dtype))
+
+  def _compute(self, site: str, argument: ArgsAndKwargs, target: Any) -> Any:
+    kind, ops = self.kind, self.operands
+    if kind == "zero":
+      return jnp.zeros_like(target)
+    if kind in ("patch", "mean", "resample"):
+      _check_fits(site, ops[0], target, "the patched value")
+      return jnp.broadcast_to(ops[0], target.shape)
+    if kind == "steer":
+      _check_fits(site, ops[0], target, "the steering vector")
+      _check_fits(site, ops[1], target, "alpha")
+      return target + ops[1] * ops[0]
+    if kind == "scale":
+      _check_fits(site, ops[0], target, "the factor")
+      return target * ops[0]
+    out = self.fn(argument, target, *ops)
+    if getattr(out, "shape", None) != target.shape:
+      raise ArgumentError(
+        f"{site}: the function of fl.modify returned"
+        f" {getattr(out, 'shape', type(out).__name__)}, where the {self.on} has shape"
+        f" {tuple(target.shape)}. Return an array of the same shape."
+      )
+    return out
+
+  def _mask(self, site: str, target: Any) -> Any:
+    if self.index == ("mask",):
+      mask = self.where_arrays[0]
+      if mask.ndim > target.ndim:
+        raise ArgumentError(
+          f"{site}: the mask of where= has rank {mask.ndim}, more than the {self.on}'s"
+          f" rank {target.ndim} (shape {tuple(target.shape)})."
+        )
+      _check_fits(site, mask, target, "the mask of where=")
+      return mask
+    index = _rebuild_index(self.index, self.where_arrays)
+    try:
+      return jnp.zeros(target.shape, bool).at[index].set(True)
+    except (IndexError, TypeError, ValueError) as e:
+      raise ArgumentError(
+        f"{site}: where={index!r} does not index the {self.on} of shape"
+        f" {tuple(target.shape)} ({e})."
+      ) from None
+
+
+def _is_array(x: Any) -> bool:
+  return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
+
+
+def _check_fits(site: str, operand: Any, target: Any, what: str) -> None:
+  shape = tuple(np.shape(operand))
+  try:
+    fits = np.broadcast_shapes(shape, tuple(target.shape)) == tuple(target.shape)
+  except ValueError:
+    fits = False
+  if not fits:
+    raise ArgumentError(
+      f"{site}: {what} has shape {shape}, which does not broadcast to the call's"
+      f" {tuple(target.shape)}. Give an array of a shape that broadcasts to it (for"
+      " example the last axis only)."
+    )
+  dtype = getattr(operand, "dtype", None)
+  if dtype is not None and not jnp.can_cast(dtype, target.dtype, casting="same_kind"):
+    if not (np.dtype(dtype) == np.bool_ and what.startswith("the mask")):
+      raise ArgumentError(
+        f"{site}: {what} has dtype {dtype}, which cannot become the call's {target.dtype}."
+      )
+
+
+def _get_part(value: Any, part: Any, site: str) -> Any:
+  if part is None:
+    return value
+  try:
+    if isinstance(part, int) or isinstance(value, Mapping):
+      return value[part]
+    return getattr(value, part)
+  except (IndexError, KeyError, AttributeError, TypeError):
+    raise ArgumentError(
+      f"{site}: part={part!r} is not part of this value (a {type(value).__name__})."
+    ) from None
+
+
+def _set_part(value: Any, part: Any, new: Any) -> Any:
+  if part is None:
+    return new
+  if isinstance(value, tuple):
+    items = list(value)
+    items[part] = new
+    return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+  if isinstance(value, list):
+    return [new if i == part else v for i, v in enumerate(value)]
+  if isinstance(value, Mapping):
+    copied = copy.copy(value)
+    copied[part] = new
+    return copied
+  return dataclasses.replace(value, **{part: new})
+
+
+def _split_index(where: Any) -> tuple[Any, tuple[Any, ...]]:
+  """`(static structure, arrays)` of a `where=` value (a mask or an index)."""
+  if where is None:
+    return None, ()
+  if _is_array(where) and np.dtype(where.dtype) == np.bool_:
+    return ("mask",), (jnp.asarray(where),)
+  entries = where if isinstance(where, tuple) else (where,)
+  static, arrays = [], []
+  for entry in entries:
+    if isinstance(entry, slice):
+      static.append(("slice", entry.start, entry.stop, entry.step))
+    elif entry is Ellipsis:
+      static.append(("ellipsis",))
+    elif entry is None:
+      static.append(("newaxis",))
+    elif isinstance(entry, int | np.integer):
+      static.append(("int", int(entry)))
+    elif _is_array(entry) or isinstance(entry, list):
+      static.append(("array",))
+      arrays.append(jnp.asarray(entry))
+    else:
+      raise ArgumentError(
+        "where= takes a boolean mask or an index (ints, slices, ..., integer arrays),"
+        f" as jnp.s_[...] writes one; got {entry!r}."
+      )
+  return ("index", *static), tuple(arrays)
+
+
+def _rebuild_index(static: tuple[Any, ...], arrays: tuple[Any, ...]) -> Any:
+  out, it = [], iter(arrays)
+  for entry in static[1:]:
+    tag = entry[0]
+    if tag == "slice":
+      out.append(slice(*entry[1:]))
+    elif tag == "ellipsis":
+      out.append(Ellipsis)
+    elif tag == "newaxis":
+      out.append(None)
+    elif tag == "int":
+      out.append(entry[1])
+    else:
+      out.append(next(it))
+  return tuple(out)
+
+
+def _array(x: Any, name: str) -> Any:
+  if isinstance(x, bool | int | float | complex | np.generic) or _is_array(x):
+    return jnp.asarray(x)
+  raise ArgumentError(f"{name} must be an array or a number, got {type(x).__name__}.")
+
+
+def _static_at(at: Any) -> Any:
+  return tuple(at) if isinstance(at, list) else at
+
+
+def _make(kind: str, at: Any, operands: tuple, where: Any, on: str, part: Any, fn=None):
+  index, where_arrays = _split_index(where)
+  return Intervention(
+    operands=operands,
+    where_arrays=where_arrays,
+    at=_static_at(at),
+    kind=kind,
+    on=on,
+    part=part,
+    index=index,
+    fn=fn,
+  )
+
+
+def ablate(
+  at: Any,
+  how: str = "zero",
+  reference: Any = None,
+  *,
+  key: Any = None,
+  where: Any = None,
+  on: str = "output",
+  part: Any = None,
+) -> Intervention:
+  """Ablates a call's output (or input): zero, mean or resample ablation.
+
+  Args:
+    at: the site(s): a path pattern such as `"Block_3/Attention_0"` or `"**/mlp"`, a
+      Flax module class, a call node, a predicate on call nodes, or a list of these.
+    how: "zero" (set to 0), "mean" (set to the mean of `reference` over its first axis,
+      `reference` being the site's values on other inputs, for example from `fl.capture`)
+      or "resample" (set to `reference` with its first axis shuffled by `key`: each
+      example gets another example's value).
+    reference: the site's values to take the mean of, or to resample from.
+    key: a JAX key, for "resample".
+    where: restrict the edit: a boolean mask that broadcasts to the value, or an index
+      (`jnp.s_[:, 3]`: position 3; `jnp.s_[..., 2, :]`: head 2 of `(..., heads, dim)`).
+    on: "output" (default) or "input" (the call's first positional argument).
+    part: for a structured value (a tuple, dict or dataclass), which part to edit.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> out = fl.run(tree, x, interventions=[fl.ablate("layers_0")])
+    >>> bool((out == tree.select().at_path("layers_2").get().export()["params"]["bias"]).all())
+    True
+  """
+  if how == "zero":
+    operands: tuple[Any, ...] = ()
+  elif how in ("mean", "resample"):
+    if reference is None:
+      raise ArgumentError(f"ablate(how={how!r}) needs reference=, the site's values to use.")
+    reference = jnp.asarray(reference)
+    if how == "mean":
+      operands = (reference.mean(axis=0),)
+    else:
+      if key is None:
+        raise ArgumentError("ablate(how='resample') needs key=, a JAX key to shuffle with.")
+      operands = (jax.random.permutation(key, reference, axis=0),)
+  else:
+    raise ArgumentError(f"ablate's how= is 'zero', 'mean' or 'resample', got {how!r}.")
+  return _make("zero" if how == "zero" else how, at, operands, where, on, part)
+
+
+def patch(
+  at: Any, value: Any, *, where: Any = None, on: str = "output", part: Any = None
+) -> Intervention:
+  """Sets a call's output (or input) to `value` (activation patching).
+
+  `value` broadcasts to the call's value; typically another run's capture of the site.
+
+  Example:
+    >>> import flaxlens as fl, jax.numpy as jnp
+    >>> fl.patch("Block_0/mlp", jnp.zeros((2, 8, 16)), where=jnp.s_[:, 3]).kind
+    'patch'
+  """
+  return _make("patch", at, (_array(value, "value"),), where, on, part)
+
+
+def steer(
+  at: Any,
+  vector: Any,
+  alpha: Any = 1.0,
+  *,
+  where: Any = None,
+  on: str = "output",
+  part: Any = None,
+) -> Intervention:
+  """Adds `alpha * vector` to a call's output (or input): activation steering.
+
+  `vector` and `alpha` broadcast to the call's value and are arrays of the compiled
+  program, so new values never recompile.
+
+  Example:
+    >>> import flaxlens as fl, jax.numpy as jnp
+    >>> fl.steer("**/Block_1", jnp.ones(16), alpha=4.0).operands[1].shape
+    ()
+  """
+  return _make("steer", at, (_array(vector, "vector"), _array(alpha, "alpha")), where, on, part)
+
+
+def scale(
+  at: Any, factor: Any, *, where: Any = None, on: str = "output", part: Any = None
+) -> Intervention:
+  """Multiplies a call's output (or input) by `factor`.
+
+  Example:
+    >>> import flaxlens as fl
+    >>> fl.scale("Block_0", 0.5).kind
+    'scale'
+  """
+  return _make("scale", at, (_array(factor, "factor"),), where, on, part)
+
+
+def modify(
+  at: Any,
+  fn: Callable[..., Any],
+  *operands: Any,
+  where: Any = None,
+  on: str = "output",
+  part: Any = None,
+) -> Intervention:
+  """Replaces a call's output (or input) by `fn(argument, value, *operands)`.
+
+  `argument` is the call's `fl.ArgsAndKwargs`; `fn` must return an array of the value's
+  shape. `fn` is static (a new function recompiles), `operands` are arrays.
+
+  Example:
+    >>> import flaxlens as fl, jax.numpy as jnp
+    >>> clip = fl.modify("Block_0", lambda argument, y, bound: jnp.clip(y, -bound, bound), 1.0)
+    >>> clip.kind
+    'modify'
+  """
+  if not callable(fn):
+    raise ArgumentError(f"modify takes a function fn(argument, value, *operands), got {fn!r}.")
+  ops = tuple(_array(x, "each operand") for x in operands)
+  return _make("modify", at, ops, where, on, part, fn=fn)
+
+
+# --- running ------------------------------------------------------------------------------
+
+
+def _check_tree(tree: Any) -> None:
+  if not isinstance(tree, CallNode):
+    raise ArgumentError(
+      f"fl.run and fl.capture take a converted tree (fl.unflaxify(...)), got {type(tree).__name__}."
+    )
+
+
+def _probes_for(
+  tree: CallNode,
+  interventions: Sequence[Intervention],
+  capture: Any,
+  inputs: bool,
+  shape: Callable[[Any], Any] | None,
+) -> dict[int, Probe]:
+  sites = sites_of(tree)
+  probes: dict[int, Probe] = {}
+
+  def probe(site: Site) -> Probe:
+    found = probes.get(id(site.node))
+    if found is None:
+      found = probes[id(site.node)] = Probe(site.name)
+    return found
+
+  for intervention in interventions:
+    if not isinstance(intervention, Intervention):
+      raise ArgumentError(
+        "interventions= takes fl.ablate/patch/steer/scale/modify results, got"
+        f" {type(intervention).__name__}."
+      )
+    for site in select_sites(tree, intervention.at, sites):
+      _check_part(site, intervention)
+      p = probe(site)
+      edit = _bound_edit(intervention, site.name)
+      (p.before if intervention.on == "input" else p.after).append(edit)
+  if capture is not None and capture is not False:
+    chosen = sites if capture is True else select_sites(tree, capture, sites)
+    for site in chosen:
+      p = probe(site)
+      p.output = True
+      p.input = inputs
+      p.shape = shape
+  return probes
+
+
+def _bound_edit(intervention: Intervention, name: str) -> Callable[[Any, Any], Any]:
+  return lambda argument, value: intervention.edit(name, argument, value)
+
+
+def _check_part(site: Site, intervention: Intervention) -> None:
+  """Refuses, before running, an intervention whose part the call does not have."""
+  signature = site.output if intervention.on == "output" else site.inputs
+  if signature is None:
+    return
+  treedef, leaves = signature
+  value = jax.tree_util.tree_unflatten(treedef, leaves)
+  if intervention.on == "input":
+    args = value[0]
+    if not args:
+      raise ArgumentError(
+        f"{site.name}: on='input' edits the first positional argument, and this call takes none."
+      )
+    value = args[0]
+  target = _get_part(value, intervention.part, site.name)
+  if not isinstance(target, jax.ShapeDtypeStruct):
+    raise ArgumentError(
+      f"{site.name}: the {intervention.on} is {_describe(target)}, not one array; pass"
+      " part=... (an index or key) to choose the array to edit."
+    )
+
+
+def _describe(value: Any) -> str:
+  leaves = jax.tree_util.tree_leaves(value)
+  return f"a {type(value).__name__} of {len(leaves)} leaves"
+
+
+def _shaper(index: Any, dtype: Any) -> Callable[[Any], Any] | None:
+  """Slicing and casting of captured arrays; `index` as `_split_index` returns it."""
+  if index is None and dtype is None:
+    return None
+  where = None if index is None else _rebuild_index(*index)
+
+  def shape(x: Any) -> Any:
+    if x is None:
+      return None
+    if where is not None:
+      x = x[where]
+    return x if dtype is None else x.astype(dtype)
+
+  return shape
+
+
+def _run_once(
+  tree: CallNode,
+  argument: ArgsAndKwargs,
+  interventions: tuple[Intervention, ...],
+  capture: Any,
+  inputs: bool,
+  index: Any,
+  dtype: Any,
+  random_streams: Any,
+) -> Any:
+  probes = _probes_for(tree, interventions, capture, inputs, _shaper(index, dtype))
+  probing = Probing(probes)
+  key = (interventions, capture, inputs, index, dtype)
+  output = run_tree(tree, argument, random_streams, {}, probing=probing, probing_key=key)
+  return output, probing.captured
+
+
+@variable_jit
+def _run_compiled(tree, argument, interventions, capture, inputs, index, dtype, random_streams):
+  return _run_once(tree, argument, interventions, capture, inputs, index, dtype, random_streams)
+
+
+def run(
+  tree: CallNode,
+  *args: Any,
+  interventions: Sequence[Intervention] = (),
+  capture: Any = None,
+  inputs: bool = False,
+  index: Any = None,
+  dtype: Any = None,
+  random_streams: Any = None,
+  jit: bool = True,
+  **kwargs: Any,
+) -> Any:
+  """Runs a converted tree on `*args, **kwargs` with interventions, capturing calls.
+
+  The tree runs once, natively (every call not intervened on is Flax's own), compiled
+  with `jax.jit` by default: the tree's variables, the arguments' arrays and the
+  interventions' arrays are inputs of the compiled program, so new values (a steering
+  strength, a patch, edited weights) reuse it; sites, kinds and Python values of the
+  arguments are compiled in. Called inside your own `jax.jit`, `jax.vmap` or `jax.grad`,
+  pass `jit=False`.
+
+  Sites (for `interventions` and `capture`) are path patterns as
+  `tree.select().at_path` takes them (`"Block_3/Dense_0"`, `"**/mlp"`, `".method"`
+  suffixes), Flax module classes (subclasses included), call nodes, predicates on call
+  nodes, or lists of these; `capture=True` (or `"all"`) captures every call. A call
+  inside `nn.scan`/`nnx.scan` (or `vmap`) is one site, edited at every iteration and
+  captured stacked along a new leading axis (outer transforms first).
+
+  Args:
+    tree: a converted tree (`fl.unflaxify`).
+    *args: the call's positional arguments.
+    interventions: `fl.ablate`, `fl.patch`, `fl.steer`, `fl.scale`, `fl.modify` results,
+      applied in order (input edits before the call, output edits after it).
+    capture: the sites whose outputs to return, or None.
+    inputs: also capture each captured call's positional arguments, as
+      `"site:input"` (one argument as itself, several as a tuple).
+    index: keep only `value[index]` of every captured array (memory control).
+    dtype: cast every captured array to this dtype.
+    random_streams: as for a tree call (Linen: `{"dropout": key}`).
+    jit: compile the run (default) or run it eagerly.
+    **kwargs: the call's keyword arguments.
+
+  Returns:
+    The output, or `(output, {site: value})` when `capture` is given.
+
+  Raises:
+    SelectionError: a site matches no call (the closest names are listed).
+    ArgumentError: a value cannot apply to its site (the site and shapes are named).
+    UnsupportedFlaxFeatureError: a captured site runs where values cannot leave.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> tree = fl.unflaxify(model, variables, x)
+    >>> out, cache = fl.run(tree, x, capture="layers_*")
+    >>> sorted(cache), bool((out == model.apply(variables, x)).all())
+    (['layers_0', 'layers_2'], True)
+  """
+  _check_tree(tree)
+  interventions = tuple(interventions)
+  capture = _static_at(capture)
+  if isinstance(capture, str) and capture == "all":
+    capture = True
+  argument = ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs))
+  random_streams = resolve_random_streams(random_streams, tree.where())
+  if index is not None:
+    index = _split_index(index if isinstance(index, tuple) else (index,))
+    if index[0] == ("mask",):
+      raise ArgumentError("index= takes an index (ints, slices, arrays), not a boolean mask.")
+  runner = _run_compiled if jit else _run_once
+  output, captured = runner(
+    tree, argument, interventions, capture, inputs, index, dtype, random_streams
+  )
+  return output if capture is None or capture is False else (output, captured)
+
+
+def capture(
+  tree: CallNode,
+  *args: Any,
+  at: Any = True,
+  inputs: bool = False,
+  index: Any = None,
+  dtype: Any = None,
+  interventions: Sequence[Intervention] = (),
+  random_streams: Any = None,
+  jit: bool = True,
+  **kwargs: Any,
+) -> tuple[Any, dict[str, Any]]:
+  """Runs a tree and returns `(output, {site: value})`: every call's output by default.
+
+  `fl.capture(tree, x, at="**/mlp")` is `fl.run(tree, x, capture="**/mlp")`; see
+  `fl.run` for sites, options and compilation.
+
+  Example:
+    >>> import flaxlens as fl
+    >>> from flax import nnx
+    >>> import jax.numpy as jnp
+    >>> model = nnx.Sequential(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), nnx.relu)
+    >>> tree = fl.unflaxify(model, jnp.ones((1, 4)))
+    >>> out, cache = fl.capture(tree, jnp.ones((1, 4)))
+    >>> sorted(cache)
+    ['Sequential.__call__', 'layers/0']
+  """
+  return run(
+    tree,
+    *args,
+    interventions=interventions,
+    capture=at,
+    inputs=inputs,
+    index=index,
+    dtype=dtype,
+    random_streams=random_streams,
+    jit=jit,
+    **kwargs,
+  )
