@@ -481,14 +481,21 @@ def _nnx_jit_call(original: Callable[..., Any]) -> Callable[..., Any]:
     handlers = getattr(_nnx_local, "handlers", None)
     if not handlers:
       return original(self, *args, **kwargs)
-    return handlers[-1](lambda: original(self, *args, **kwargs), (args, kwargs))
+    return handlers[-1](
+      lambda: original(self, *args, **kwargs),
+      (args, kwargs),
+      lambda: self.fun(*args, **kwargs),
+    )
 
   return call
 
 
 @contextmanager
 def nnx_jit_keys(handler: Callable[[Callable[[], Any], Any], Any]) -> Iterator[None]:
-  """While active in this thread, `nnx.jit` calls run as `handler(call, arguments)`."""
+  """While active in this thread, `nnx.jit` calls run as `handler(call, arguments, inline)`.
+
+  `inline()` calls the function `nnx.jit` wraps (its `fun`) directly, untraced.
+  """
   from flax.nnx.transforms import compilation
 
   replacements = {

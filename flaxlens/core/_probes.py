@@ -145,11 +145,11 @@ class Probing:
     if self.stray:
       sites = sorted(self.stray)
       raise UnsupportedFlaxFeatureError(
-        f"The captured site(s) {sites[:6]} run inside a transform whose body flaxlens"
-        " cannot carry values out of (a jit or remat applied when the model was defined,"
-        " such as nn.jit, nnx.jit on a method, nnx.remat or nnx.vmap as decorators)."
-        " Interventions there work; to capture, capture the enclosing call, or convert"
-        " the model with those transforms applied inside the forward pass."
+        f"The captured site(s) {sites[:6]} run inside a body JAX stages on its own that"
+        " flaxlens cannot carry values out of: a loop or branch (lax.while_loop,"
+        " fori_loop, cond, switch and the Flax transforms built on them), or an"
+        " nnx.remat/nnx.vmap applied when the model was defined rather than in its"
+        " forward pass. Interventions there work; capture the enclosing call instead."
       )
     return self.channels[0].values if self.channels else {}
 

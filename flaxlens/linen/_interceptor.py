@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import flax.linen as nn
+import jax
 from flax import errors as flax_errors
 
 from flaxlens import _flax_internals as fi
@@ -44,6 +45,7 @@ class LinenInterceptor(CallInterceptor):
 
   mutable: tuple[str, ...] = ()
   _not_run: tuple[Any, str] | None = None  # The last call that did not run natively.
+  _inlined_body = False  # The next call is the body of an inlined nn.jit call.
 
   def intercept(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
     if current_interceptor() is not self or context.method_name == "setup":
@@ -52,6 +54,11 @@ class LinenInterceptor(CallInterceptor):
     if fi.is_setup_check(module):
       self.frames[-1].lifted = [None, None]
       return next_fun(*args, **kwargs)
+    if self._inlined_body:
+      # The body of an nn.jit this run inlines (see `active`): jits inside it compile.
+      self._inlined_body = False
+      with jax.disable_jit(False):
+        return self.intercept(next_fun, args, kwargs, context)
     path = self.prefix + fi.module_path(module)
     ran = []
 
@@ -80,23 +87,46 @@ class LinenInterceptor(CallInterceptor):
 
   @contextmanager
   def active(self) -> Iterator[None]:
+    """Reports calls; `nn.jit` calls key their traces on the run.
+
+    A run that captures inlines `nn.jit` calls instead (`jax.disable_jit` around the
+    jitted call, jit enabled again inside its body), so that values captured in the
+    body belong to the run's trace: compiled with the run under `fl.run`'s jit.
+    """
     opened: list[Any] = []
+    inlined: list[Any] = []
 
     def start() -> Any:
       context = self.inner_jit(fi.current_trace())
       key = context.__enter__()
       opened.append(context)
+      inline = None
+      if self.probing is not None and self.probing.capturing:
+        inline = jax.disable_jit(True)
+        inline.__enter__()
+        self._inlined_body = True
+      inlined.append(inline)
       return key
 
     def finish() -> None:
       opened.pop().__exit__(None, None, None)
+      inline = inlined.pop()
+      if inline is not None:
+        inline.__exit__(None, None, None)
 
-    with (
-      super().active(),
-      fi.intercept_methods(self.intercept),
-      fi.linen_jit_keys(start, finish),
-    ):
-      yield
+    try:
+      with (
+        super().active(),
+        fi.intercept_methods(self.intercept),
+        fi.linen_jit_keys(start, finish),
+      ):
+        yield
+    finally:
+      while inlined:  # A jitted call raised: leave jit enabled as it was.
+        inline = inlined.pop()
+        if inline is not None:
+          inline.__exit__(None, None, None)
+      self._inlined_body = False
 
   def new_record(self, module: Any, path: Path, name: str) -> CallRecord:
     return CallRecord(fi.unbound_clone(module), path, name)

@@ -144,8 +144,15 @@ class NNXInterceptor(CallInterceptor):
     with fi.patched(wrappers), fi.nnx_jit_keys(self._jit_call), super().active():
       yield
 
-  def _jit_call(self, call: Callable[[], Any], arguments: Any) -> Any:
-    """Runs one `nnx.jit` call with the run's key in its modules' sites."""
+  def _jit_call(self, call: Callable[[], Any], arguments: Any, inline: Callable[[], Any]) -> Any:
+    """Runs one `nnx.jit` call with the run's key in its modules' sites.
+
+    A run that captures calls the jitted function inline instead, so that values
+    captured in it belong to the run's trace (compiled with the run under `fl.run`'s
+    jit); the function updates the modules in place, as `nnx.jit` would.
+    """
+    if self.probing is not None and self.probing.capturing and self.frames:
+      return inline()
     ours = [
       m
       for leaf in jax.tree_util.tree_leaves(arguments, is_leaf=_is_module)

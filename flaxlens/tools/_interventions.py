@@ -341,7 +341,14 @@ def _rebuild_index(static: tuple[Any, ...], arrays: tuple[Any, ...]) -> Any:
 
 
 def _array(x: Any, name: str) -> Any:
-  if isinstance(x, bool | int | float | complex | np.generic) or _is_array(x):
+  """`x` as a JAX array; Python numbers get their default dtype, strongly typed.
+
+  A Python float and a float32 array then trace alike: changing one for the other
+  does not recompile.
+  """
+  if isinstance(x, bool | int | float | complex):
+    return jnp.asarray(x, dtype=jax.dtypes.canonicalize_dtype(type(x)))
+  if isinstance(x, np.generic) or _is_array(x):
     return jnp.asarray(x)
   raise ArgumentError(f"{name} must be an array or a number, got {type(x).__name__}.")
 
