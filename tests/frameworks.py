@@ -114,6 +114,15 @@ class Framework(abc.ABC):
     """
 
   @abc.abstractmethod
+  def native_captures(self, case, *, jit=False) -> tuple[Any, dict[tuple, tuple]]:
+    """The native call with Flax's own capture of every method output.
+
+    Linen: `capture_intermediates=True` (calls of `__call__`); NNX:
+    `nnx.capture(..., method_outputs=nnx.Intermediate)` (every method). Returns the
+    output and `{(module path..., method): (output of each call, in order)}`.
+    """
+
+  @abc.abstractmethod
   def native_function(self, case) -> Callable[..., Any]:
     """A function of the call's positional arguments running the model natively."""
 
@@ -219,6 +228,37 @@ class _Linen(Framework):
         else:
           output = result
     return output, flat_collections(updates)
+
+  def native_captures(self, case, *, jit=False):
+    mutable = case.mutable
+    if mutable is False:
+      mutable = ["intermediates"]
+    elif mutable is not True:
+      mutable = [*([mutable] if isinstance(mutable, str) else mutable), "intermediates"]
+
+    def apply(variables, *args):
+      return case.module.apply(
+        variables,
+        *args,
+        method=case.method,
+        rngs=case.rngs,
+        mutable=mutable,
+        capture_intermediates=True,
+        **case.kwargs,
+      )
+
+    output, updates = (jax.jit(apply) if jit else apply)(case.variables, *case.args)
+    found = {}
+
+    def walk(path, tree):
+      for name, child in tree.items():
+        if isinstance(child, tuple):
+          found[(*path, name)] = child
+        else:
+          walk((*path, name), child)
+
+    walk((), updates.get("intermediates", {}))
+    return output, found
 
   def native_function(self, case):
     return lambda *args: case.module.apply(case.variables, *args, method=case.method)
@@ -335,6 +375,34 @@ class _NNX(Framework):
     else:
       outputs = [case.native(model, **kwargs) for _ in range(times)]
     return outputs[-1], model_state(model)
+
+  def native_captures(self, case, *, jit=False):
+    def call(model, args, kwargs):
+      if isinstance(case.method, str):
+        return getattr(model, case.method)(*args, **kwargs)
+      return case.method(model, *args, **kwargs)
+
+    args, kwargs = case.fresh_arguments()
+
+    def traced(a):  # Python values stay static under jit, as fl.run keeps them.
+      return not isinstance(a, int | float | str | tuple | type(None))
+
+    dynamic = ([a for a in args if traced(a)], {k: v for k, v in kwargs.items() if traced(v)})
+
+    def with_dynamic(model, given):
+      it = iter(given[0])
+      return call(
+        model, [next(it) if traced(a) else a for a in args], {**kwargs, **given[1]}
+      )
+
+    captured = nnx.capture(with_dynamic, nnx.Intermediate, method_outputs=nnx.Intermediate)
+    model = nnx.clone(case.model)
+    output, state = (nnx.jit(captured) if jit else captured)(model, dynamic)
+    found = {
+      tuple(path): variable.get_raw_value()
+      for path, variable in nnx.to_flat_state(state)
+    }
+    return output, found
 
   def native_function(self, case):
     return getattr(nnx.clone(case.model), case.method)

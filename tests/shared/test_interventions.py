@@ -1,0 +1,98 @@
+"""Interventions: `fl.run` edits exactly the targeted calls, as a native edit of the model.
+
+For each corpus model, the first module called with `__call__` whose output is one
+floating array is scaled or steered through `fl.run`; the native reference wraps the
+same module's calls (Linen `nn.intercept_methods`, NNX a subclass of its class). Output
+and updated state must be equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from comparisons import assert_trees_equal
+from frameworks import FRAMEWORKS, Wrap
+
+import flaxlens as fl
+from flaxlens.tools._interventions import sites_of
+
+CASES = [(fw, name) for fw in FRAMEWORKS.values() for name in fw.corpus.NAMES]
+# The native reference wraps a module's class in a subclass; nnx.capture inside this
+# model then wraps both classes' `__call__` and records the call twice.
+_SUBCLASS_SEEN_TWICE = {"capture_sow_perturb"}
+
+
+def _target(tree):
+  """The module path of the first call of `__call__` returning one floating array."""
+  for site in sites_of(tree)[1:]:
+    if site.node.method_name != "__call__" or site.output is None:
+      continue
+    treedef, leaves = site.output
+    if site.node.path and jax.tree_util.treedef_is_leaf(treedef) and isinstance(leaves[0], jax.ShapeDtypeStruct):
+      if jnp.issubdtype(leaves[0].dtype, jnp.floating) and leaves[0].shape:
+        return "/".join(map(str, site.node.path)), leaves[0]
+  return None, None
+
+
+def _assert_same(fw, tree, ours, native):
+  out, state = native
+  assert_trees_equal(ours, out)
+  mine = fw.tree_state(tree)
+  assert_trees_equal(
+    {k: mine[k] for k in state if k in mine}, {k: state[k] for k in state if k in mine}
+  )
+
+
+@pytest.mark.parametrize(("fw", "name"), CASES)
+def test_steering_a_call_equals_the_native_edit(corpora, fw, name):
+  if name in _SUBCLASS_SEEN_TWICE:
+    pytest.skip("the native reference records the edited call twice")
+  case = corpora[fw][name]
+  tree = fw.convert(case)
+  path, spec = _target(tree)
+  if path is None:
+    pytest.skip("no call returning one floating array")
+  vector = jnp.linspace(-1.0, 1.0, spec.shape[-1]).astype(spec.dtype)
+  argument = fw.argument(case)
+  ours = fl.run(
+    tree,
+    *argument.args,
+    interventions=[fl.steer(f"{path}.__call__", vector, alpha=0.5)],
+    jit=False,
+    **fw.side_inputs(case),
+    **argument.kwargs,
+  )
+  alpha = jnp.asarray(0.5, jnp.float32)
+  native = fw.native(
+    case, wrap=Wrap(path, lambda out, *a: (out + alpha * vector).astype(out.dtype))
+  )
+  _assert_same(fw, tree, ours, native)
+
+
+@pytest.mark.parametrize(("fw", "name"), CASES)
+def test_a_position_restricted_scale_equals_the_native_edit(corpora, fw, name):
+  if name in _SUBCLASS_SEEN_TWICE or name == "rngs_argument":
+    pytest.skip("the native reference cannot run this model under nnx.jit as called")
+  case = corpora[fw][name]
+  tree = fw.convert(case)
+  path, spec = _target(tree)
+  if path is None:
+    pytest.skip("no call returning one floating array")
+  argument = fw.argument(case)
+  where = (Ellipsis, 0)
+  ours = fl.run(
+    tree,
+    *argument.args,
+    interventions=[fl.scale(f"{path}.__call__", 3.0, where=where)],
+    jit=True,
+    **fw.side_inputs(case),
+    **argument.kwargs,
+  )
+
+  def edit(out, *args):  # the edit written by hand, with the same operations
+    mask = jnp.zeros(out.shape, bool).at[where].set(True)
+    return jnp.where(mask, out * jnp.asarray(3.0, jnp.float32), out).astype(out.dtype)
+
+  native = fw.native(case, jit=True, wrap=Wrap(path, edit))
+  _assert_same(fw, tree, ours, native)
