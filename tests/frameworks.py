@@ -391,17 +391,12 @@ class _NNX(Framework):
 
     def with_dynamic(model, given):
       it = iter(given[0])
-      return call(
-        model, [next(it) if traced(a) else a for a in args], {**kwargs, **given[1]}
-      )
+      return call(model, [next(it) if traced(a) else a for a in args], {**kwargs, **given[1]})
 
     captured = nnx.capture(with_dynamic, nnx.Intermediate, method_outputs=nnx.Intermediate)
     model = nnx.clone(case.model)
     output, state = (nnx.jit(captured) if jit else captured)(model, dynamic)
-    found = {
-      tuple(path): variable.get_raw_value()
-      for path, variable in nnx.to_flat_state(state)
-    }
+    found = {tuple(path): variable.get_raw_value() for path, variable in nnx.to_flat_state(state)}
     return output, found
 
   def native_function(self, case):

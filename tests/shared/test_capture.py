@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from comparisons import assert_trees_equal
 from frameworks import FRAMEWORKS
 
 import flaxlens as fl
@@ -26,15 +27,12 @@ def _native_key(site, root) -> tuple:
 def _compare(fw, case, jit: bool) -> int:
   tree = fw.convert(case)
   argument = fw.argument(case)
-  out, cache = fl.capture(
-    tree, *argument.args, jit=jit, **fw.side_inputs(case), **argument.kwargs
-  )
+  out, cache = fl.capture(tree, *argument.args, jit=jit, **fw.side_inputs(case), **argument.kwargs)
   try:
     native_out, native = fw.native_captures(case, jit=jit)
   except ValueError as e:  # nnx.capture cannot run models holding nnx.bridge modules.
     pytest.skip(f"Flax's own capture cannot run this model: {e}")
-  for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(native_out), strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert_trees_equal(out, native_out)
   seen: dict[tuple, int] = {}
   compared = 0
   for site in sites_of(tree):

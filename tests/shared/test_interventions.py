@@ -29,7 +29,8 @@ def _target(tree):
     if site.node.method_name != "__call__" or site.output is None:
       continue
     treedef, leaves = site.output
-    if site.node.path and jax.tree_util.treedef_is_leaf(treedef) and isinstance(leaves[0], jax.ShapeDtypeStruct):
+    array = isinstance(leaves[0], jax.ShapeDtypeStruct) if leaves else False
+    if site.node.path and jax.tree_util.treedef_is_leaf(treedef) and array:
       if jnp.issubdtype(leaves[0].dtype, jnp.floating) and leaves[0].shape:
         return "/".join(map(str, site.node.path)), leaves[0]
   return None, None
