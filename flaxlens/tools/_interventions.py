@@ -39,7 +39,8 @@ class Site(NamedTuple):
   Attributes:
     name: how results name it: the module path (`"Block_0/Dense_0"`), with
       `.method` for methods other than `__call__`, `#k` for the k-th further call of the
-      same module and method, and the module class and method for the root.
+      same module and method; the root (and a module applied on its own inside the
+      model, whose path is empty) by its class and method.
     node: the call node.
     output: `(treedef, leaf summaries)` of the output conversion saw, or None.
     inputs: `(treedef, leaf summaries)` of `(args, kwargs)` conversion saw, or None.
@@ -80,7 +81,7 @@ def sites_of(root: CallNode) -> list[Site]:
   sites, seen = [], {}
   for node, spec in found:
     path, method = node.readable_path()
-    if node is root:
+    if node is root or not path:  # The root, or a module applied on its own inside.
       name = f"{node.module_type.__name__}.{method}"
     else:
       name = path if method == "__call__" else f"{path}.{method}"
