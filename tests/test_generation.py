@@ -85,28 +85,60 @@ def _steered_class(cls: type, vector, alpha: float) -> type:
   return Steered
 
 
+VECTOR = jax.random.normal(jax.random.key(1), (16,))
+FIRST = (jnp.array([[3], [7]]), jnp.zeros((2, 1), jnp.int32))  # ids, positions
+
+
+def _native_nnx_decode(model: Decoder, alpha: float):
+  """Greedy decoding of a copy of `model` whose first block adds `alpha * VECTOR`."""
+  native = nnx.clone(model)
+  block = native.blocks[0]
+  object.__setattr__(block, "__class__", _steered_class(type(block), VECTOR, alpha))
+  step = nnx.jit(lambda model, ids, positions: model(ids, positions))
+  tokens, logits = _greedy(functools.partial(step, native), *FIRST, STEPS)
+  return tokens, logits, native
+
+
 def test_steered_cached_decode_equals_native_nnx_edit():
   model = _nnx_decoder(batch=2, max_length=STEPS + 1)
-  vector = jax.random.normal(jax.random.key(1), (16,))
-  first = (jnp.array([[3], [7]]), jnp.zeros((2, 1), jnp.int32))
-
-  tree = fl.unflaxify(model, *first)
-  steering = [fl.steer("blocks/0", vector, alpha=0.5)]
+  tree = fl.unflaxify(model, *FIRST)
+  steering = [fl.steer("blocks/0", VECTOR, alpha=0.5)]
   tokens, logits = _greedy(
-    lambda ids, pos: fl.run(tree, ids, pos, interventions=steering), *first, STEPS
+    lambda ids, pos: fl.run(tree, ids, pos, interventions=steering), *FIRST, STEPS
   )
 
-  native, plain = nnx.clone(model), nnx.clone(model)
-  block = native.blocks[0]
-  object.__setattr__(block, "__class__", _steered_class(type(block), vector, 0.5))
-  step = nnx.jit(lambda model, ids, pos: model(ids, pos))
-  native_tokens, native_logits = _greedy(functools.partial(step, native), *first, STEPS)
-  _, plain_logits = _greedy(functools.partial(step, plain), *first, STEPS)
-
+  native_tokens, native_logits, native = _native_nnx_decode(model, 0.5)
+  _, plain_logits, _ = _native_nnx_decode(model, 0.0)
   assert not jnp.array_equal(logits[-1], plain_logits[-1])  # the steering matters
   assert_trees_equal(tokens, native_tokens)
   assert_trees_equal(logits, native_logits)
   assert_trees_equal(NNX.tree_state(tree), model_state(native))  # the cache after decoding
+
+
+def test_steered_decode_compiled_as_one_scan_equals_native_step_by_step():
+  # The whole generation is one program: each step binds the cache carried by the scan
+  # into the tree's skeleton and runs it un-jitted; fl.run(jit=False) inside jax.jit.
+  model = _nnx_decoder(batch=2, max_length=STEPS + 1)
+  skeleton, start = fl.unbind_variables(fl.unflaxify(model, *FIRST), freeze=True)
+
+  @jax.jit
+  def generate(values, ids, vector, alpha):
+    def step(carry, position):
+      values, ids = carry
+      tree = fl.bind_variables(skeleton, values)
+      steering = [fl.steer("blocks/0", vector, alpha)]
+      logits = fl.run(tree, ids, jnp.full_like(ids, position), interventions=steering, jit=False)
+      ids = logits[:, -1].argmax(-1)[:, None]
+      return (fl.unbind_variables(tree, freeze=True)[1], ids), (ids, logits)
+
+    _, (tokens, logits) = jax.lax.scan(step, (values, ids), jnp.arange(STEPS))
+    return jnp.concatenate(tokens, axis=1), logits
+
+  tokens, logits = generate(start, FIRST[0], VECTOR, 0.5)
+
+  native_tokens, native_logits, _ = _native_nnx_decode(model, 0.5)
+  assert_trees_equal(tokens, native_tokens)
+  assert_trees_equal(logits, jnp.stack(native_logits))
 
 
 # --- Linen: a tiny Hugging Face Flax GPT-2 with its own init_cache --------------------------
