@@ -32,9 +32,9 @@ from bench.cases import (
   conversion,
   eager_call,
   extra_bytes,
+  interventions,
   isolate_replay,
   jitted_forward,
-  not_yet_available,
 )
 from bench.models import FULL, QUICK
 from bench.report import DOC, Row, closing_notes, render
@@ -46,7 +46,7 @@ CASES = (
   compile_time,
   conversion,
   eager_call,
-  not_yet_available,
+  interventions,
   extra_bytes,
   isolate_replay,
 )

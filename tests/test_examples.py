@@ -1,0 +1,37 @@
+"""Every script in examples/ runs to completion, as a user would run it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Scripts on third-party models need their package (installed by the `models` extra).
+NEEDS = {"hf_gpt2.py": "transformers"}
+SCRIPTS = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+
+
+def _marks(script: str) -> list:
+  return [pytest.mark.slow] if script in NEEDS else []
+
+
+@pytest.mark.parametrize(
+  "script", [pytest.param(s, marks=_marks(s), id=s.removesuffix(".py")) for s in SCRIPTS]
+)
+def test_example_runs(script):
+  if script in NEEDS:
+    pytest.importorskip(NEEDS[script])
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+  done = subprocess.run(
+    [sys.executable, str(ROOT / "examples" / script)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert done.returncode == 0, done.stderr[-4000:]
