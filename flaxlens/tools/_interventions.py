@@ -341,15 +341,16 @@ def _rebuild_index(static: tuple[Any, ...], arrays: tuple[Any, ...]) -> Any:
 
 
 def _array(x: Any, name: str) -> Any:
-  """`x` as a JAX array; Python numbers get their default dtype, strongly typed.
+  """`x` as a strongly typed JAX array; Python numbers get their default dtype.
 
-  A Python float and a float32 array then trace alike: changing one for the other
-  does not recompile.
+  A Python float, a weakly typed `jnp.array(2.0)` and a float32 array then trace alike
+  (changing one for another does not recompile) and save alike (`fl.save_interventions`).
   """
   if isinstance(x, bool | int | float | complex):
     return jnp.asarray(x, dtype=jax.dtypes.canonicalize_dtype(type(x)))
   if isinstance(x, np.generic) or _is_array(x):
-    return jnp.asarray(x)
+    x = jnp.asarray(x)
+    return jnp.asarray(x, dtype=x.dtype) if x.weak_type else x
   raise ArgumentError(f"{name} must be an array or a number, got {type(x).__name__}.")
 
 
