@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import re
 import sys
 
 import flax.linen as nn
@@ -203,3 +205,12 @@ def test_overwrite_replaces_a_set_but_never_an_isolated_call_artifact(saved, art
   with pytest.raises(fl.ArtifactError, match="is not a flaxlens artifact"):
     fl.save_interventions([fl.ablate("Dense_1")], artifact, overwrite=True)
   assert json.loads((artifact / "manifest.json").read_text())["format"] == "flaxlens-isolated"
+
+
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "intervention-specs.md"
+
+
+@pytest.mark.parametrize("index", range(len(re.findall(r"```python\n", PAGE.read_text()))))
+def test_the_intervention_sets_page_examples_run(index):
+  block = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)[index]
+  exec(compile(block, f"{PAGE.name}[python block {index}]", "exec"), {})

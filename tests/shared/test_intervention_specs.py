@@ -96,7 +96,19 @@ def test_a_loaded_set_reuses_the_program_compiled_for_the_original(fw, corpora, 
   tree, args, interventions = _every_kind(fw, corpora)
   fl.save_interventions(interventions, tmp_path / "set")
   loaded = fl.load_interventions(tmp_path / "set", allow=ALLOW)
-  assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(interventions)
+  fl.run(tree, *args, interventions=interventions)
+  compiled = []
+
+  def listen(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":  # jax/_src/dispatch.py
+      compiled.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    fl.run(tree, *args, interventions=loaded)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert compiled == []
 
 
 def test_the_module_class_of_a_site_loads_without_allowing_its_flax_package(tmp_path):
