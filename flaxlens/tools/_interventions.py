@@ -704,9 +704,11 @@ def run(
   Sites (for `interventions` and `capture`) are path patterns as
   `tree.select().at_path` takes them (`"Block_3/Dense_0"`, `"**/mlp"`, `".method"`
   suffixes), Flax module classes (subclasses included), call nodes, predicates on call
-  nodes, or lists of these; `capture=True` (or `"all"`) captures every call. A call
-  inside `nn.scan`/`nnx.scan` (or `vmap`) is one site, edited at every iteration and
-  captured stacked along a new leading axis (outer transforms first).
+  nodes, or lists of these (each element must match a call); `capture=True` (or
+  `"all"`) captures every call. A call inside `nn.scan`/`nnx.scan` (or `vmap`) is one
+  site, edited at every iteration and captured stacked along a new leading axis (outer
+  transforms first). Sites, parts and values are checked while the run is traced,
+  before anything is compiled; `fl.save_interventions` saves a list of interventions.
 
   Args:
     tree: a converted tree (`fl.unflaxify`).
@@ -776,11 +778,12 @@ def _nodes_by_name(
       raise SelectionError(_no_match(tree, at, sites))
     return _Called(site.name)
 
-  edited = tuple(
-    dataclasses.replace(i, at=by_name(i.at)) if isinstance(i, Intervention) else i
-    for i in interventions
-  )
-  return edited, by_name(capture)
+  edited = []
+  for intervention in interventions:
+    at = by_name(intervention.at) if isinstance(intervention, Intervention) else None
+    changed = at is not None and at != intervention.at
+    edited.append(dataclasses.replace(intervention, at=at) if changed else intervention)
+  return tuple(edited), by_name(capture)
 
 
 def capture(

@@ -113,8 +113,11 @@ def save_interventions(
     True
   """
   target = pathlib.Path(path)
-  if isinstance(interventions, Intervention):
-    interventions = [interventions]
+  if not isinstance(interventions, list | tuple):
+    raise ArgumentError(
+      f"save_interventions takes a list of interventions, got a {type(interventions).__name__};"
+      " wrap one intervention in a list."
+    )
   check_target(target, overwrite, FORMAT)
   encoder = Encoder()
   entries = [_encode(intervention, n, encoder) for n, intervention in enumerate(interventions)]

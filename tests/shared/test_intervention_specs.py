@@ -153,3 +153,8 @@ def test_a_modify_function_from_a_package_not_allowed_is_refused(tmp_path):
   fl.save_interventions([fl.modify("Dense_0", clip, 1.0)], tmp_path / "set")
   with pytest.raises(fl.ArtifactError, match=rf"allow=\[{ALLOW[0]!r}\]"):
     fl.load_interventions(tmp_path / "set")
+
+
+def test_saving_one_intervention_not_in_a_list_is_an_argument_error(tmp_path):
+  with pytest.raises(fl.ArgumentError, match="wrap one intervention in a list"):
+    fl.save_interventions(fl.ablate("Dense_0"), tmp_path / "set")
