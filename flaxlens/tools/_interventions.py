@@ -241,7 +241,11 @@ class Intervention(Struct):
     if kind == "zero":
       return jnp.zeros_like(target)
     if kind in ("patch", "mean", "resample"):
-      what = "the patched value" if kind == "patch" else f"the {kind} of the reference"
+      what = {
+        "patch": "the patched value",
+        "mean": "the mean of the reference",
+        "resample": "the resampled reference",
+      }[kind]
       _check_fits(site, ops[0], target, what, on)
       return jnp.broadcast_to(ops[0], target.shape)
     if kind == "steer":
@@ -626,7 +630,9 @@ def _check_part(site: Site, intervention: Intervention) -> None:
     args = value[0]
     if not args:
       raise ArgumentError(
-        f"{site.name}: on='input' edits the first positional argument, and this call takes none."
+        f"{site.name}: on='input' edits the first positional argument, and this call takes"
+        " none (only keyword arguments). Intervene on the output of the call that computes"
+        " its argument instead."
       )
     value = args[0]
   target = _get_part(value, intervention.part, site.name, intervention.on)

@@ -161,8 +161,12 @@ def test_a_call_node_given_as_the_site_is_edited_like_the_native_call(fw, corpor
     (lambda site, shape: fl.steer(site, jnp.ones(shape[-1]), jnp.ones(3)), "alpha"),
     (lambda site, shape: fl.scale(site, jnp.ones((shape[-1], 1))), "the factor"),
     (lambda site, shape: fl.ablate(site, "mean", jnp.ones((2, 5))), "the mean of the reference"),
+    (
+      lambda site, shape: fl.ablate(site, "resample", jnp.ones((2, 5)), key=jax.random.key(0)),
+      "the resampled reference",
+    ),
   ],
-  ids=["patch", "steer_vector", "steer_alpha", "scale", "mean"],
+  ids=["patch", "steer_vector", "steer_alpha", "scale", "mean", "resample"],
 )
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_a_value_that_does_not_broadcast_names_the_site_and_its_shape(fw, corpora, make, what):
