@@ -62,6 +62,8 @@ from flaxlens.tools._isolate import isolate_calls as isolate_calls
 from flaxlens.tools._isolate import isolate_submodel as isolate_submodel
 from flaxlens.tools._replay import IsolatedSubmodel as IsolatedSubmodel
 from flaxlens.tools._replay import ReplayReport as ReplayReport
+from flaxlens.tools._specs import load_interventions as load_interventions
+from flaxlens.tools._specs import save_interventions as save_interventions
 from flaxlens.tools._summary import summary as summary
 
 __version__ = _metadata.version("flaxlens")

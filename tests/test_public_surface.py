@@ -69,6 +69,8 @@ PUBLIC = {
   "run",
   "scale",
   "steer",
+  "load_interventions",
+  "save_interventions",
   # Errors.
   "FlaxlensError",
   "ArgumentError",

@@ -91,7 +91,7 @@ def save_isolated(
     True
   """
   target = pathlib.Path(path)
-  _check_target(target, overwrite)
+  check_target(target, overwrite)
   submodel = isolated.submodel
   encoder = Encoder()
   if not is_call_node(submodel):
@@ -111,13 +111,7 @@ def save_isolated(
   manifest = {
     "format": FORMAT,
     "format_version": FORMAT_VERSION,
-    "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    "versions": {
-      "flaxlens": importlib.metadata.version("flaxlens"),
-      "jax": jax.__version__,
-      "flax": flax.__version__,
-      "python": platform.python_version(),
-    },
+    **provenance(),
     "requires": [],
     "call": "/".join(submodel.readable_path()),
     "call_number": isolated.call_number,
@@ -125,28 +119,44 @@ def save_isolated(
     "calls": [".".join(n.readable_path()) for n in iter_call_nodes(submodel)],
     "recipe": recipe,
     "saved": saved,
-    "arrays": {
-      name: {
-        "shape": list(a.shape),
-        "dtype": a.dtype.name,
-        "sha256": _array_digest(
-          a.dtype.name, a.shape, np.ascontiguousarray(a).tobytes()
-        ).hexdigest(),
-      }
-      for name, a in encoder.arrays.items()
-    },
+    "arrays": array_table(encoder.arrays),
   }
-  manifest["requires"] = _requires(references_of(manifest))
+  manifest["requires"] = requires(references_of(manifest))
   manifest["manifest_sha256"] = checksum(manifest)
   raw = json.dumps(manifest, indent=1, allow_nan=False).encode()
   try:
     parse_manifest(raw, str(target))
   except ArtifactError as e:
     raise ArtifactError(f"Cannot save {target}: its manifest would not load ({e}).") from None
-  _write_atomically(target, raw, encoder.arrays, overwrite)
+  write_atomically(target, raw, encoder.arrays, overwrite)
 
 
-def _requires(references: list[tuple[str, str, str]]) -> list[str]:
+def provenance() -> dict[str, Any]:
+  """The informational `created` and `versions` fields of a manifest being saved."""
+  return {
+    "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "versions": {
+      "flaxlens": importlib.metadata.version("flaxlens"),
+      "jax": jax.__version__,
+      "flax": flax.__version__,
+      "python": platform.python_version(),
+    },
+  }
+
+
+def array_table(arrays: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+  """The manifest's `arrays` field: each array's shape, dtype and checksum."""
+  return {
+    name: {
+      "shape": list(a.shape),
+      "dtype": a.dtype.name,
+      "sha256": _array_digest(a.dtype.name, a.shape, np.ascontiguousarray(a).tobytes()).hexdigest(),
+    }
+    for name, a in arrays.items()
+  }
+
+
+def requires(references: list[tuple[str, str, str]]) -> list[str]:
   """Packages to allow on load: those outside the defaults, and default packages whose
   objects the default policy does not accept in the role they play here."""
   needed = set()
@@ -173,18 +183,18 @@ def _encode_values(encoder: Encoder, values: tuple[Any, ...], where: str) -> lis
   return [[v.label, encoder.encode(v.value, f"{where}[{v.label!r}]")] for v in values]
 
 
-def _check_target(target: pathlib.Path, overwrite: bool) -> None:
-  """Refuses to write over anything but, with `overwrite`, a flaxlens artifact."""
+def check_target(target: pathlib.Path, overwrite: bool, file_format: str = FORMAT) -> None:
+  """Refuses to write over anything but, with `overwrite`, a flaxlens file of `file_format`."""
   if not os.path.lexists(target):
     return
   if not overwrite:
     raise ArtifactError(f"{target} exists; pass overwrite=True to replace it.")
   refuse = (
-    f"{target} is not a flaxlens artifact, so save_isolated(overwrite=True) does not"
+    f"{target} is not a flaxlens artifact ({file_format}), so saving with overwrite=True does not"
     " replace it: remove it yourself or choose another path."
   )
   try:
-    with _Directory(target) as directory:
+    with Directory(target) as directory:
       others = sorted(set(os.listdir(directory.fd)) - {MANIFEST, ARRAYS})
       raw = directory.read(MANIFEST, MAX_MANIFEST_BYTES)
     marker = json.loads(raw).get("format")
@@ -192,12 +202,16 @@ def _check_target(target: pathlib.Path, overwrite: bool) -> None:
     raise ArtifactError(refuse) from None
   if others:
     raise ArtifactError(f"{refuse} (It holds {others[:5]}.)")
-  if marker != FORMAT:
+  if marker != file_format:
     raise ArtifactError(refuse)
 
 
-def _write_atomically(
-  target: pathlib.Path, manifest: bytes, arrays: dict[str, np.ndarray], overwrite: bool
+def write_atomically(
+  target: pathlib.Path,
+  manifest: bytes,
+  arrays: dict[str, np.ndarray],
+  overwrite: bool,
+  file_format: str = FORMAT,
 ) -> None:
   """Writes into a fresh hidden directory, then renames it into place.
 
@@ -220,7 +234,7 @@ def _write_atomically(
       f.flush()
       os.fsync(f.fileno())
     if overwrite and os.path.lexists(target):
-      _check_target(target, overwrite)
+      check_target(target, overwrite, file_format)
       old = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
       os.replace(target, old)
       try:
@@ -280,11 +294,11 @@ def load_isolated(
   if type(max_bytes) is not int or max_bytes < 0:
     raise ArtifactError(f"max_bytes must be a non-negative integer, not {max_bytes!r}.")
   source = pathlib.Path(path)
-  with _Directory(source) as directory:
+  with Directory(source) as directory:
     manifest = parse_manifest(directory.read(MANIFEST, MAX_MANIFEST_BYTES), str(source))
     for ref, _, where in manifest.references:
       policy.check_package(ref, where, manifest.requires)
-    arrays = _read_arrays(directory, manifest.data["arrays"], max_bytes)
+    arrays = read_arrays(directory, manifest.data["arrays"], max_bytes)
   resolved = resolve_references(policy, manifest.references)
   return _rebuild(source, manifest, Decoder(arrays, resolved))
 
@@ -327,14 +341,14 @@ def _decode_values(decoder: Decoder, entries: list) -> tuple[StateVariableValue,
   return tuple(StateVariableValue(value=decoder.decode(v), label=label) for label, v in entries)
 
 
-class _Directory:
+class Directory:
   """An artifact directory opened without following symlinks; reads only regular files."""
 
   def __init__(self, path: pathlib.Path):
     self.path = path
     self.fd = -1
 
-  def __enter__(self) -> _Directory:
+  def __enter__(self) -> Directory:
     try:
       mode = os.lstat(self.path).st_mode
     except FileNotFoundError:
@@ -390,7 +404,7 @@ class _Directory:
       return f.read(limit + 1)
 
 
-def _read_arrays(directory: _Directory, expected: dict, max_bytes: int) -> dict[str, np.ndarray]:
+def read_arrays(directory: Directory, expected: dict, max_bytes: int) -> dict[str, np.ndarray]:
   """Reads each array after checking its zip entry and .npy header against the manifest.
 
   Members must be stored uncompressed, so no entry can inflate: sizes are known from the
@@ -405,7 +419,7 @@ def _read_arrays(directory: _Directory, expected: dict, max_bytes: int) -> dict[
   if total > max_bytes:
     raise ArtifactError(
       f"{where}: the manifest declares {total} bytes of arrays, more than max_bytes="
-      f"{max_bytes}; pass a larger max_bytes to load_isolated if you expect that much."
+      f"{max_bytes}; pass a larger max_bytes if you expect that much."
     )
   f, size = directory.open(ARRAYS, total + _MEMBER_OVERHEAD * (len(sizes) + 1))
   with f:

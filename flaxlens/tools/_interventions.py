@@ -95,7 +95,17 @@ def sites_of(root: CallNode) -> list[Site]:
   return sites
 
 
+@dataclasses.dataclass(frozen=True)
+class _Called:
+  """A site given as a call node, named by its site name: `fl.run` compiles the tree as a
+  pytree, so inside the compiled run the node is another object than the one given."""
+
+  name: str
+
+
 def _matches(at: Any, site: Site, root: CallNode) -> bool:
+  if isinstance(at, _Called):
+    return site.name == at.name
   if isinstance(at, str):
     if at in ("all", "**"):
       return True
@@ -120,25 +130,52 @@ def _matches(at: Any, site: Site, root: CallNode) -> bool:
 
 
 def select_sites(root: CallNode, at: Any, sites: list[Site] | None = None) -> list[Site]:
-  """The sites of `root` that `at` names (a pattern, class, node, predicate or a list).
+  """The sites of `root` that `at` names (a pattern, class, node, predicate or a list), in
+  call order.
 
   Raises:
-    SelectionError: if nothing matches, with the closest site names.
+    SelectionError: if `at`, or one element of a list, matches no call; the message
+      lists the closest site names.
   """
   sites = sites_of(root) if sites is None else sites
   options = list(at) if isinstance(at, list | tuple) else [at]
-  chosen = [s for s in sites if any(_matches(a, s, root) for a in options)]
-  if not chosen:
-    names = [s.name for s in sites]
-    close = []
-    if isinstance(at, str):
-      close = difflib.get_close_matches(at, names, n=5, cutoff=0.3)
-    raise SelectionError(
-      f"No call of {root.where()} matches the site {at!r}. "
-      + (f"Closest: {close}. " if close else "")
-      + f"Sites include: {names[:10]}{' ...' if len(names) > 10 else ''}"
+  if not options:
+    raise SelectionError(f"An empty list of sites selects no call of {root.where()}.")
+  chosen: set[int] = set()
+  for option in options:
+    matched = [id(s) for s in sites if _matches(option, s, root)]
+    if not matched:
+      raise SelectionError(_no_match(root, option, sites))
+    chosen.update(matched)
+  return [s for s in sites if id(s) in chosen]
+
+
+def _no_match(root: CallNode, at: Any, sites: list[Site]) -> str:
+  names = [s.name for s in sites]
+  listed = f"{names[:12]}{' ...' if len(names) > 12 else ''}"
+  where = root.where()
+  if isinstance(at, str):
+    close = difflib.get_close_matches(at, names, n=5, cutoff=0.3)
+    return (
+      f"No call of {where} matches the site {at!r}."
+      + (f" Closest: {close}." if close else f" Its calls: {listed}.")
+      + " Give a call's name or a glob over names ('**/Dense_0', 'Block_*')."
     )
-  return chosen
+  if isinstance(at, type):
+    classes = sorted({s.node.module_type.__name__ for s in sites})
+    return (
+      f"No call of {where} is a call of a {at.__qualname__} (or a subclass); it calls"
+      f" {classes}. Give one of these classes, or a path pattern."
+    )
+  if isinstance(at, CallNode):
+    return (
+      f"The call node {at.where()} is not a call of {where}. Give a node of this tree"
+      " (tree.select().at_path(...).get()) or its path pattern."
+    )
+  return (
+    f"The predicate {getattr(at, '__qualname__', at)!r} matches no call of {where}; its"
+    f" calls: {listed}. Check the predicate, or give a path pattern."
+  )
 
 
 # --- interventions ------------------------------------------------------------------------
@@ -188,7 +225,7 @@ class Intervention(Struct):
 
   def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
     """`value` (the call's output or first argument) with this intervention applied."""
-    target = _get_part(value, self.part, site)
+    target = _get_part(value, self.part, site, self.on)
     if not _is_array(target):
       raise ArgumentError(
         f"{site}: the {self.on} is a {type(target).__name__}, not an array; pass part=..."
@@ -201,18 +238,23 @@ class Intervention(Struct):
     return _set_part(value, self.part, new.astype(target.dtype))
 
   def _compute(self, site: str, argument: ArgsAndKwargs, target: Any) -> Any:
-    kind, ops = self.kind, self.operands
+    kind, ops, on = self.kind, self.operands, self.on
     if kind == "zero":
       return jnp.zeros_like(target)
     if kind in ("patch", "mean", "resample"):
-      _check_fits(site, ops[0], target, "the patched value")
+      what = {
+        "patch": "the patched value",
+        "mean": "the mean of the reference",
+        "resample": "the resampled reference",
+      }[kind]
+      _check_fits(site, ops[0], target, what, on)
       return jnp.broadcast_to(ops[0], target.shape)
     if kind == "steer":
-      _check_fits(site, ops[0], target, "the steering vector")
-      _check_fits(site, ops[1], target, "alpha")
+      _check_fits(site, ops[0], target, "the steering vector", on)
+      _check_fits(site, ops[1], target, "alpha", on)
       return target + ops[1] * ops[0]
     if kind == "scale":
-      _check_fits(site, ops[0], target, "the factor")
+      _check_fits(site, ops[0], target, "the factor", on)
       return target * ops[0]
     out = self.fn(argument, target, *ops)
     if getattr(out, "shape", None) != target.shape:
@@ -228,10 +270,11 @@ class Intervention(Struct):
       mask = self.where_arrays[0]
       if mask.ndim > target.ndim:
         raise ArgumentError(
-          f"{site}: the mask of where= has rank {mask.ndim}, more than the {self.on}'s"
-          f" rank {target.ndim} (shape {tuple(target.shape)})."
+          f"{site}: the mask of where= has rank {mask.ndim} (shape {tuple(mask.shape)}), more"
+          f" than the {self.on}'s rank {target.ndim} (shape {tuple(target.shape)}). Give a"
+          f" boolean mask that broadcasts to {tuple(target.shape)}."
         )
-      _check_fits(site, mask, target, "the mask of where=")
+      _check_fits(site, mask, target, "the mask of where=", self.on)
       return mask
     index = _rebuild_index(self.index, self.where_arrays)
     try:
@@ -239,7 +282,8 @@ class Intervention(Struct):
     except (IndexError, TypeError, ValueError) as e:
       raise ArgumentError(
         f"{site}: where={index!r} does not index the {self.on} of shape"
-        f" {tuple(target.shape)} ({e})."
+        f" {tuple(target.shape)} ({e}). Give an index of at most {target.ndim} axes, as"
+        " jnp.s_[...] writes one, or a boolean mask."
       ) from None
 
 
@@ -247,27 +291,29 @@ def _is_array(x: Any) -> bool:
   return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
 
 
-def _check_fits(site: str, operand: Any, target: Any, what: str) -> None:
-  shape = tuple(np.shape(operand))
+def _check_fits(site: str, operand: Any, target: Any, what: str, on: str) -> None:
+  """Refuses an operand that does not broadcast to the target or cast to its dtype."""
+  shape, expected = tuple(np.shape(operand)), tuple(target.shape)
   try:
-    fits = np.broadcast_shapes(shape, tuple(target.shape)) == tuple(target.shape)
+    fits = np.broadcast_shapes(shape, expected) == expected
   except ValueError:
     fits = False
   if not fits:
     raise ArgumentError(
-      f"{site}: {what} has shape {shape}, which does not broadcast to the call's"
-      f" {tuple(target.shape)}. Give an array of a shape that broadcasts to it (for"
-      " example the last axis only)."
+      f"{site}: {what} has shape {shape}, which does not broadcast to the {on}'s shape"
+      f" {expected}. Give an array of shape {expected}, or of its trailing axes"
+      f" ({expected[-1:]}: the same value at every position)."
     )
   dtype = getattr(operand, "dtype", None)
   if dtype is not None and not jnp.can_cast(dtype, target.dtype, casting="same_kind"):
     if not (np.dtype(dtype) == np.bool_ and what.startswith("the mask")):
       raise ArgumentError(
-        f"{site}: {what} has dtype {dtype}, which cannot become the call's {target.dtype}."
+        f"{site}: {what} has dtype {dtype}, which does not cast to the {on}'s dtype"
+        f" {target.dtype}. Give an array of dtype {target.dtype} (or of its kind)."
       )
 
 
-def _get_part(value: Any, part: Any, site: str) -> Any:
+def _get_part(value: Any, part: Any, site: str, on: str) -> Any:
   if part is None:
     return value
   try:
@@ -275,9 +321,33 @@ def _get_part(value: Any, part: Any, site: str) -> Any:
       return value[part]
     return getattr(value, part)
   except (IndexError, KeyError, AttributeError, TypeError):
+    pass
+  parts = _parts(value)
+  if parts is None:
+    shown = (
+      f"one array ({value.dtype}{list(value.shape)})"
+      if _is_array(value)
+      else f"a {type(value).__name__}"
+    )
     raise ArgumentError(
-      f"{site}: part={part!r} is not part of this value (a {type(value).__name__})."
-    ) from None
+      f"{site}: part={part!r}, but the {on} is {shown}, which has no parts. Leave out part="
+      " to edit it whole."
+    )
+  raise ArgumentError(
+    f"{site}: the {on} is a {type(value).__name__} without part {part!r}; its parts are"
+    f" {parts}. Pass one of them as part=."
+  )
+
+
+def _parts(value: Any) -> list[Any] | None:
+  """The parts `part=` may pick from `value` (keys, indices, fields), or None for a leaf."""
+  if isinstance(value, Mapping):
+    return list(value)
+  if isinstance(value, tuple | list):
+    return [*range(len(value)), *getattr(value, "_fields", ())]
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return [f.name for f in dataclasses.fields(value)]
+  return None
 
 
 def _set_part(value: Any, part: Any, new: Any) -> Any:
@@ -342,15 +412,16 @@ def _rebuild_index(static: tuple[Any, ...], arrays: tuple[Any, ...]) -> Any:
 
 
 def _array(x: Any, name: str) -> Any:
-  """`x` as a JAX array; Python numbers get their default dtype, strongly typed.
+  """`x` as a strongly typed JAX array; Python numbers get their default dtype.
 
-  A Python float and a float32 array then trace alike: changing one for the other
-  does not recompile.
+  A Python float, a weakly typed `jnp.array(2.0)` and a float32 array then trace alike
+  (changing one for another does not recompile) and save alike (`fl.save_interventions`).
   """
   if isinstance(x, bool | int | float | complex):
     return jnp.asarray(x, dtype=jax.dtypes.canonicalize_dtype(type(x)))
   if isinstance(x, np.generic) or _is_array(x):
-    return jnp.asarray(x)
+    x = jnp.asarray(x)
+    return jnp.asarray(x, dtype=x.dtype) if x.weak_type else x
   raise ArgumentError(f"{name} must be an array or a number, got {type(x).__name__}.")
 
 
@@ -560,10 +631,12 @@ def _check_part(site: Site, intervention: Intervention) -> None:
     args = value[0]
     if not args:
       raise ArgumentError(
-        f"{site.name}: on='input' edits the first positional argument, and this call takes none."
+        f"{site.name}: on='input' edits the first positional argument, and this call takes"
+        " none (only keyword arguments). Intervene on the output of the call that computes"
+        " its argument instead."
       )
     value = args[0]
-  target = _get_part(value, intervention.part, site.name)
+  target = _get_part(value, intervention.part, site.name, intervention.on)
   if not isinstance(target, jax.ShapeDtypeStruct):
     raise ArgumentError(
       f"{site.name}: the {intervention.on} is {_describe(target)}, not one array; pass"
@@ -638,9 +711,11 @@ def run(
   Sites (for `interventions` and `capture`) are path patterns as
   `tree.select().at_path` takes them (`"Block_3/Dense_0"`, `"**/mlp"`, `".method"`
   suffixes), Flax module classes (subclasses included), call nodes, predicates on call
-  nodes, or lists of these; `capture=True` (or `"all"`) captures every call. A call
-  inside `nn.scan`/`nnx.scan` (or `vmap`) is one site, edited at every iteration and
-  captured stacked along a new leading axis (outer transforms first).
+  nodes, or lists of these (each element must match a call); `capture=True` (or
+  `"all"`) captures every call. A call inside `nn.scan`/`nnx.scan` (or `vmap`) is one
+  site, edited at every iteration and captured stacked along a new leading axis (outer
+  transforms first). Sites, parts and values are checked while the run is traced,
+  before anything is compiled; `fl.save_interventions` saves a list of interventions.
 
   Args:
     tree: a converted tree (`fl.unflaxify`).
@@ -678,6 +753,7 @@ def run(
   capture = _static_at(capture)
   if isinstance(capture, str) and capture == "all":
     capture = True
+  interventions, capture = _nodes_by_name(tree, interventions, capture)
   argument = ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs))
   random_streams = resolve_random_streams(random_streams, tree.where())
   if index is not None:
@@ -689,6 +765,32 @@ def run(
     tree, argument, interventions, capture, inputs, index, dtype, random_streams
   )
   return output if capture is None or capture is False else (output, captured)
+
+
+def _nodes_by_name(
+  tree: CallNode, interventions: tuple[Any, ...], capture: Any
+) -> tuple[tuple[Any, ...], Any]:
+  """The interventions and captured sites with every call node given as a site replaced
+  by its site's name (see `_Called`), so that sites resolve alike inside a compiled run."""
+  sites: list[Site] = []
+
+  def by_name(at: Any) -> Any:
+    if isinstance(at, tuple):
+      return tuple(by_name(a) for a in at)
+    if not isinstance(at, CallNode):
+      return at
+    sites[:] = sites or sites_of(tree)
+    site = next((s for s in sites if s.node is at), None)
+    if site is None:
+      raise SelectionError(_no_match(tree, at, sites))
+    return _Called(site.name)
+
+  edited = []
+  for intervention in interventions:
+    at = by_name(intervention.at) if isinstance(intervention, Intervention) else None
+    changed = at is not None and at != intervention.at
+    edited.append(dataclasses.replace(intervention, at=at) if changed else intervention)
+  return tuple(edited), by_name(capture)
 
 
 def capture(

@@ -282,8 +282,14 @@ def _reject_constant(name: str) -> Any:
   raise ArtifactError(f"Malformed artifact: {name} is not JSON.")
 
 
-def parse_manifest(raw: bytes, source: str) -> Manifest:
-  """Parses and checks a whole manifest; raises ArtifactError naming the first fault."""
+def read_json(raw: bytes, source: str, file_format: str, version: int) -> dict:
+  """Strict JSON of a manifest marked `file_format`, at most at `version`; checksum unchecked.
+
+  Raises ArtifactError for bytes that are not strict JSON (NaN, repeated keys,
+  overflowing numbers), another format, or a format version that is not a positive
+  integer or is newer than `version`. The caller refuses older versions and then calls
+  `check_checksum`.
+  """
   try:
     data = json.loads(
       raw.decode("utf-8"),
@@ -295,36 +301,47 @@ def parse_manifest(raw: bytes, source: str) -> Manifest:
     raise ArtifactError(f"{source}: manifest.json is corrupted or truncated ({e}).") from None
   except ArtifactError as e:
     raise ArtifactError(f"{source}: {e}") from None
-  if not isinstance(data, dict) or data.get("format") != FORMAT:
-    raise ArtifactError(f"{source}: manifest.json is not a flaxlens artifact manifest.")
-  version = data.get("format_version")
-  if type(version) is not int or version < 1:
+  if not isinstance(data, dict) or data.get("format") != file_format:
+    raise ArtifactError(f"{source}: manifest.json is not a {file_format} manifest.")
+  found = data.get("format_version")
+  if type(found) is not int or found < 1:
     raise ArtifactError(
-      f"{source}: format_version {json.dumps(version)[:20]} is not a positive integer; the"
+      f"{source}: format_version {json.dumps(found)[:20]} is not a positive integer; the"
       " manifest is corrupted."
     )
-  if version > FORMAT_VERSION:
+  if found > version:
     raise ArtifactError(
-      f"{source} uses artifact format {version}, newer than this flaxlens reads"
-      f" ({FORMAT_VERSION}). Upgrade flaxlens to load it."
+      f"{source} uses {file_format} format {found}, newer than this flaxlens reads"
+      f" ({version}). Upgrade flaxlens to load it."
     )
-  if version < FORMAT_VERSION:
-    raise ArtifactError(
-      f"{source} uses artifact format {version}, which has no manifest checksum and"
-      " imports code without a loading policy; it is no longer read. Save the isolated"
-      f" call again with this flaxlens (format {FORMAT_VERSION})."
-    )
+  return data
+
+
+def check_checksum(data: dict, source: str) -> None:
+  """Refuses a manifest whose `manifest_sha256` is not the checksum of the rest."""
   if data.get("manifest_sha256") != checksum(data):
     raise ArtifactError(
       f"{source}: manifest.json does not match its checksum; the artifact is corrupted or"
       " was tampered with."
     )
+
+
+def parse_manifest(raw: bytes, source: str) -> Manifest:
+  """Parses and checks a whole manifest; raises ArtifactError naming the first fault."""
+  data = read_json(raw, source, FORMAT, FORMAT_VERSION)
+  if data["format_version"] < FORMAT_VERSION:
+    raise ArtifactError(
+      f"{source} uses artifact format {data['format_version']}, which has no manifest"
+      " checksum and imports code without a loading policy; it is no longer read. Save the"
+      f" isolated call again with this flaxlens (format {FORMAT_VERSION})."
+    )
+  check_checksum(data, source)
   found = Found()
   try:
     _SCHEMA(data, "manifest", found)
   except ArtifactError as e:
     raise ArtifactError(f"{source}: {e}") from None
-  _check_arrays(data["arrays"], found, source)
+  check_arrays(data["arrays"], found, source)
   needed = {package_of(ref) for ref, _, _ in found.references} - DEFAULT_PACKAGES
   if not needed <= set(data["requires"]):
     raise ArtifactError(
@@ -347,7 +364,7 @@ def references_of(manifest: dict) -> list[tuple[str, str, str]]:
   return found.references
 
 
-def _check_arrays(arrays: dict, found: Found, source: str) -> None:
+def check_arrays(arrays: dict, found: Found, source: str) -> None:
   """Every array a value uses is in the table; keys fit their implementation."""
   if not set(found.arrays) <= set(arrays):
     raise ArtifactError(

@@ -6,8 +6,9 @@ flaxlens itself runs on) or a package the user names (`allow=[...]`, `--allow PK
 package name never comes from the artifact: the manifest's own `requires` list only
 serves to tell the user what `allow=` would load it. After import, each object is
 checked for the role it plays (a module class, a data type, a function) before anything
-is constructed or called; objects from user-allowed packages are trusted in every role,
-objects from the default packages only in the vetted roles below. No Flax internals.
+is constructed or called; objects from user-allowed packages are trusted in every role
+(a class named as a Flax module must still be one), objects from the default packages
+only in the vetted roles below. No Flax internals.
 """
 
 from __future__ import annotations
@@ -131,8 +132,9 @@ class LoadPolicy:
   def user_allowed(self, ref: str) -> bool:
     return package_of(ref) in self.allowed
 
-  def check_package(self, ref: str, where: str, needed: Iterable[str]) -> None:
-    """Refuses `ref` unless its package may be imported; names the flag that allows it."""
+  def check_package(self, ref: str, where: str, needed: Iterable[str], cli: bool = True) -> None:
+    """Refuses `ref` unless its package may be imported; names the `allow=` that allows it
+    (and the CLI flag, if the file is one the CLI loads)."""
     if ref in _BUILTIN_TYPES or package_of(ref) in DEFAULT_PACKAGES | self.allowed:
       return
     if ref.startswith("builtins:"):
@@ -145,16 +147,18 @@ class LoadPolicy:
     raise ArtifactError(
       f"The artifact references {ref!r} at {where}, from package {package_of(ref)!r}, which"
       " is not allowed to be imported (loading imports code). If you trust where this"
-      f" artifact comes from and that package, load it with allow={missing!r} (CLI:"
-      f" `flaxlens replay PATH {flags}`)."
+      f" artifact comes from and that package, load it with allow={missing!r}"
+      + (f" (CLI: `flaxlens replay PATH {flags}`)." if cli else ".")
     )
 
   def resolve(self, ref: str, role: str, where: str, base: type | None = None) -> Any:
     """Imports `ref` (its package already checked) and checks it may play `role`.
 
-    Roles: "value" (a function or class held as data), "method" (a Linen method given as
-    a function), "enum", "namedtuple", "dataclass", "mapping" (classes whose instances
-    are rebuilt), "subclass" (a class that must subclass `base`, for registered codecs).
+    Roles: "value" (a function or class held as data), "function" (a function that will be
+    called, never a class), "module" (a Linen or NNX module class), "method" (a Linen
+    method given as a function), "enum", "namedtuple", "dataclass", "mapping" (classes
+    whose instances are rebuilt), "subclass" (a class that must subclass `base`, for
+    registered codecs).
     """
     obj = _BUILTIN_TYPES.get(ref)
     if obj is None:
@@ -176,6 +180,14 @@ class LoadPolicy:
       if isinstance(obj, type):
         return trusted or issubclass(obj, bases["type"]) or _is_namedtuple(obj)
       return trusted and callable(obj)
+    if role == "function":
+      plain = callable(obj) and not isinstance(obj, type)
+      return plain and (id(obj) in _vetted_functions() or trusted)
+    if role == "module":
+      import flax.linen as nn
+      from flax import nnx
+
+      return _subclass(obj, (nn.Module, nnx.Module))
     if role == "method":
       import flax.linen as nn
 
@@ -199,12 +211,14 @@ class LoadPolicy:
     raise AssertionError(role)
 
 
-def _subclass(obj: Any, base: type) -> bool:
+def _subclass(obj: Any, base: type | tuple[type, ...]) -> bool:
   return isinstance(obj, type) and issubclass(obj, base)
 
 
 _ROLES = {
   "value": "a function or class held as a value",
+  "function": "a function to call",
+  "module": "a Flax module class",
   "method": "a module method",
   "enum": "an enum",
   "namedtuple": "a NamedTuple",
@@ -216,6 +230,9 @@ _ROLE_FIX = {
   "value": "Functions must come from jax.nn, its initializers, Flax's activations and"
   " attention functions or a vetted set of jax.numpy/jax.lax functions; anything else only"
   " from a package you allow with allow=[...] (CLI: --allow PKG).",
+  "function": "Functions must come from the vetted set of jax.nn, Flax and pure"
+  " jax.numpy/jax.lax functions, or from a package you allow with allow=[...].",
+  "module": "It must subclass flax.linen.Module or flax.nnx.Module.",
   "method": "A method must be a function defined on a flax.linen.Module subclass.",
   "enum": "It is not an enum.",
   "namedtuple": "It is not a NamedTuple.",

@@ -1,0 +1,251 @@
+"""Interventions that cannot apply are refused by name, before anything is compiled."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from frameworks import LINEN, NNX, Wrap
+
+import flaxlens as fl
+
+FRAMEWORKS = [LINEN, NNX]
+# Per framework: the corpus case, its first and second layer, a layer class it never calls.
+MODELS = {
+  LINEN: ("mlp", "Dense_0", "Dense_1", nn.Conv),
+  NNX: ("mlp", "hidden", "out", nnx.Conv),
+}
+# jax's event for an XLA compilation (jax/_src/dispatch.py, BACKEND_COMPILE_EVENT).
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+def _model(fw, corpora):
+  name, first, second, absent = MODELS[fw]
+  case = corpora[fw][name]
+  tree = fw.convert(case)
+  args = fw.argument(case).args
+  _, cache = fl.capture(tree, *args, at=first)
+  return case, tree, args, first, second, absent, cache[first].shape
+
+
+# No corpus model returns a tuple from a call or calls a module by keyword only; these do.
+class LinenTwin(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(3)(x)
+    return h, jnp.tanh(h)
+
+
+class LinenKeywords(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    first, second = LinenTwin()(x)
+    return nn.Dense(2)(inputs=first + second)
+
+
+class NNXTwin(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(4, 3, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.linear(x)
+    return h, jnp.tanh(h)
+
+
+class NNXKeywords(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.twin = NNXTwin(rngs)
+    self.out = nnx.Linear(3, 2, rngs=rngs)
+
+  def __call__(self, x):
+    first, second = self.twin(x)
+    return self.out(inputs=first + second)
+
+
+def _structured(fw):
+  """A tree with a call returning a tuple and a call taking no positional argument."""
+  x = jnp.ones((2, 4))
+  if fw is LINEN:
+    model = LinenKeywords()
+    return fl.unflaxify(model, model.init(jax.random.key(0), x), x), x, "LinenTwin_0", "Dense_0"
+  return fl.unflaxify(NNXKeywords(nnx.Rngs(0)), x), x, "twin", "out"
+
+
+@contextlib.contextmanager
+def _compilations():
+  """The XLA compilations that happen inside the block."""
+  events = []
+
+  def listen(event, duration, **kwargs):
+    if event == BACKEND_COMPILE:
+      events.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
+# --- sites that match nothing -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_site_that_matches_nothing_lists_the_closest_names(fw, corpora):
+  _, tree, args, first, *_ = _model(fw, corpora)
+  with pytest.raises(fl.SelectionError, match=rf"'{first[:-1]}'\. Closest: \[.*'{first}'"):
+    fl.run(tree, *args, interventions=[fl.ablate(first[:-1])])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_one_site_of_a_list_that_matches_nothing_is_refused(fw, corpora):
+  _, tree, args, first, second, *_ = _model(fw, corpora)
+  with pytest.raises(fl.SelectionError, match=f"'{second}x'"):
+    fl.run(tree, *args, interventions=[fl.ablate([first, f"{second}x"])])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_capture_site_that_matches_nothing_is_refused(fw, corpora):
+  _, tree, args, first, *_ = _model(fw, corpora)
+  with pytest.raises(fl.SelectionError, match=f"Closest: .*'{first}'"):
+    fl.capture(tree, *args, at=f"{first}x")
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_module_class_the_model_never_calls_is_refused_with_the_classes_it_calls(fw, corpora):
+  _, tree, args, first, _, absent, _ = _model(fw, corpora)
+  called = tree.select().at_path(first).get().module_type.__name__
+  with pytest.raises(fl.SelectionError, match=rf"a {absent.__name__} .*'{called}'"):
+    fl.run(tree, *args, interventions=[fl.ablate(absent)])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_predicate_that_matches_nothing_is_refused(fw, corpora):
+  _, tree, args, *_ = _model(fw, corpora)
+  with pytest.raises(fl.SelectionError, match="matches no call"):
+    fl.run(tree, *args, interventions=[fl.ablate(lambda node: False)])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_call_node_of_another_tree_is_refused(fw, corpora):
+  _, tree, args, first, *_ = _model(fw, corpora)
+  other, x, twin, _ = _structured(fw)
+  with pytest.raises(fl.SelectionError, match="is not a call of"):
+    fl.run(tree, *args, interventions=[fl.ablate(other.select().at_path(twin).get())])
+
+
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_call_node_given_as_the_site_is_edited_like_the_native_call(fw, corpora, jit):
+  case, tree, args, first, *_ = _model(fw, corpora)
+  node = tree.select().at_path(first).get()
+  out = fl.run(tree, *args, interventions=[fl.ablate(node)], jit=jit)
+  expected, _ = fw.native(case, wrap=Wrap(first, lambda output, *a: jnp.zeros_like(output)))
+  np.testing.assert_array_equal(out, expected)
+
+
+# --- values that cannot apply -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "make, what",
+  [
+    (lambda site, shape: fl.patch(site, jnp.ones((shape[0] + 1, shape[1]))), "the patched value"),
+    (lambda site, shape: fl.steer(site, jnp.ones(shape[-1] + 1)), "the steering vector"),
+    (lambda site, shape: fl.steer(site, jnp.ones(shape[-1]), jnp.ones(3)), "alpha"),
+    (lambda site, shape: fl.scale(site, jnp.ones((shape[-1], 1))), "the factor"),
+    (lambda site, shape: fl.ablate(site, "mean", jnp.ones((2, 5))), "the mean of the reference"),
+    (
+      lambda site, shape: fl.ablate(site, "resample", jnp.ones((2, 5)), key=jax.random.key(0)),
+      "the resampled reference",
+    ),
+  ],
+  ids=["patch", "steer_vector", "steer_alpha", "scale", "mean", "resample"],
+)
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_value_that_does_not_broadcast_names_the_site_and_its_shape(fw, corpora, make, what):
+  _, tree, args, first, _, _, shape = _model(fw, corpora)
+  expected = re.escape(f"{first}: {what} has shape") + ".*" + re.escape(f"output's shape {shape}")
+  with pytest.raises(fl.ArgumentError, match=expected):
+    fl.run(tree, *args, interventions=[make(first, shape)])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_value_whose_dtype_does_not_cast_to_the_site_is_refused(fw, corpora):
+  _, tree, args, first, _, _, shape = _model(fw, corpora)
+  vector = jnp.ones(shape[-1], jnp.complex64)
+  with pytest.raises(fl.ArgumentError, match=f"{first}: .*complex64.*dtype float32"):
+    fl.run(tree, *args, interventions=[fl.steer(first, vector)])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_value_that_cannot_apply_is_refused_before_anything_compiles(fw, corpora):
+  _, tree, args, first, _, _, shape = _model(fw, corpora)
+  wrong, right = jnp.ones(shape[-1] + 1), jnp.ones(shape[-1])
+  with _compilations() as compiled:
+    with pytest.raises(fl.ArgumentError, match=first):
+      fl.run(tree, *args, interventions=[fl.steer(f"{first}*", wrong)])
+  assert compiled == []
+  with _compilations() as compiled:  # a run that can apply is compiled, and seen compiling
+    fl.run(tree, *args, interventions=[fl.steer(f"{first}*", right)])
+  assert compiled
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_mask_of_higher_rank_than_the_site_is_refused(fw, corpora):
+  _, tree, args, first, _, _, shape = _model(fw, corpora)
+  mask = jnp.ones((1, *shape), bool)
+  with pytest.raises(fl.ArgumentError, match=rf"{first}: the mask .* rank 3 .* rank 2"):
+    fl.run(tree, *args, interventions=[fl.ablate(first, where=mask)])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_mask_that_does_not_broadcast_is_refused(fw, corpora):
+  _, tree, args, first, _, _, shape = _model(fw, corpora)
+  mask = jnp.ones(shape[-1] + 1, bool)
+  with pytest.raises(fl.ArgumentError, match=rf"{first}: the mask of where= has shape"):
+    fl.run(tree, *args, interventions=[fl.ablate(first, where=mask)])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_an_index_with_more_axes_than_the_site_is_refused(fw, corpora):
+  _, tree, args, first, *_ = _model(fw, corpora)
+  with pytest.raises(fl.ArgumentError, match=f"{first}: where=.*at most 2 axes"):
+    fl.run(tree, *args, interventions=[fl.ablate(first, where=jnp.s_[:, :, 0])])
+
+
+# --- parts and inputs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_part_of_an_array_output_is_refused(fw, corpora):
+  _, tree, args, first, *_ = _model(fw, corpora)
+  with pytest.raises(fl.ArgumentError, match=f"{first}: part=0, but the output is one array"):
+    fl.run(tree, *args, interventions=[fl.ablate(first, part=0)])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_part_a_tuple_output_lacks_is_refused_with_its_parts(fw):
+  tree, x, twin, _ = _structured(fw)
+  with pytest.raises(fl.ArgumentError, match=rf"{twin}: .*tuple without part 2; .*\[0, 1\]"):
+    fl.run(tree, x, interventions=[fl.ablate(twin, part=2)])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_tuple_output_without_part_is_refused(fw):
+  tree, x, twin, _ = _structured(fw)
+  with pytest.raises(fl.ArgumentError, match=f"{twin}: the output is a tuple .* pass part="):
+    fl.run(tree, x, interventions=[fl.ablate(twin)])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_on_input_of_a_call_without_positional_arguments_is_refused(fw):
+  tree, x, _, keywords = _structured(fw)
+  with pytest.raises(fl.ArgumentError, match=f"{keywords}: on='input' .* takes none"):
+    fl.run(tree, x, interventions=[fl.scale(keywords, 2.0, on="input")])
