@@ -39,6 +39,7 @@ from flaxlens.core._variables import variables_in as variables_in
 from flaxlens.errors import ArgumentError as ArgumentError
 from flaxlens.errors import ArtifactError as ArtifactError
 from flaxlens.errors import CallStructureError as CallStructureError
+from flaxlens.errors import ExportError as ExportError
 from flaxlens.errors import FlaxlensError as FlaxlensError
 from flaxlens.errors import ReplacementError as ReplacementError
 from flaxlens.errors import SelectionError as SelectionError

@@ -94,6 +94,19 @@ class Framework(abc.ABC):
     """The tree exported back to the framework (Linen variables, an NNX module)."""
 
   @abc.abstractmethod
+  def unedited_export(self, case) -> Any:
+    """What exporting the case's unedited tree must equal (Linen: its variables, NNX: its model)."""
+
+  @abc.abstractmethod
+  def export_form(self, exported) -> Any:
+    """An exported model as a pytree whose structure holds every static detail.
+
+    Linen: the variables dict itself (boxes such as `nn.Partitioned` are nodes with
+    their names). NNX: `(graphdef, state)` of `nnx.split` (variable types and metadata
+    are in the state's structure).
+    """
+
+  @abc.abstractmethod
   def module_class(self, node) -> type:
     """The class of the Flax module the node calls."""
 
@@ -179,6 +192,12 @@ class _Linen(Framework):
 
   def export(self, tree):
     return tree.export()
+
+  def unedited_export(self, case):
+    return case.variables
+
+  def export_form(self, exported):
+    return exported
 
   def module_class(self, node):
     return type(node.module)
@@ -310,6 +329,12 @@ class _NNX(Framework):
 
   def export(self, tree):
     return tree.export()
+
+  def unedited_export(self, case):
+    return case.model
+
+  def export_form(self, exported):
+    return nnx.split(exported)
 
   def module_class(self, node):
     return node.module_type

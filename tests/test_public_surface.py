@@ -65,6 +65,7 @@ PUBLIC = {
   "ArgumentError",
   "ArtifactError",
   "CallStructureError",
+  "ExportError",
   "ReplacementError",
   "SelectionError",
   "UnsupportedFlaxFeatureError",

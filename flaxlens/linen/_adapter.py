@@ -18,11 +18,13 @@ import flax.linen as nn
 from flaxlens import _flax_internals as fi
 from flaxlens.core._adapter import FrameworkAdapter, register_adapter
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._export import check_exportable
 from flaxlens.core._names import join_name, split_name
+from flaxlens.core._node import own_call_nodes
 from flaxlens.core._recorder import Execution, standalone
 from flaxlens.core._runtime import Gathered, private_value, resolve_random_streams
 from flaxlens.core._variables import StateVariable, Uninitialized
-from flaxlens.errors import ArgumentError
+from flaxlens.errors import ArgumentError, ExportError
 from flaxlens.linen._collections import flatten_collections, nest_collections
 from flaxlens.linen._convert import unflaxify_linen
 from flaxlens.linen._interceptor import LinenInterceptor
@@ -190,6 +192,22 @@ class LinenAdapter(FrameworkAdapter):
     return standalone(tree)
 
   def export(self, node: Any) -> dict[str, Any]:
+    check_exportable(node)
+    edited = [
+      n.where()
+      for n in own_call_nodes(node)
+      if n is not node
+      and n.converted_module is not None
+      and n.module is not n.converted_module
+      and fi.changed_fields(n.module, n.converted_module)
+    ]
+    if edited:
+      raise ExportError(
+        f"{node.where()}: the settings of the modules of {edited} were edited"
+        " (module.clone(...)); a variables dict cannot carry settings, so module.apply"
+        " would run without the edit. Build the model with the new settings and convert"
+        " it, or export before editing."
+      )
     return _variables(Gathered(node))
 
 
