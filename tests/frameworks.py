@@ -107,6 +107,14 @@ class Framework(abc.ABC):
     """
 
   @abc.abstractmethod
+  def plain_model(self, case) -> Any:
+    """The case's model as `fl.check_equivalence` takes it (Linen: `(module, variables)`)."""
+
+  @abc.abstractmethod
+  def equivalence_call(self, case) -> tuple[tuple, dict]:
+    """`check_equivalence`'s arguments after the two models, calling as the case calls."""
+
+  @abc.abstractmethod
   def module_class(self, node) -> type:
     """The class of the Flax module the node calls."""
 
@@ -198,6 +206,13 @@ class _Linen(Framework):
 
   def export_form(self, exported):
     return exported
+
+  def plain_model(self, case):
+    return (case.module, case.variables)
+
+  def equivalence_call(self, case):
+    options = dict(method=case.method, random_streams=case.rngs, mutable=case.mutable)
+    return case.args, {**options, **case.kwargs}
 
   def module_class(self, node):
     return type(node.module)
@@ -335,6 +350,12 @@ class _NNX(Framework):
 
   def export_form(self, exported):
     return nnx.split(exported)
+
+  def plain_model(self, case):
+    return case.model
+
+  def equivalence_call(self, case):
+    return case.args, {"method": case.method, **case.kwargs}
 
   def module_class(self, node):
     return node.module_type

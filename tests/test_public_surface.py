@@ -52,6 +52,8 @@ PUBLIC = {
   "variable_jit",
   # Tools: isolate, artifacts, summary.
   "IsolatedSubmodel",
+  "EquivalenceReport",
+  "check_equivalence",
   "ReplayReport",
   "isolate",
   "isolate_calls",

@@ -157,6 +157,11 @@ def adapter_of(node: CallNode) -> FrameworkAdapter:
   )
 
 
+def adapter_for_model(model: Any) -> FrameworkAdapter | None:
+  """The adapter whose `run_native` takes `model`, or None."""
+  return next((a for a in _adapters if a.accepts_native(model)), None)
+
+
 def adapter_named(name: str) -> FrameworkAdapter | None:
   """The adapter called `name` (`"linen"`, `"nnx"`), or None."""
   return next((a for a in _adapters if a.name == name), None)

@@ -10,7 +10,7 @@ lazy suffixes and counters) and its arguments. Flax internals used: see
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -190,6 +190,33 @@ class LinenAdapter(FrameworkAdapter):
       **argument.kwargs,
     )
     return standalone(tree)
+
+  def accepts_native(self, model: Any) -> bool:
+    if isinstance(model, tuple) and model:
+      model = model[0]
+    return isinstance(model, nn.Module)
+
+  def run_native(
+    self, model: Any, argument: ArgsAndKwargs, method: Any, rngs: Any, mutable: Any
+  ) -> tuple[Any, dict[str, Any]]:
+    if not (isinstance(model, tuple) and len(model) == 2 and isinstance(model[1], Mapping)):
+      module = model[0] if isinstance(model, tuple) else model
+      raise ArgumentError(
+        f"{type(module).__name__}: a Linen module runs with its variables; pass the pair"
+        " (module, variables), as module.apply takes them."
+      )
+    module, variables = model
+    result = module.apply(
+      variables,
+      *argument.args,
+      method=method,
+      rngs=rngs,
+      mutable=mutable,
+      **argument.kwargs,
+    )
+    output, updates = result if mutable not in (False, None) else (result, {})
+    held = flatten_collections({"params": variables.get("params", {}), **updates})
+    return output, {self.key_name(k): v for k, v in held.items()}
 
   def export(self, node: Any) -> dict[str, Any]:
     check_exportable(node)

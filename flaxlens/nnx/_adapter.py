@@ -137,6 +137,19 @@ class NNXAdapter(FrameworkAdapter):
     method = decode(recipe["method"], "recipe.method")
     return standalone(unflaxify_nnx(module, *argument.args, method=method, **argument.kwargs))
 
+  def accepts_native(self, model: Any) -> bool:
+    return isinstance(model, nnx.Module)
+
+  def run_native(
+    self, model: Any, argument: ArgsAndKwargs, method: Any, rngs: Any, mutable: Any
+  ) -> tuple[Any, dict[str, Any]]:
+    graphdef, state = nnx.split(model)  # A copy: new Variables, the same JAX arrays.
+    copy = nnx.merge(graphdef, jax.tree_util.tree_map(private_value, state))
+    method = "__call__" if method is None else method
+    output = call_method(copy, method, argument.args, argument.kwargs)
+    state = nnx.to_flat_state(nnx.state(copy))
+    return output, {label_of(tuple(p), v): v.get_raw_value() for p, v in state}
+
   def export(self, node: Any, into: nnx.Module | None = None) -> nnx.Module:
     node.check_runs_alone("be exported on its own; export the tree it belongs to")
     check_exportable(node)
