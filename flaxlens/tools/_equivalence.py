@@ -117,7 +117,8 @@ class EquivalenceReport:
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(4)]
     lines = [f"a: {self.a}", f"b: {self.b}"]
     for row in [head, *body]:
-      cells = [f"{row[0]:<{widths[0]}}"] + [f"{c:>{w}}" for c, w in zip(row[1:4], widths[1:], strict=True)]
+      cells = [f"{row[0]:<{widths[0]}}"]
+      cells += [f"{c:>{w}}" for c, w in zip(row[1:4], widths[1:], strict=True)]
       lines.append("  ".join(cells + ([row[4]] if row[4] else [])).rstrip())
     if self.bitwise:
       verdict = "equivalent: every leaf is bitwise equal"
