@@ -57,6 +57,8 @@ from flaxlens.tools._isolate import isolate_calls as isolate_calls
 from flaxlens.tools._isolate import isolate_submodel as isolate_submodel
 from flaxlens.tools._replay import IsolatedSubmodel as IsolatedSubmodel
 from flaxlens.tools._replay import ReplayReport as ReplayReport
+from flaxlens.tools._saving import load_exported as load_exported
+from flaxlens.tools._saving import save_exported as save_exported
 from flaxlens.tools._summary import summary as summary
 
 __version__ = _metadata.version("flaxlens")

@@ -59,6 +59,8 @@ PUBLIC = {
   "isolate_calls",
   "isolate_submodel",
   "load_isolated",
+  "load_exported",
+  "save_exported",
   "save_isolated",
   "register_value_codec",
   "summary",
