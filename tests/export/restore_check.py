@@ -43,13 +43,14 @@ def main() -> None:
     like = nnx.eval_shape(build)
     model = fl.load_exported(saved, like=like)
     output = model(*args)
-    metadata = [
-      (v.get_metadata(), type(v)) for _, v in nnx.to_flat_state(nnx.state(model))
-    ] == [(v.get_metadata(), type(v)) for _, v in nnx.to_flat_state(nnx.state(build()))]
+    metadata = [(v.get_metadata(), type(v)) for _, v in nnx.to_flat_state(nnx.state(model))] == [
+      (v.get_metadata(), type(v)) for _, v in nnx.to_flat_state(nnx.state(build()))
+    ]
     print(f"metadata: {metadata}")
   want = np.load(expected)["output"]
   got = np.asarray(output)
-  print(f"match: {got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))}")
+  same = got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8))
+  print(f"match: {same}")
 
 
 if __name__ == "__main__":
