@@ -238,6 +238,13 @@ class LinenAdapter(FrameworkAdapter):
     return _variables(Gathered(node))
 
 
+  def exported_variables(self, exported: Any) -> Any:
+    return exported if isinstance(exported, Mapping) else None
+
+  def with_exported_variables(self, like: Any, variables: Any) -> Any:
+    return variables
+
+
 def _variables(gathered: Gathered) -> dict[str, dict[str, Any]]:
   """The gathered values as a Flax variables dict (variables not created yet left out)."""
   return nest_collections(

@@ -160,6 +160,13 @@ class NNXAdapter(FrameworkAdapter):
     return into
 
 
+  def exported_variables(self, exported: Any) -> Any:
+    return nnx.state(exported) if isinstance(exported, nnx.Module) else None
+
+  def with_exported_variables(self, like: Any, variables: Any) -> Any:
+    return nnx.merge(nnx.graphdef(like), variables)
+
+
 def _update_in_place(node: Any, into: Any, model: Any) -> None:
   """Sets `into`'s variables and static attributes to `model`'s, checking they fit first.
 

@@ -15,12 +15,12 @@ extra. No Flax internals here.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
+from flaxlens.core._adapter import adapter_for_exported
 from flaxlens.core._names import join_name
 from flaxlens.errors import ExportError
 
@@ -117,25 +117,18 @@ def load_exported(path: str | os.PathLike, like: Any) -> Any:
 
 
 def _state_of(model: Any) -> Any:
-  """The pytree of a model's variables: a Linen dict itself, an NNX module's state."""
-  from flax import nnx
-
-  if isinstance(model, nnx.Module):
-    return nnx.state(model)
-  if isinstance(model, Mapping):
-    return model
-  raise ExportError(
-    f"expected what tree.export() returns (a Linen variables dict or an NNX module), got"
-    f" {type(model).__name__}. Export the tree first: tree.export()."
-  )
+  """The pytree of an exported model's variables (a Linen dict itself, an NNX state)."""
+  adapter = adapter_for_exported(model)
+  if adapter is None:
+    raise ExportError(
+      f"expected what tree.export() returns (a Linen variables dict or an NNX module), got"
+      f" {type(model).__name__}. Export the tree first: tree.export()."
+    )
+  return adapter.exported_variables(model)
 
 
 def _with_state(like: Any, state: Any) -> Any:
-  from flax import nnx
-
-  if isinstance(like, nnx.Module):
-    return nnx.merge(nnx.graphdef(like), state)
-  return state
+  return adapter_for_exported(like).with_exported_variables(like, state)
 
 
 def _named_leaves(state: Any, where: str) -> tuple[dict[str, Any], Any]:
