@@ -237,7 +237,6 @@ class LinenAdapter(FrameworkAdapter):
       )
     return _variables(Gathered(node))
 
-
   def exported_variables(self, exported: Any) -> Any:
     return exported if isinstance(exported, Mapping) else None
 

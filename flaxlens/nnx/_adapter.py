@@ -159,7 +159,6 @@ class NNXAdapter(FrameworkAdapter):
     _update_in_place(node, into, model)
     return into
 
-
   def exported_variables(self, exported: Any) -> Any:
     return nnx.state(exported) if isinstance(exported, nnx.Module) else None
 
