@@ -39,6 +39,7 @@ from flaxlens.core._variables import variables_in as variables_in
 from flaxlens.errors import ArgumentError as ArgumentError
 from flaxlens.errors import ArtifactError as ArtifactError
 from flaxlens.errors import CallStructureError as CallStructureError
+from flaxlens.errors import ExportError as ExportError
 from flaxlens.errors import FlaxlensError as FlaxlensError
 from flaxlens.errors import ReplacementError as ReplacementError
 from flaxlens.errors import SelectionError as SelectionError
@@ -49,6 +50,8 @@ from flaxlens.nnx._node import InterceptedNNXModuleMethod as InterceptedNNXModul
 from flaxlens.tools._artifact import load_isolated as load_isolated
 from flaxlens.tools._artifact import save_isolated as save_isolated
 from flaxlens.tools._codec import register_value_codec as register_value_codec
+from flaxlens.tools._equivalence import EquivalenceReport as EquivalenceReport
+from flaxlens.tools._equivalence import check_equivalence as check_equivalence
 from flaxlens.tools._interventions import Intervention as Intervention
 from flaxlens.tools._interventions import ablate as ablate
 from flaxlens.tools._interventions import capture as capture
@@ -62,6 +65,8 @@ from flaxlens.tools._isolate import isolate_calls as isolate_calls
 from flaxlens.tools._isolate import isolate_submodel as isolate_submodel
 from flaxlens.tools._replay import IsolatedSubmodel as IsolatedSubmodel
 from flaxlens.tools._replay import ReplayReport as ReplayReport
+from flaxlens.tools._saving import load_exported as load_exported
+from flaxlens.tools._saving import save_exported as save_exported
 from flaxlens.tools._specs import load_interventions as load_interventions
 from flaxlens.tools._specs import save_interventions as save_interventions
 from flaxlens.tools._summary import summary as summary

@@ -27,6 +27,10 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   or run under `fl.variable_jit` instead of `jax.jit`.
 - `SelectionError` (also `KeyError` and `ValueError`): a selection found other nodes than
   asked for, or cannot make the edit asked for. Fix: the message lists what it found.
+- `ExportError`: a tree cannot be exported as it is (a call was replaced or wrapped by a
+  layer, which weights cannot express), the model given to update in place does not fit
+  the tree, or a saved exported model does not fit the model it is restored into. Fix:
+  the message lists the patched calls or the variables that differ.
 - `ArtifactError`: an artifact could not be written, read or trusted (malformed,
   truncated, or naming code from a package not allowed). Fix: the message names the
   file and, for code, the `allow=[...]` that would load it.
@@ -80,3 +84,7 @@ class SelectionError(FlaxlensError, KeyError, ValueError):
 
 class ArtifactError(FlaxlensError):
   """An artifact could not be written or read; the message says what and where."""
+
+
+class ExportError(FlaxlensError):
+  """A tree cannot be exported as it is, or an exported model cannot be saved or restored."""

@@ -94,6 +94,27 @@ class Framework(abc.ABC):
     """The tree exported back to the framework (Linen variables, an NNX module)."""
 
   @abc.abstractmethod
+  def unedited_export(self, case) -> Any:
+    """What exporting the case's unedited tree must equal (Linen: its variables, NNX: its model)."""
+
+  @abc.abstractmethod
+  def export_form(self, exported) -> Any:
+    """An exported model as a pytree whose structure holds every static detail.
+
+    Linen: the variables dict itself (boxes such as `nn.Partitioned` are nodes with
+    their names). NNX: `(graphdef, state)` of `nnx.split` (variable types and metadata
+    are in the state's structure).
+    """
+
+  @abc.abstractmethod
+  def plain_model(self, case) -> Any:
+    """The case's model as `fl.check_equivalence` takes it (Linen: `(module, variables)`)."""
+
+  @abc.abstractmethod
+  def equivalence_call(self, case) -> tuple[tuple, dict]:
+    """`check_equivalence`'s arguments after the two models, calling as the case calls."""
+
+  @abc.abstractmethod
   def module_class(self, node) -> type:
     """The class of the Flax module the node calls."""
 
@@ -188,6 +209,19 @@ class _Linen(Framework):
 
   def export(self, tree):
     return tree.export()
+
+  def unedited_export(self, case):
+    return case.variables
+
+  def export_form(self, exported):
+    return exported
+
+  def plain_model(self, case):
+    return (case.module, case.variables)
+
+  def equivalence_call(self, case):
+    options = dict(method=case.method, random_streams=case.rngs, mutable=case.mutable)
+    return case.args, {**options, **case.kwargs}
 
   def module_class(self, node):
     return type(node.module)
@@ -350,6 +384,18 @@ class _NNX(Framework):
 
   def export(self, tree):
     return tree.export()
+
+  def unedited_export(self, case):
+    return case.model
+
+  def export_form(self, exported):
+    return nnx.split(exported)
+
+  def plain_model(self, case):
+    return case.model
+
+  def equivalence_call(self, case):
+    return case.args, {"method": case.method, **case.kwargs}
 
   def module_class(self, node):
     return node.module_type

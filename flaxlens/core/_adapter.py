@@ -132,6 +132,17 @@ class FrameworkAdapter(abc.ABC):
   def export(self, node: CallNode) -> Any:
     """The call's module in the framework's own form, with the tree's current values."""
 
+  @abc.abstractmethod
+  def exported_variables(self, exported: Any) -> Any:
+    """The variables of an exported model as one pytree (None if it is not one of this API).
+
+    Linen: the variables dict itself; NNX: the module's `nnx.State`.
+    """
+
+  @abc.abstractmethod
+  def with_exported_variables(self, like: Any, variables: Any) -> Any:
+    """A new exported model shaped as `like`, holding `variables` (as above); `like` unchanged."""
+
 
 _adapters: list[FrameworkAdapter] = []
 
@@ -155,6 +166,16 @@ def adapter_of(node: CallNode) -> FrameworkAdapter:
     f"{node.where()}: a {type(node).__name__} was not made by fl.unflaxify, so flaxlens"
     " cannot run it natively. Convert the model with fl.unflaxify."
   )
+
+
+def adapter_for_model(model: Any) -> FrameworkAdapter | None:
+  """The adapter whose `run_native` takes `model`, or None."""
+  return next((a for a in _adapters if a.accepts_native(model)), None)
+
+
+def adapter_for_exported(exported: Any) -> FrameworkAdapter | None:
+  """The adapter whose `export` makes models such as `exported`, or None."""
+  return next((a for a in _adapters if a.exported_variables(exported) is not None), None)
 
 
 def adapter_named(name: str) -> FrameworkAdapter | None:

@@ -10,7 +10,7 @@ lazy suffixes and counters) and its arguments. Flax internals used: see
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -18,11 +18,13 @@ import flax.linen as nn
 from flaxlens import _flax_internals as fi
 from flaxlens.core._adapter import FrameworkAdapter, register_adapter
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._export import check_exportable
 from flaxlens.core._names import join_name, split_name
+from flaxlens.core._node import own_call_nodes
 from flaxlens.core._recorder import Execution, standalone
 from flaxlens.core._runtime import Gathered, private_value, resolve_random_streams
 from flaxlens.core._variables import StateVariable, Uninitialized
-from flaxlens.errors import ArgumentError
+from flaxlens.errors import ArgumentError, ExportError
 from flaxlens.linen._collections import flatten_collections, nest_collections
 from flaxlens.linen._convert import unflaxify_linen
 from flaxlens.linen._interceptor import LinenInterceptor
@@ -189,8 +191,57 @@ class LinenAdapter(FrameworkAdapter):
     )
     return standalone(tree)
 
+  def accepts_native(self, model: Any) -> bool:
+    if isinstance(model, tuple) and model:
+      model = model[0]
+    return isinstance(model, nn.Module)
+
+  def run_native(
+    self, model: Any, argument: ArgsAndKwargs, method: Any, rngs: Any, mutable: Any
+  ) -> tuple[Any, dict[str, Any]]:
+    if not (isinstance(model, tuple) and len(model) == 2 and isinstance(model[1], Mapping)):
+      module = model[0] if isinstance(model, tuple) else model
+      raise ArgumentError(
+        f"{type(module).__name__}: a Linen module runs with its variables; pass the pair"
+        " (module, variables), as module.apply takes them."
+      )
+    module, variables = model
+    result = module.apply(
+      variables,
+      *argument.args,
+      method=method,
+      rngs=rngs,
+      mutable=mutable,
+      **argument.kwargs,
+    )
+    output, updates = result if mutable not in (False, None) else (result, {})
+    held = flatten_collections({"params": variables.get("params", {}), **updates})
+    return output, {self.key_name(k): v for k, v in held.items()}
+
   def export(self, node: Any) -> dict[str, Any]:
+    check_exportable(node)
+    edited = [
+      n.where()
+      for n in own_call_nodes(node)
+      if n is not node
+      and n.converted_module is not None
+      and n.module is not n.converted_module
+      and fi.changed_fields(n.module, n.converted_module)
+    ]
+    if edited:
+      raise ExportError(
+        f"{node.where()}: the settings of the modules of {edited} were edited"
+        " (module.clone(...)); a variables dict cannot carry settings, so module.apply"
+        " would run without the edit. Build the model with the new settings and convert"
+        " it, or export before editing."
+      )
     return _variables(Gathered(node))
+
+  def exported_variables(self, exported: Any) -> Any:
+    return exported if isinstance(exported, Mapping) else None
+
+  def with_exported_variables(self, like: Any, variables: Any) -> Any:
+    return variables
 
 
 def _variables(gathered: Gathered) -> dict[str, dict[str, Any]]:

@@ -104,7 +104,15 @@ class InterceptedFlaxModuleMethod(CallNode):
     """The variables of this call's module as a Flax variables dict, edits included.
 
     `node.module.apply(node.export(), ...)` runs the module natively with the tree's
-    current parameters and state (variables not created yet are left out).
+    current parameters and state (variables not created yet are left out). The dicts
+    are new; the leaves are the tree's own: the same arrays (so shardings are kept),
+    boxed as they were given (`nn.Partitioned`, `nn.LogicallyPartitioned`); NumPy
+    arrays are copies. Nothing is written into the variables the tree was converted from.
+
+    Raises:
+      ExportError: if a call under this one was replaced or wrapped by a layer (the
+        message lists them), or a submodule's settings were edited
+        (`module.clone(dtype=...)`): a variables dict can express neither.
 
     Example:
       >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp

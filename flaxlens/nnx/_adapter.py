@@ -16,15 +16,24 @@ from typing import Any
 import jax
 from flax import nnx
 
+from flaxlens import _flax_internals as fi
 from flaxlens.core._adapter import FrameworkAdapter, register_adapter
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._export import check_exportable
 from flaxlens.core._names import join_name
 from flaxlens.core._recorder import Execution, standalone
 from flaxlens.core._runtime import Gathered, private_value
 from flaxlens.core._variables import Uninitialized
-from flaxlens.errors import FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens.errors import ExportError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.nnx._convert import label_of, unflaxify_nnx
-from flaxlens.nnx._definition import apply_static_edits, plain_module, split_leaves, static_edits
+from flaxlens.nnx._definition import (
+  apply_static_edits,
+  equal,
+  navigate,
+  plain_module,
+  split_leaves,
+  static_edits,
+)
 from flaxlens.nnx._interceptor import NNXInterceptor, call_method
 from flaxlens.nnx._node import InterceptedNNXModuleMethod
 
@@ -128,20 +137,78 @@ class NNXAdapter(FrameworkAdapter):
     method = decode(recipe["method"], "recipe.method")
     return standalone(unflaxify_nnx(module, *argument.args, method=method, **argument.kwargs))
 
-  def export(self, node: Any) -> nnx.Module:
+  def accepts_native(self, model: Any) -> bool:
+    return isinstance(model, nnx.Module)
+
+  def run_native(
+    self, model: Any, argument: ArgsAndKwargs, method: Any, rngs: Any, mutable: Any
+  ) -> tuple[Any, dict[str, Any]]:
+    graphdef, state = nnx.split(model)  # A copy: new Variables, the same JAX arrays.
+    copy = nnx.merge(graphdef, jax.tree_util.tree_map(private_value, state))
+    method = "__call__" if method is None else method
+    output = call_method(copy, method, argument.args, argument.kwargs)
+    state = nnx.to_flat_state(nnx.state(copy))
+    return output, {label_of(tuple(p), v): v.get_raw_value() for p, v in state}
+
+  def export(self, node: Any, into: nnx.Module | None = None) -> nnx.Module:
     node.check_runs_alone("be exported on its own; export the tree it belongs to")
-    gathered = Gathered(node)
-    missing = [
-      "/".join(map(str, p)) for p in node.definition.leaf_paths if p not in gathered.entries
-    ]
-    if missing:
-      raise FlaxlensError(
-        f"{node.where()}: the tree no longer holds the variables {missing[:6]}: their calls"
-        " were replaced. Export before replacing them, or keep the replaced node inside the"
-        " replacement layer."
-      )
-    model, _ = _rebuild(node, gathered)
-    return model
+    check_exportable(node)
+    model, _ = _rebuild(node, Gathered(node))
+    if into is None:
+      return model
+    _update_in_place(node, into, model)
+    return into
+
+  def exported_variables(self, exported: Any) -> Any:
+    return nnx.state(exported) if isinstance(exported, nnx.Module) else None
+
+  def with_exported_variables(self, like: Any, variables: Any) -> Any:
+    return nnx.merge(nnx.graphdef(like), variables)
+
+
+def _update_in_place(node: Any, into: Any, model: Any) -> None:
+  """Sets `into`'s variables and static attributes to `model`'s, checking they fit first.
+
+  `into` keeps its `Variable` objects (an optimizer holding them sees the new values);
+  variables the converted call created are added, as the call adds them.
+  """
+  where = node.where()
+  if type(into) is not node.module_type:
+    raise ExportError(
+      f"{where}: export(into=...) needs a {node.module_type.__name__} to update, got a"
+      f" {type(into).__name__}. Pass the model the tree was converted from (or one of"
+      " the same architecture)."
+    )
+  have = dict(nnx.to_flat_state(nnx.state(into)))
+  want = dict(nnx.to_flat_state(nnx.state(model)))
+  created = {spec.path for spec in node.specs if spec.created}
+  differ = sorted(
+    [join_name(p) for p in have if p not in want]
+    + [join_name(p) for p in want if p not in have and p not in created]
+    + [join_name(p) for p in have.keys() & want.keys() if not _same_kind(have[p], want[p])]
+  )
+  if differ:
+    raise ExportError(
+      f"{where}: the model given to export(into=...) does not fit the tree: its variables"
+      f" {differ[:6]} are missing, extra, or of another type, shape or dtype. Pass the"
+      " model the tree was converted from, or call export() for a new model."
+    )
+  nnx.update(into, nnx.state(model))
+  for path, module in nnx.iter_modules(model):
+    target = navigate(into, tuple(path))
+    current = fi.nnx_static_attributes(target)
+    for name, value in fi.nnx_static_attributes(module).items():
+      if name not in current or not equal(current[name], value):
+        fi.nnx_set_static(target, name, value)
+
+
+def _same_kind(a: nnx.Variable, b: nnx.Variable) -> bool:
+  x, y = a.get_raw_value(), b.get_raw_value()
+  return (
+    type(a) is type(b)
+    and getattr(x, "shape", None) == getattr(y, "shape", None)
+    and getattr(x, "dtype", None) == getattr(y, "dtype", None)
+  )
 
 
 _ABSENT = object()

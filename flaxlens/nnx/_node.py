@@ -114,26 +114,35 @@ class InterceptedNNXModuleMethod(CallNode):
       )
     return run_tree(self, argument, None, side_inputs)
 
-  def export(self) -> nnx.Module:
-    """A new NNX module: this call's module with the tree's current variables.
+  def export(self, into: nnx.Module | None = None) -> nnx.Module:
+    """This call's module as plain NNX with the tree's current variables, edits included.
 
-    Edits made in the tree are included, and so are variables the converted call
-    created once they hold a value. The module is plain NNX (no flaxlens classes) and
-    shares nothing with the tree or the converted model but immutable arrays.
+    Without `into`, a new module: plain NNX (no flaxlens classes), holding variables of
+    the types and metadata (sharding names included) the converted model had and the
+    tree's arrays (the same arrays, so shardings are kept); it shares nothing with the
+    tree or the converted model but those immutable arrays. With `into`, that module
+    (the converted model, or one of the same architecture) is updated in place instead
+    and returned: its `Variable` objects are kept and get the tree's values, and static
+    attributes the tree changed (`tree.eval()`) are set on it. Nothing else is ever
+    modified. Variables the converted call created are included once they hold a value.
 
     Raises:
-      FlaxlensError: if the tree no longer holds some of the module's variables
-        (their calls were replaced), or the call runs inside `nnx.scan`/`nnx.vmap`.
+      ExportError: if a call under this one was replaced or wrapped by a layer (the
+        message lists them), or `into` does not have this module's class and variables.
+      UnsupportedFlaxFeatureError: if the call runs inside `nnx.scan`/`nnx.vmap`.
 
     Example:
       >>> import flaxlens as fl, jax.numpy as jnp
       >>> from flax import nnx
-      >>> tree = fl.unflaxify(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), jnp.ones((1, 3)))
+      >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+      >>> tree = fl.unflaxify(model, jnp.ones((1, 3)))
       >>> tree.scope_data.parameters["bias"].value += 1.0
-      >>> tree.export().bias[...]
-      Array([1., 1.], dtype=float32)
+      >>> tree.export().bias[...], model.bias[...]
+      (Array([1., 1.], dtype=float32), Array([0., 0.], dtype=float32))
+      >>> tree.export(into=model) is model, model.bias[...]
+      (True, Array([1., 1.], dtype=float32))
     """
-    return adapter_of(self).export(self)
+    return adapter_of(self).export(self, into=into)
 
   def set_attributes(
     self, *filters: Any, raise_if_not_found: bool = True, **attributes: Any

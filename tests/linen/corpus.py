@@ -248,6 +248,29 @@ class Partitioned(nn.Module):
     return x @ kernel
 
 
+class LogicalBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+    bias = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("mlp",))
+    return nn.Dense(x.shape[-1], kernel_init=init, bias_init=bias)(x), None
+
+
+class LogicallyPartitionedScan(nn.Module):
+  """Boxed parameters (`nn.LogicallyPartitioned`) stacked by `nn.scan` (a "layers" axis)."""
+
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(
+      LogicalBlock,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=2,
+      metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+    return stack(name="stack")(x, None)[0]
+
+
 class TransformerBlock(nn.Module):
   @nn.compact
   def __call__(self, x):
@@ -365,6 +388,7 @@ def build() -> dict[str, Case]:
     lambda: _case("jit", Jitted(), X),
     lambda: _case("rnn_lstm", RNNModel(), jnp.ones((2, 5, 3))),
     lambda: _case("partitioned", Partitioned(), X),
+    lambda: _case("logically_partitioned_scan", LogicallyPartitionedScan(), X),
     lambda: _case("transformer", Transformer(), TOKENS),
     lambda: _case("weight_norm", WeightNormed(), X),
     lambda: _case(
@@ -405,6 +429,7 @@ NAMES = [
   "jit",
   "rnn_lstm",
   "partitioned",
+  "logically_partitioned_scan",
   "transformer",
   "weight_norm",
   "spectral_norm_train",

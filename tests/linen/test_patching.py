@@ -79,6 +79,14 @@ def test_an_edited_module_setting_takes_effect_in_the_whole_tree():
   assert_trees_equal(tree(fl.ArgsAndKwargs.capture(x)), expected)
 
 
+def test_export_refuses_a_tree_whose_submodule_settings_were_edited():
+  x = jax.random.normal(jax.random.key(1), (2, 3))
+  variables = Configured().init(jax.random.key(0), x)
+  tree = _edit_module(fl.unflaxify(Configured(), variables, x), "first", dtype=jnp.bfloat16)
+  with pytest.raises(fl.ExportError, match=r"\['first\.__call__'\] were edited"):
+    tree.export()
+
+
 def test_an_edit_that_changes_the_modules_variables_is_refused():
   x = jax.random.normal(jax.random.key(1), (2, 3))
   variables = Configured().init(jax.random.key(0), x)

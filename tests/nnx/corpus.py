@@ -361,6 +361,17 @@ class RngsArgument(nnx.Module):
     return self.drop(self.linear(x), rngs=rngs)
 
 
+class Annotated(nnx.Module):
+  """Variables carrying metadata of their own (NNX keeps it on the `Variable`)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(4, 2, kernel_metadata={"role": "projection"}, rngs=rngs)
+    self.scale = nnx.Param(jnp.full((2,), 1.5), role="scale", axes=("features",))
+
+  def __call__(self, x):
+    return self.linear(x) * self.scale[...]
+
+
 def _mha(decode: bool) -> nnx.MultiHeadAttention:
   mha = nnx.MultiHeadAttention(
     num_heads=2, in_features=8, qkv_features=8, decode=decode, rngs=RNGS()
@@ -416,6 +427,7 @@ def build() -> dict[str, Case]:
     ),
     lambda: Case("branch", Branchy(RNGS()), (X,), {"mode": "a"}),
     lambda: Case("rngs_argument", RngsArgument(RNGS()), (X,), {"rngs": nnx.Rngs(dropout=9)}),
+    lambda: Case("variable_metadata", Annotated(RNGS()), (X,)),
   ]
   cases = [b() for b in builders]
   return {c.name: c for c in cases}
@@ -451,6 +463,7 @@ NAMES = [
   "with_attributes",
   "branch",
   "rngs_argument",
+  "variable_metadata",
 ]
 # Keyword arguments of other calls (another flag value, say), compared as well.
 CALL_KWARGS: dict[str, Sequence[dict[str, Any]]] = {

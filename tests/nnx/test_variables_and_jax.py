@@ -46,11 +46,50 @@ def test_an_exported_module_includes_variables_the_call_created(cases):
   assert_trees_equal(model_state(NNX.export(tree)), NNX.tree_state(tree))
 
 
-def test_export_refuses_a_tree_whose_variables_left_with_a_replaced_call(cases):
-  case = cases["mlp"]
-  patched = NNX.convert(case).select().at_path("hidden").apply(lambda _: fl.ArgsAndKwargs)
-  with pytest.raises(fl.FlaxlensError, match=r"MLP.__call__: .*'hidden/bias'"):
-    NNX.export(patched)
+def test_export_into_updates_the_given_models_variables_in_place(cases):
+  case = cases["convnet_train"]
+  model = nnx.clone(case.model)
+  kernel = model.conv.kernel
+  tree = NNX.convert(case)
+  NNX.call(tree, case)
+  tree.select().at_path("conv").get().scope_data.parameters["kernel"].value *= 2.0
+  assert tree.export(into=model) is model
+  assert model.conv.kernel is kernel
+  assert_trees_equal(model_state(model), model_state(NNX.export(tree)))
+
+
+def test_export_into_carries_a_mode_the_tree_changed(cases):
+  case = cases["convnet_train"]
+  model = nnx.clone(case.model)
+  NNX.convert(case).eval().export(into=model)
+  reference = nnx.clone(case.model)
+  reference.eval()
+  assert_trees_equal(model(*case.args), reference(*case.args))
+
+
+def test_export_into_adds_variables_the_call_created(cases):
+  case = cases["sow_outside_capture"]
+  model = nnx.clone(case.model)
+  tree = NNX.convert(case)
+  NNX.call(tree, case)
+  tree.export(into=model)
+  assert_trees_equal(model_state(model), NNX.tree_state(tree))
+
+
+def test_export_into_refuses_a_model_of_another_architecture(cases):
+  tree = NNX.convert(cases["mlp"])
+  other = type(cases["mlp"].model)(nnx.Rngs(0))
+  other.hidden = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  before = model_state(other)
+  with pytest.raises(fl.ExportError, match=r"'hidden/bias', 'hidden/kernel'"):
+    tree.export(into=other)
+  assert_trees_equal(model_state(other), before)
+
+
+def test_export_into_refuses_a_model_of_another_class(cases):
+  tree = NNX.convert(cases["mlp"])
+  with pytest.raises(fl.ExportError, match="needs a MLP to update, got a Linear"):
+    tree.export(into=nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
 
 
 def test_perturbation_gradients_match_nnx(cases):

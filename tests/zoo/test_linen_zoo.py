@@ -78,3 +78,24 @@ def test_editing_a_griffin_parameter_matches_apply_with_the_edit(griffin):
   scale.value = scale.value + 0.5
   edited = {"params": {**griffin.variables["params"], "final_norm": {"scale": scale.value}}}
   assert_trees_equal(griffin.call(tree), griffin.apply(variables=edited))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_export_without_edits_gives_back_the_variables_exactly(request, name):
+  model = request.getfixturevalue(name)
+  exported = model.convert().export()
+  leaves, treedef = jax.tree_util.tree_flatten(exported)
+  original, original_treedef = jax.tree_util.tree_flatten(model.variables)
+  assert treedef == original_treedef
+  assert all(a is b for a, b in zip(leaves, original, strict=True))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_edited_parameters_export_to_variables_apply_computes_as_the_tree(request, name):
+  model = request.getfixturevalue(name)
+  tree = model.convert()
+  for p in fl.variables_in(tree):
+    if isinstance(p, fl.Parameter):
+      p.value = p.value * 1.25
+  expected = _output(model, model.apply(variables=tree.export()))
+  assert_trees_equal(model.call(tree), expected)

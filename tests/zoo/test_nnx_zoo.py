@@ -87,3 +87,26 @@ def test_one_decoder_layer_isolates_and_replays_exactly(llama):
   model, args = llama
   isolated = fl.isolate(model, *args, at="layers/0")
   assert isolated.replay()
+
+
+def test_llama3_exports_without_edits_to_the_same_graph_and_arrays(llama):
+  model, args = llama
+  graphdef, state = nnx.split(fl.unflaxify(model, *args).export())
+  original_graphdef, original = nnx.split(model)
+  assert graphdef == original_graphdef
+  assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(original)
+  assert all(
+    a is b
+    for a, b in zip(
+      jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(original), strict=True
+    )
+  )
+
+
+def test_llama3_edited_and_exported_computes_as_the_tree(llama):
+  model, args = llama
+  tree = fl.unflaxify(model, *args)
+  for p in fl.variables_in(tree):
+    if isinstance(p, fl.Parameter):
+      p.value = p.value * 1.25
+  assert fl.check_equivalence(tree, tree.export(), *args)

@@ -1,0 +1,62 @@
+"""What may be exported: a tree whose edits all live in its variables.
+
+Exporting writes a tree's variables back into its framework's own form (Linen: a
+variables dict, NNX: a module), so it can only express what variables express. A call
+replaced by a layer, wrapped by one, or replaced by a node of another tree is code, not
+weights: `check_exportable` refuses such a tree and lists every patched call, instead of
+exporting variables that would run without the patch. No Flax internals here.
+"""
+
+from __future__ import annotations
+
+from flaxlens.core._names import join_name
+from flaxlens.core._node import CallNode, is_call_node
+from flaxlens.errors import ExportError
+
+
+def patched_calls(root: CallNode) -> list[str]:
+  """How messages name each call under `root` that was replaced or wrapped, in call order.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> from flaxlens.core._export import patched_calls
+    >>> model, x = nn.Sequential([nn.Dense(2), nn.Dense(2)]), jnp.ones((1, 2))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> patched_calls(tree.select().at_path("layers_1").apply(lambda n: fl.ArgsAndKwargs))
+    ['layers_1.__call__']
+  """
+  found: list[str] = []
+
+  def walk(node: CallNode) -> None:
+    for key, child in node.submodule_calls.items():
+      if is_call_node(child) and child.origin == node.origin:
+        walk(child)
+        continue
+      spec = node._call_spec(key)
+      if spec is None:
+        found.append(f"{node.where()} call {key!r}")
+        continue
+      method = spec.method_name
+      if not isinstance(method, str):
+        method = getattr(method, "__name__", type(method).__name__)
+      found.append(f"{join_name(spec.path) or node.module_type.__name__}.{method}")
+
+  walk(root)
+  return found
+
+
+def check_exportable(root: CallNode) -> None:
+  """Refuses to export a tree holding structural patches, naming every patched call.
+
+  Raises:
+    ExportError: if a call under `root` was replaced or wrapped by a layer (or by a
+      node of another tree).
+  """
+  patched = patched_calls(root)
+  if patched:
+    raise ExportError(
+      f"{root.where()}: the tree has structural patches that its variables cannot"
+      f" express, at {patched}: an export would run without them. Export the tree"
+      " before patching it, or make the change an edit of the variables"
+      " (variable.value = ...)."
+    )

@@ -1,0 +1,243 @@
+"""Saving an exported model with Orbax or to safetensors, and restoring it into a template.
+
+What `export()` returns (a Linen variables dict, an NNX module) is saved as its arrays,
+one per variable, named by its path (`"params/Dense_0/kernel"`, `"linear/kernel"`). The
+static part (the module, boxes such as `nn.LogicallyPartitioned`, NNX variable types
+and metadata, the shardings) is not saved: restoring takes a template of the same
+kind, the model as built by its own code (concrete, or abstract from `jax.eval_shape` /
+`nnx.eval_shape`), and returns a new one with the saved arrays in the template's
+structure and placed with the template's shardings. Orbax (`orbax-checkpoint`) writes
+a directory and restores each array straight onto its devices; safetensors writes one
+file readable from PyTorch and Hugging Face tools. Both are the optional `export`
+extra. No Flax internals here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from flaxlens.core._adapter import adapter_for_exported
+from flaxlens.core._names import join_name
+from flaxlens.errors import ExportError
+
+FORMATS = ("orbax", "safetensors")
+_KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+def save_exported(exported: Any, path: str | os.PathLike, *, format: str = "orbax") -> None:
+  """Saves an exported model's arrays, with Orbax (a directory) or to a safetensors file.
+
+  Args:
+    exported: what `tree.export()` returns: a Linen variables dict or an NNX module
+      (any such dict or module works, exported or not).
+    path: the directory (Orbax) or file (safetensors) to write; it must not exist.
+    format: `"orbax"` or `"safetensors"`.
+
+  Raises:
+    ExportError: for an unknown format, an existing path, a value that is not an array,
+      or a missing `orbax-checkpoint`/`safetensors` package.
+
+  Example:
+    >>> import flaxlens as fl, jax.numpy as jnp, tempfile
+    >>> from flax import nnx
+    >>> tree = fl.unflaxify(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), jnp.ones((1, 3)))
+    >>> tree.scope_data.parameters["bias"].value += 1.0
+    >>> path = tempfile.mkdtemp() + "/linear.safetensors"
+    >>> fl.save_exported(tree.export(), path, format="safetensors")
+    >>> fl.load_exported(path, like=nnx.Linear(3, 2, rngs=nnx.Rngs(0))).bias[...]
+    Array([1., 1.], dtype=float32)
+  """
+  path = os.fspath(path)
+  if format not in FORMATS:
+    raise ExportError(f"save_exported: unknown format {format!r}; use one of {list(FORMATS)}.")
+  if os.path.lexists(path):
+    raise ExportError(f"{path}: already exists; save_exported never overwrites. Remove it first.")
+  leaves, _ = _named_leaves(_state_of(exported), "save_exported")
+  arrays = {name: _storable(leaf) for name, leaf in leaves.items()}
+  if format == "orbax":
+    checkpointer = _orbax("save_exported").StandardCheckpointer()
+    checkpointer.save(os.path.abspath(path), arrays)
+    checkpointer.wait_until_finished()
+  else:
+    _safetensors("save_exported")
+    from safetensors.numpy import save_file
+
+    save_file({n: np.asarray(a) for n, a in arrays.items()}, path, metadata={"by": "flaxlens"})
+
+
+def load_exported(path: str | os.PathLike, like: Any) -> Any:
+  """Restores what `save_exported` wrote into a new model shaped as `like`.
+
+  The format is read from what `path` is: a directory was written by Orbax, a file is
+  safetensors. `like` gives everything but the arrays: for Linen a variables dict (from
+  `module.init`, or abstract from `jax.eval_shape(module.init, ...)`), whose boxes
+  (`nn.Partitioned`, ...) the result keeps; for NNX a module (or `nnx.eval_shape(lambda:
+  Model(...))`), whose variable types and metadata the result keeps. Each array is
+  placed with the sharding of `like`'s leaf when it has one (Orbax reads each shard
+  straight onto its device). `like` is not modified.
+
+  Raises:
+    ExportError: if the saved arrays do not match `like`'s variables (names, shapes
+      or dtypes), or the file is not a saved exported model.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp, tempfile
+    >>> model, x = nn.Dense(2), jnp.ones((1, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> path = tempfile.mkdtemp() + "/dense"
+    >>> fl.save_exported(fl.unflaxify(model, variables, x).export(), path)
+    >>> restored = fl.load_exported(path, like=jax.eval_shape(model.init, jax.random.key(0), x))
+    >>> bool((model.apply(restored, x) == model.apply(variables, x)).all())
+    True
+  """
+  path = os.fspath(path)
+  state = _state_of(like)
+  template, treedef = _named_leaves(state, "load_exported")
+  if os.path.isdir(path):
+    loaded = _load_orbax(path, template)
+  elif os.path.isfile(path):
+    loaded = _load_safetensors(path)
+  else:
+    raise ExportError(f"{path}: no such file or directory. Pass what save_exported wrote.")
+  missing = sorted(set(template) - set(loaded))
+  extra = sorted(set(loaded) - set(template))
+  if missing or extra:
+    raise ExportError(
+      f"{path}: the saved arrays do not match the variables of `like`: missing"
+      f" {missing[:6]}, not in `like` {extra[:6]}. Pass a `like` built as the saved model"
+      " was (same architecture and settings)."
+    )
+  leaves = [_restored(path, name, loaded[name], leaf) for name, leaf in template.items()]
+  restored = jax.tree_util.tree_unflatten(treedef, leaves)
+  return _with_state(like, restored)
+
+
+def _state_of(model: Any) -> Any:
+  """The pytree of an exported model's variables (a Linen dict itself, an NNX state)."""
+  adapter = adapter_for_exported(model)
+  if adapter is None:
+    raise ExportError(
+      f"expected what tree.export() returns (a Linen variables dict or an NNX module), got"
+      f" {type(model).__name__}. Export the tree first: tree.export()."
+    )
+  return adapter.exported_variables(model)
+
+
+def _with_state(like: Any, state: Any) -> Any:
+  return adapter_for_exported(like).with_exported_variables(like, state)
+
+
+def _named_leaves(state: Any, where: str) -> tuple[dict[str, Any], Any]:
+  """`({name: leaf}, treedef)`; names join the path's keys and indices with "/"."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+  named: dict[str, Any] = {}
+  for path, leaf in flat:
+    keys = [_key(k) for k in path]
+    name = join_name(tuple(k for k in keys if k is not None))
+    if name in named:
+      raise ExportError(f"{where}: two variables are both named {name!r}; cannot save them.")
+    named[name] = leaf
+  return named, treedef
+
+
+def _key(entry: Any) -> Any:
+  """A path entry's name; None for an attribute (a box's or an NNX variable's value)."""
+  if isinstance(entry, jax.tree_util.DictKey):
+    return str(entry.key)
+  if isinstance(entry, jax.tree_util.SequenceKey):
+    return str(entry.idx)
+  if isinstance(entry, jax.tree_util.FlattenedIndexKey):
+    return str(entry.key)
+  return None
+
+
+def _is_key(x: Any) -> bool:
+  return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _storable(leaf: Any) -> Any:
+  if _is_key(leaf):
+    return jax.random.key_data(leaf)
+  if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+    raise ExportError(
+      f"save_exported: a variable holds a {type(leaf).__name__}, not an array; only"
+      " arrays can be saved. Store it as an array (jnp.asarray)."
+    )
+  return leaf
+
+
+def _load_orbax(path: str, template: dict[str, Any]) -> dict[str, Any]:
+  ocp = _orbax("load_exported")
+  checkpointer = ocp.StandardCheckpointer()
+  try:
+    saved = checkpointer.metadata(os.path.abspath(path)).item_metadata
+  except Exception as e:
+    raise ExportError(
+      f"{path}: not an Orbax checkpoint written by save_exported ({type(e).__name__})."
+    ) from e
+  target = {}
+  for name, meta in saved.items():
+    leaf = template.get(name)
+    sharding = getattr(leaf, "sharding", None)
+    if leaf is None or _is_key(leaf) or meta.shape != leaf.shape or meta.dtype != leaf.dtype:
+      sharding = None  # Restored as saved; checked against `like` afterwards.
+    target[name] = jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=sharding)
+  return dict(checkpointer.restore(os.path.abspath(path), target))
+
+
+def _load_safetensors(path: str) -> dict[str, Any]:
+  _safetensors("load_exported")
+  from safetensors import SafetensorError
+  from safetensors.numpy import load_file
+
+  try:
+    return load_file(path)
+  except (SafetensorError, OSError, ValueError) as e:
+    raise ExportError(f"{path}: not a safetensors file ({e}).") from e
+
+
+def _restored(path: str, name: str, array: Any, like: Any) -> Any:
+  """`array` as the variable `like` holds it: a PRNG key if `like` is one, on its devices."""
+  want_shape, want_dtype = like.shape, like.dtype
+  if _is_key(like):
+    impl = _key_impl(like.dtype)
+    array = jax.random.wrap_key_data(np.asarray(array), impl=impl)
+  if array.shape != want_shape or array.dtype != want_dtype:
+    raise ExportError(
+      f"{path}: {name!r} was saved as {array.dtype}{list(array.shape)} but `like` holds"
+      f" {want_dtype}{list(want_shape)}. Pass a `like` built as the saved model was."
+    )
+  sharding = getattr(like, "sharding", None)
+  if sharding is not None and getattr(array, "sharding", None) != sharding:
+    return jax.device_put(array, sharding)
+  return array if isinstance(array, jax.Array) else jax.numpy.asarray(array)
+
+
+def _key_impl(dtype: Any) -> str:
+  for impl in _KEY_IMPLS:
+    if jax.random.key(0, impl=impl).dtype == dtype:
+      return impl
+  raise ExportError(f"load_exported: PRNG keys of type {dtype} cannot be restored.")
+
+
+def _orbax(where: str) -> Any:
+  try:
+    import orbax.checkpoint as ocp
+  except ImportError as e:
+    raise ExportError(
+      f"{where}: format 'orbax' needs orbax-checkpoint: pip install 'flaxlens[export]'."
+    ) from e
+  return ocp
+
+
+def _safetensors(where: str) -> None:
+  try:
+    import safetensors  # noqa: F401
+  except ImportError as e:
+    raise ExportError(
+      f"{where}: format 'safetensors' needs safetensors: pip install 'flaxlens[export]'."
+    ) from e
