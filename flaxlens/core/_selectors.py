@@ -273,7 +273,7 @@ class Selection:
       if not callable(readable):
         return False
       path, method = readable()
-      return _path_matches(pattern, path) or _path_matches(pattern, f"{path}.{method}")
+      return path_matches(pattern, path) or path_matches(pattern, f"{path}.{method}")
 
     selection = self._search(hit, innermost=False)
     if not selection._paths:
@@ -456,7 +456,7 @@ def _check_disjoint(paths: Sequence[KeyPath]) -> None:
 _GLOB_REGEX = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
 
 
-def _path_matches(pattern: str, path: str) -> bool:
+def path_matches(pattern: str, path: str) -> bool:
   """Glob match in which `**` spans path segments and `*` and `?` stay within one.
 
   `**/` also matches no segment at all, so `**/Dense_0` matches a top-level `Dense_0`.
