@@ -49,6 +49,7 @@ from flaxlens.nnx._node import InterceptedNNXModuleMethod as InterceptedNNXModul
 from flaxlens.tools._artifact import load_isolated as load_isolated
 from flaxlens.tools._artifact import save_isolated as save_isolated
 from flaxlens.tools._codec import register_value_codec as register_value_codec
+from flaxlens.tools._html import to_html as to_html
 from flaxlens.tools._isolate import isolate as isolate
 from flaxlens.tools._isolate import isolate_calls as isolate_calls
 from flaxlens.tools._isolate import isolate_submodel as isolate_submodel

@@ -50,7 +50,7 @@ PUBLIC = {
   "unbind_variables",
   "variables_in",
   "variable_jit",
-  # Tools: isolate, artifacts, summary.
+  # Tools: isolate, artifacts, summary, the web page.
   "IsolatedSubmodel",
   "ReplayReport",
   "isolate",
@@ -60,6 +60,7 @@ PUBLIC = {
   "save_isolated",
   "register_value_codec",
   "summary",
+  "to_html",
   # Errors.
   "FlaxlensError",
   "ArgumentError",
