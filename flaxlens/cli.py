@@ -1,9 +1,15 @@
 """The `flaxlens` command line.
 
-`flaxlens demo` converts an embedded model, checks it against Flax, patches and edits
-it; `flaxlens replay PATH [--allow PKG]` re-runs a saved isolated call and compares it with
+`flaxlens demo` converts embedded Linen and NNX models, checks them against Flax, patches
+and edits them; `flaxlens inspect TARGET` prints the call table of any model a factory
+function returns (`--json`, `--html`; exit status 2 if the TARGET is wrong);
+`flaxlens replay PATH [--allow PKG]` re-runs a saved isolated call and compares it with
 what was saved (exit status 0 on an exact match, 1 if it differs, 2 if the artifact is
 refused).
+
+`flaxlens inspect` TARGETs are `path/to/file.py:factory` or `package.module:factory`;
+the factory takes no arguments and returns `(nnx_model, args[, kwargs])` or
+`(linen_module, variables, args[, kwargs])`, example inputs included.
 """
 
 from __future__ import annotations
@@ -53,6 +59,51 @@ def demo() -> int:
   return 0 if exact else 1
 
 
+def inspect(
+  target: str,
+  depth: int | None,
+  path: str | None,
+  as_json: bool,
+  html_path: str | None,
+  debug: bool,
+) -> int:
+  """Prints the call table of the model TARGET names (or its JSON); writes the web page.
+
+  Exit status: 0 on success, 2 if the TARGET cannot be loaded or converted, or the path
+  pattern matches no call (the message says what to change; `debug` re-raises instead).
+  """
+  import json
+
+  import flaxlens as fl
+  from flaxlens._target import load
+
+  try:
+    loaded = load(target)
+    options = dict(argument=loaded.argument, **loaded.side_inputs)
+    table = fl.summary(loaded.tree, depth, path=path, **options)
+    if path is not None and not table.rows:
+      known = [row.path or "<root>" for row in fl.summary(loaded.tree, depth).rows]
+      raise fl.SelectionError(
+        f"No call matches the path pattern {path!r} (calls include {known[:12]}). Use a"
+        " pattern as tree.select().at_path takes: `*` within a path segment, `**` across."
+      )
+  except fl.FlaxlensError as e:
+    if debug:
+      raise
+    print(f"flaxlens inspect: {e}", file=sys.stderr)
+    return 2
+  if as_json:
+    data = {"target": target, "framework": loaded.framework, **table.as_dict()}
+    print(json.dumps(data, indent=1))
+  else:
+    print(f"{target}: {loaded.framework} model, {len(table.rows)} calls\n")
+    print(table)
+  if html_path is not None:
+    fl.to_html(loaded.tree, html_path, **options)
+    print(f"\nwrote {html_path}", file=sys.stderr if as_json else sys.stdout)
+  return 0
+
+
 def replay(path: str, jit: bool | None, allow: list[str]) -> int:
   """Loads an isolated-call artifact, replays it and prints the per-leaf comparison.
 
@@ -89,6 +140,34 @@ def main(argv: list[str] | None = None) -> int:
   )
   commands = parser.add_subparsers(dest="command", required=True)
   commands.add_parser("demo", help="convert an embedded model, check it, patch and edit it")
+  inspect_parser = commands.add_parser(
+    "inspect",
+    help="print the calls of a model: paths, classes, shapes, parameters",
+    description="Prints the calls of the model TARGET names, in execution order: path,"
+    " module class, method, input and output shapes and dtypes, the parameters and state"
+    " each module owns, and the totals. TARGET is path/to/file.py:factory or"
+    " package.module:factory; the factory takes no arguments and returns"
+    " (nnx_model, args[, kwargs]) or (linen_module, variables, args[, kwargs]).",
+  )
+  inspect_parser.add_argument("target", metavar="TARGET", help="file.py:factory or module:factory")
+  inspect_parser.add_argument(
+    "--depth", type=int, metavar="N", help="leave out calls nested deeper than N below the root"
+  )
+  inspect_parser.add_argument(
+    "--path",
+    metavar="PATTERN",
+    help="keep the calls whose path matches PATTERN (`*` within a segment, `**` across,"
+    " as tree.select().at_path)",
+  )
+  inspect_parser.add_argument(
+    "--json", action="store_true", help="print the table as JSON, for programs"
+  )
+  inspect_parser.add_argument(
+    "--html", metavar="FILE", help="also write the web page of the tree (fl.to_html) to FILE"
+  )
+  inspect_parser.add_argument(
+    "--debug", action="store_true", help="show the full traceback when the TARGET is wrong"
+  )
   replay_parser = commands.add_parser("replay", help="re-run a saved isolated call")
   replay_parser.add_argument("path", help="artifact directory written by fl.save_isolated")
   mode = replay_parser.add_mutually_exclusive_group()
@@ -109,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if args.command == "demo":
     return demo()
+  if args.command == "inspect":
+    return inspect(args.target, args.depth, args.path, args.json, args.html, args.debug)
   if args.command == "replay":
     return replay(args.path, args.jit, args.allow)
   return 2
