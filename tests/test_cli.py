@@ -77,6 +77,16 @@ def test_demo_converts_linen_and_nnx_models_and_proves_each_step(demo_run):
   assert "Block_1/MultiHeadDotProductAttention_0" in done.stdout
 
 
+def test_the_readme_excerpt_is_what_demo_prints_in_that_order(demo_run):
+  readme = (ROOT / "README.md").read_text()
+  excerpt = re.search(r"```text\n(flaxlens demo: .*?)```", readme, flags=re.S).group(1)
+  printed = iter(demo_run.stdout.splitlines())
+  for line in filter(None, excerpt.splitlines()):  # table lines are cut at the right
+    # Measured numbers (`2.1326`) may differ with the JAX version; their place may not.
+    pattern = re.sub(r"\d+\\\.\d+", r"[0-9.]+", re.escape(line))
+    assert any(re.match(pattern, out) for out in printed), line
+
+
 def test_an_unknown_command_is_a_usage_error():
   with pytest.raises(SystemExit) as exit_info:
     cli.main(["frobnicate"])
