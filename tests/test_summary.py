@@ -165,11 +165,41 @@ def test_rich_renders_the_summary_as_a_table():
   assert "total" in text and f"{summary.params:,}" in text
 
 
-def test_a_notebook_renders_the_summary_as_an_html_table():
-  model, variables, x = _linen(linen_corpus.MLP)
-  page = fl.summary(fl.unflaxify(model, variables, x))._repr_html_()
+@pytest.mark.parametrize("fw, name", [(LINEN, "mlp"), (NNX, "mlp")])
+def test_a_notebook_renders_the_summary_as_an_html_table(corpora, fw, name):
+  summary = fl.summary(fw.convert(corpora[fw][name]))
+  page = summary._repr_html_()
   assert page.startswith("<table>") and page.endswith("</table>")
-  assert "<td>&lt;root&gt;</td>" in page and "<td>Dense_1</td>" in page
+  for row in summary.rows:
+    assert f"<td>{row.path or '&lt;root&gt;'}</td>" in page
+
+
+def test_print_in_a_script_shows_an_nnx_table():
+  script = textwrap.dedent(
+    """
+    import jax.numpy as jnp
+    from flax import nnx
+    import flaxlens as fl
+    model, x = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0))), jnp.ones((1, 3))
+    print(fl.summary(fl.unflaxify(model, x)))
+    """
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, check=True
+  ).stdout
+  rows = [line.split() for line in out.splitlines()]
+  assert [
+    "layers/0",
+    "Linear",
+    "__call__",
+    "float32[1,3]",
+    "float32[1,4]",
+    "16",
+    "64",
+    "B",
+    "0",
+  ] in rows
+  assert ["total", "16", "64", "B", "0"] in rows
 
 
 def _text(x) -> str:
