@@ -44,8 +44,9 @@ class SummaryRow:
     module: the module's class name, or for a replaced call the replacing layer's.
     method: the method called.
     inputs: the call's arguments as conversion saw them, arrays as `dtype[shape]`
-      (`"float32[2,8], train=True"`); empty for the root unless `summary` was given
-      its argument.
+      (`"float32[2,8], train=True"`; inside `nn.scan`/`nn.vmap`/`nnx.scan`/`nnx.vmap`
+      bodies, as one iteration sees them); empty for the root unless `summary` was
+      given its argument.
     outputs: the call's output, written the same way.
     params: the number of parameter values the module owns.
     param_bytes: the bytes they take.
@@ -220,8 +221,9 @@ def _rows(node: Any, depth: int, max_depth: int | None, io: dict[str, str]) -> I
   yield SummaryRow(depth, path, node.module_type.__name__, method, *counts, **io)
   if max_depth is not None and depth >= max_depth:
     return
+  specs = {spec.key: spec for spec in node.call_specs}
   for key, child in node.submodule_calls.items():
-    child_io = _io(node._call_spec(key))
+    child_io = _io(specs.get(key))
     if is_call_node(child):
       yield from _rows(child, depth + 1, max_depth, child_io)
     else:
