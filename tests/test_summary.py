@@ -235,6 +235,13 @@ def test_given_its_argument_the_root_row_shows_the_models_input_and_output(corpo
   assert (root.inputs, root.outputs) == (", ".join(map(_text, argument.args)), _text(output))
 
 
+def test_an_output_whose_repr_spans_lines_is_shown_on_one_line(corpora):
+  case = corpora[NNX]["capture_sow_perturb"]  # returns (array, nnx.State)
+  root = fl.summary(NNX.convert(case), argument=NNX.argument(case)).rows[0]
+  assert root.outputs.startswith("(float32[2,2], State({")
+  assert "\n" not in root.outputs
+
+
 def test_a_root_row_without_its_argument_shows_no_shapes():
   model, variables, x = _linen(linen_corpus.MLP)
   root = fl.summary(fl.unflaxify(model, variables, x)).rows[0]

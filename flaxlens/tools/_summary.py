@@ -200,19 +200,29 @@ def _shown(signature: tuple[Any, tuple[Any, ...]] | None) -> Any:
   return jax.tree_util.tree_unflatten(treedef, [_leaf_text(x) for x in leaves])
 
 
+def _one_line(text: str) -> str:
+  """A table cell: the text with each run of whitespace (newlines too) made one space."""
+  return " ".join(text.split())
+
+
 def _inputs_text(signature: tuple[Any, tuple[Any, ...]] | None) -> str:
   shown = _shown(signature)
   if isinstance(shown, _Leaf):
     return shown.text
   args, kwargs = shown
-  return ", ".join([*(repr(a) for a in args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+  cells = [*(repr(a) for a in args), *(f"{k}={v!r}" for k, v in kwargs.items())]
+  return _one_line(", ".join(cells))
+
+
+def _output_text(signature: tuple[Any, tuple[Any, ...]] | None) -> str:
+  return _one_line(repr(_shown(signature)))
 
 
 def _io(spec: CallSpec | None) -> dict[str, str]:
   """The inputs and outputs texts of a row, from what conversion saw of the call."""
   if spec is None:
     return {}
-  return {"inputs": _inputs_text(spec.inputs), "outputs": repr(_shown(spec.output))}
+  return {"inputs": _inputs_text(spec.inputs), "outputs": _output_text(spec.output)}
 
 
 def _rows(node: Any, depth: int, max_depth: int | None, io: dict[str, str]) -> Iterator[SummaryRow]:
@@ -253,7 +263,7 @@ def _root_io(tree: Any, argument: ArgsAndKwargs, side_inputs: dict[str, Any]) ->
 
   output = jax.eval_shape(run, arrays)
   inputs = signature((tuple(argument.args), dict(argument.kwargs)))
-  return {"inputs": _inputs_text(inputs), "outputs": repr(_shown(signature(output)))}
+  return {"inputs": _inputs_text(inputs), "outputs": _output_text(signature(output))}
 
 
 def summary(
