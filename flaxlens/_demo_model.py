@@ -1,8 +1,9 @@
-"""The small Linen language model that `flaxlens demo` converts."""
+"""The small models `flaxlens demo` converts: a Linen language model and an NNX MLP."""
 
 from __future__ import annotations
 
 import flax.linen as nn
+from flax import nnx
 
 
 class Block(nn.Module):
@@ -30,3 +31,15 @@ class TinyLM(nn.Module):
     for i in range(2):
       x = Block(self.width, name=f"Block_{i}")(x)
     return nn.Dense(self.vocab, name="head")(nn.LayerNorm()(x))
+
+
+class TinyMLP(nnx.Module):
+  """Two NNX linear layers around a batch norm."""
+
+  def __init__(self, rngs: nnx.Rngs, width: int = 32):
+    self.hidden = nnx.Linear(width, 4 * width, rngs=rngs)
+    self.norm = nnx.BatchNorm(4 * width, rngs=rngs)
+    self.out = nnx.Linear(4 * width, width, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.gelu(self.norm(self.hidden(x))))

@@ -1,41 +1,54 @@
 """The `flaxlens` command line.
 
-`flaxlens demo` converts an embedded model, checks it against Flax, patches and edits
-it; `flaxlens replay PATH [--allow PKG]` re-runs a saved isolated call and compares it with
+`flaxlens demo` converts embedded Linen and NNX models, checks them against Flax, patches
+and edits them; `flaxlens inspect TARGET` prints the call table of any model a factory
+function returns (`--json`, `--html`; exit status 2 if the TARGET is wrong);
+`flaxlens replay PATH [--allow PKG]` re-runs a saved isolated call and compares it with
 what was saved (exit status 0 on an exact match, 1 if it differs, 2 if the artifact is
 refused); `flaxlens check A B` runs two models on A's example inputs and compares their
 outputs and states leaf by leaf (exit status 0 when bitwise equal, 1 if they differ, 2 if
 a model could not be loaded).
+
+`flaxlens inspect` TARGETs are `path/to/file.py:factory` or `package.module:factory`;
+the factory takes no arguments and returns `(nnx_model, args[, kwargs])` or
+`(linen_module, variables, args[, kwargs])`, example inputs included.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
 def demo() -> int:
-  """Converts a small Linen transformer, checks it against Flax, patches and edits it."""
+  """Converts a Linen and an NNX model, checks them against Flax, patches and edits them."""
+  print("flaxlens demo: importing JAX and Flax ...", flush=True)
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from flax import nnx
   from rich.console import Console
 
   import flaxlens as fl
-  from flaxlens._demo_model import TinyLM
+  from flaxlens._demo_model import TinyLM, TinyMLP
 
-  console = Console()
+  console = Console(highlight=False)
+
+  def same(a: Any, b: Any) -> bool:
+    return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+
   model = TinyLM()
   tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 32)
   variables = model.init(jax.random.key(0), tokens)
+  console.print("\n[bold]1. Linen[/]: converting a 2-block transformer (fl.unflaxify) ...")
   tree = fl.unflaxify(model, variables, tokens)
-  console.print("[bold]flaxlens demo[/]: a 2-block Linen transformer, converted\n")
-  print(fl.summary(tree))
+  print(fl.summary(tree, argument=fl.ArgsAndKwargs.capture(tokens)))
 
   native = model.apply(variables, tokens)
   ours = tree(fl.ArgsAndKwargs.capture(tokens))
-  exact = bool(np.array_equal(np.asarray(native), np.asarray(ours)))
-  console.print(f"\ntree(tokens) == model.apply(variables, tokens) bit for bit: {exact}")
+  linen_exact = same(native, ours)
+  console.print(f"\ntree(tokens) == model.apply(variables, tokens) bit for bit: {linen_exact}")
 
   class Zero(fl.Layer):
     def __call__(self, argument, /, **side_inputs):
@@ -52,7 +65,70 @@ def demo() -> int:
     "adding 1 to the head's bias shifts every logit by 1:"
     f" {bool(np.allclose(np.asarray(shifted - ours), 1.0, atol=1e-5))}"
   )
-  return 0 if exact else 1
+  console.print(
+    "the edited tree exported back to Flax runs the same:"
+    f" {same(model.apply(tree.export(), tokens), shifted)}"
+  )
+
+  console.print("\n[bold]2. NNX[/]: converting an MLP with a batch norm, in training mode ...")
+  mlp = TinyMLP(nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(2), (4, 32))
+  nnx_tree = fl.unflaxify(mlp, x)
+  print(fl.summary(nnx_tree, argument=fl.ArgsAndKwargs.capture(x)))
+  nnx_ours = nnx_tree(fl.ArgsAndKwargs.capture(x))
+  nnx_exact = same(mlp(x), nnx_ours)
+  console.print(f"\ntree(x) == model(x) bit for bit: {nnx_exact}")
+  stats = nnx_tree.select().at_path("norm").get().scope_data.variables["batch_stats"]["mean"]
+  console.print(
+    "the tree's batch statistics follow the model's after the call:"
+    f" {same(stats.value, mlp.norm.mean[...])}"
+  )
+  return 0 if linen_exact and nnx_exact else 1
+
+
+def inspect(
+  target: str,
+  depth: int | None,
+  path: str | None,
+  as_json: bool,
+  html_path: str | None,
+  debug: bool,
+) -> int:
+  """Prints the call table of the model TARGET names (or its JSON); writes the web page.
+
+  Exit status: 0 on success, 2 if the TARGET cannot be loaded or converted, or the path
+  pattern matches no call (the message says what to change; `debug` re-raises instead).
+  """
+  import json
+
+  import flaxlens as fl
+  from flaxlens._target import load
+
+  try:
+    loaded = load(target)
+    options = dict(argument=loaded.argument, **loaded.side_inputs)
+    table = fl.summary(loaded.tree, depth, path=path, **options)
+    if path is not None and not table.rows:
+      known = [row.path or "<root>" for row in fl.summary(loaded.tree, depth).rows]
+      raise fl.SelectionError(
+        f"No call matches the path pattern {path!r} (calls include {known[:12]}). Use a"
+        " pattern as tree.select().at_path takes: `*` within a path segment, `**` across."
+      )
+  except fl.FlaxlensError as e:
+    if debug:
+      raise
+    print(f"flaxlens inspect: {e}", file=sys.stderr)
+    return 2
+  if as_json:
+    data = {"target": target, "framework": loaded.framework, **table.as_dict()}
+    print(json.dumps(data, indent=1))
+  else:
+    print(f"{target}: {loaded.framework} model, {len(table.rows)} calls\n")
+    print(table)
+  if html_path is not None:
+    fl.to_html(loaded.tree, html_path, **options)
+    print(f"\nwrote {html_path}", file=sys.stderr if as_json else sys.stdout)
+  return 0
 
 
 def replay(path: str, jit: bool | None, allow: list[str]) -> int:
@@ -158,6 +234,34 @@ def main(argv: list[str] | None = None) -> int:
   )
   commands = parser.add_subparsers(dest="command", required=True)
   commands.add_parser("demo", help="convert an embedded model, check it, patch and edit it")
+  inspect_parser = commands.add_parser(
+    "inspect",
+    help="print the calls of a model: paths, classes, shapes, parameters",
+    description="Prints the calls of the model TARGET names, in execution order: path,"
+    " module class, method, input and output shapes and dtypes, the parameters and state"
+    " each module owns, and the totals. TARGET is path/to/file.py:factory or"
+    " package.module:factory; the factory takes no arguments and returns"
+    " (nnx_model, args[, kwargs]) or (linen_module, variables, args[, kwargs]).",
+  )
+  inspect_parser.add_argument("target", metavar="TARGET", help="file.py:factory or module:factory")
+  inspect_parser.add_argument(
+    "--depth", type=int, metavar="N", help="leave out calls nested deeper than N below the root"
+  )
+  inspect_parser.add_argument(
+    "--path",
+    metavar="PATTERN",
+    help="keep the calls whose path matches PATTERN (`*` within a segment, `**` across,"
+    " as tree.select().at_path)",
+  )
+  inspect_parser.add_argument(
+    "--json", action="store_true", help="print the table as JSON, for programs"
+  )
+  inspect_parser.add_argument(
+    "--html", metavar="FILE", help="also write the web page of the tree (fl.to_html) to FILE"
+  )
+  inspect_parser.add_argument(
+    "--debug", action="store_true", help="show the full traceback when the TARGET is wrong"
+  )
   replay_parser = commands.add_parser("replay", help="re-run a saved isolated call")
   replay_parser.add_argument("path", help="artifact directory written by fl.save_isolated")
   mode = replay_parser.add_mutually_exclusive_group()
@@ -188,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if args.command == "demo":
     return demo()
+  if args.command == "inspect":
+    return inspect(args.target, args.depth, args.path, args.json, args.html, args.debug)
   if args.command == "replay":
     return replay(args.path, args.jit, args.allow)
   if args.command == "check":

@@ -1,17 +1,90 @@
-"""The command line."""
+"""The command line, run as a user runs it: `python -m flaxlens.cli ...` in a subprocess.
+
+Checks that need no fresh process (argument handling, the messages for bad TARGETs) call
+`cli.main` in-process, which is what the `flaxlens` script runs.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
 from flaxlens import cli
 
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "inspect_targets.py"
 
-def test_demo_converts_checks_and_reports_an_exact_match(capsys):
-  assert cli.main(["demo"]) == 0
-  out = capsys.readouterr().out
-  assert "bit for bit: True" in out
-  assert "Block_1/MultiHeadDotProductAttention_0" in out
+
+def _run(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+  return subprocess.run(
+    [sys.executable, "-m", "flaxlens.cli", *argv], capture_output=True, text=True, env=env, cwd=cwd
+  )
+
+
+def _examples():
+  spec = importlib.util.spec_from_file_location("inspect_targets_under_test", EXAMPLES)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+def _table_rows(out: str) -> list[list[str]]:
+  """The body rows of a printed table, split into cells at runs of two spaces or more."""
+  lines = out.splitlines()
+  rules = [i for i, line in enumerate(lines) if line.startswith("---")]
+  return [re.split(r"\s{2,}", line.strip()) for line in lines[rules[0] + 1 : rules[1]]]
+
+
+def _size(tree) -> int:
+  return sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(tree))
+
+
+@pytest.fixture(scope="module")
+def demo_run() -> subprocess.CompletedProcess:
+  return _run("demo")
+
+
+def test_demo_says_it_is_importing_before_anything_else(demo_run):
+  done = demo_run
+  assert done.stdout.splitlines()[0] == "flaxlens demo: importing JAX and Flax ..."
+
+
+def test_demo_converts_linen_and_nnx_models_and_proves_each_step(demo_run):
+  done = demo_run
+  assert done.returncode == 0, done.stderr
+  for proof in (
+    "tree(tokens) == model.apply(variables, tokens) bit for bit: True",
+    "adding 1 to the head's bias shifts every logit by 1: True",
+    "the edited tree exported back to Flax runs the same: True",
+    "tree(x) == model(x) bit for bit: True",
+    "the tree's batch statistics follow the model's after the call: True",
+  ):
+    assert proof in done.stdout
+  assert "Block_1/MultiHeadDotProductAttention_0" in done.stdout
+
+
+def test_the_readme_excerpt_is_what_demo_prints_in_that_order(demo_run):
+  readme = (ROOT / "README.md").read_text()
+  excerpt = re.search(r"```text\n(flaxlens demo: .*?)```", readme, flags=re.S).group(1)
+  printed = iter(demo_run.stdout.splitlines())
+  for line in filter(None, excerpt.splitlines()):  # table lines are cut at the right
+    # Measured numbers (`2.1326`) may differ with the JAX version; their place may not.
+    pattern = re.sub(r"\d+\\\.\d+", r"[0-9.]+", re.escape(line))
+    assert any(re.match(pattern, out) for out in printed), line
 
 
 def test_an_unknown_command_is_a_usage_error():
@@ -105,3 +178,147 @@ def test_check_of_a_bad_target_exits_2_with_the_fix(target, capsys, first, messa
   first = target("not_a_model") if first == ":not_a_model" else first
   assert cli.main(["check", first, first]) == 2
   assert message in capsys.readouterr().err
+
+
+def test_inspect_prints_a_linen_models_calls_in_the_order_flax_makes_them():
+  model, variables, args, kwargs = _examples().linen_lm()
+  calls = []
+
+  def record(next_fun, call_args, call_kwargs, context):
+    if context.method_name != "setup":
+      calls.append(["/".join(context.module.path) or "<root>", context.method_name])
+    return next_fun(*call_args, **call_kwargs)
+
+  with nn.intercept_methods(record):
+    model.apply(variables, *args, **kwargs)
+  done = _run("inspect", f"{EXAMPLES}:linen_lm")
+  assert done.returncode == 0, done.stderr
+  rows = _table_rows(done.stdout)
+  assert [cells[:3:2] for cells in rows] == calls
+  head = next(cells for cells in rows if cells[0] == "head")
+  assert head[1:5] == ["Dense", "__call__", "float32[2,6,16]", "float32[2,6,64]"]
+  assert head[5] == f"{_size(variables['params']['head']):,}"
+
+
+def test_inspect_json_parses_and_counts_an_nnx_models_parameters_and_state():
+  model, (x,) = _examples().nnx_mlp()
+  done = _run("inspect", "examples/inspect_targets.py:nnx_mlp", "--json")
+  assert done.returncode == 0, done.stderr
+  data = json.loads(done.stdout)
+  assert data["framework"] == "NNX"
+  rows = {row["path"]: row for row in data["rows"]}
+  assert list(rows) == ["", "hidden", "norm", "out"]
+  assert rows[""]["outputs"] == f"float32[{','.join(map(str, model(x).shape))}]"
+  for path in ("hidden", "norm", "out"):
+    module = getattr(model, path)
+    assert rows[path]["params"] == _size(nnx.state(module, nnx.Param))
+  assert rows["norm"]["state"] == _size(nnx.state(model.norm, nnx.BatchStat))
+  assert data["total"]["params"] == _size(nnx.state(model, nnx.Param))
+
+
+def test_inspect_depth_leaves_out_deeper_calls(capsys):
+  assert cli.main(["inspect", f"{EXAMPLES}:linen_lm", "--depth", "1", "--json"]) == 0
+  rows = json.loads(capsys.readouterr().out)["rows"]
+  assert {row["depth"] for row in rows} == {0, 1}
+  assert "Block_0" in [row["path"] for row in rows]
+
+
+def test_inspect_path_keeps_the_calls_matching_the_pattern(capsys):
+  assert cli.main(["inspect", f"{EXAMPLES}:linen_lm", "--path", "Block_*/Dense_*", "--json"]) == 0
+  rows = json.loads(capsys.readouterr().out)["rows"]
+  assert [row["path"] for row in rows] == [
+    "Block_0/Dense_1",
+    "Block_0/Dense_0",
+    "Block_1/Dense_1",
+    "Block_1/Dense_0",
+  ]
+
+
+def test_inspect_html_writes_the_web_page(tmp_path, capsys):
+  page = tmp_path / "view.html"
+  assert cli.main(["inspect", f"{EXAMPLES}:nnx_mlp", "--html", str(page)]) == 0
+  assert f"wrote {page}" in capsys.readouterr().out
+  assert page.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+
+
+_BAD_FILES = {
+  "raises_on_import.py": "raise RuntimeError('no GPU here')\n",
+  "targets.py": """
+    import flax.linen as nn, jax, jax.numpy as jnp
+    from flax import nnx
+
+    def not_a_tuple():
+      return nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+    def args_not_a_tuple():
+      return nnx.Linear(2, 3, rngs=nnx.Rngs(0)), jnp.ones((1, 2))
+
+    def linen_without_variables():
+      return nn.Dense(3), (jnp.ones((1, 2)),)
+
+    def wrong_input_shape():
+      return nnx.Linear(2, 3, rngs=nnx.Rngs(0)), (jnp.ones((1, 5)),)
+
+    def wrong_linen_variables():
+      model = nn.Dense(3)
+      return model, model.init(jax.random.key(0), jnp.ones((1, 2))), (jnp.ones((1, 5)),)
+
+    def raises():
+      raise ValueError('checkpoint not found')
+
+    class Branchy(nnx.Module):
+      def __call__(self, x):
+        return x if float(x.sum()) > 0 else -x
+
+    def value_branch():
+      return Branchy(), (jnp.ones(2),)
+
+    number = 3
+  """,
+}
+
+
+@pytest.fixture
+def bad_targets(tmp_path):
+  for name, text in _BAD_FILES.items():
+    (tmp_path / name).write_text(textwrap.dedent(text))
+  return tmp_path
+
+
+@pytest.mark.parametrize(
+  "target, fix",
+  [
+    ("no_colon_here", "Write path/to/file.py:factory or package.module:factory"),
+    ("missing.py:make", "There is no file 'missing.py'"),
+    ("no_such_package_xyz.models:make", "Install the package"),
+    ("raises_on_import.py:make", "RuntimeError: no GPU here. Fix the file"),
+    ("targets.py:absent", "(its functions: ['args_not_a_tuple', 'linen_without_variables', "),
+    ("targets.py:number", "Name a function that takes no arguments"),
+    ("targets.py:raises", "ValueError: checkpoint not found. Fix the factory"),
+    ("targets.py:not_a_tuple", "returned a Linear, not a tuple"),
+    ("targets.py:args_not_a_tuple", "args must be a tuple and kwargs a dict"),
+    ("targets.py:linen_without_variables", "returned (Dense, tuple)"),
+    ("targets.py:wrong_input_shape", "Return example inputs the model accepts"),
+    ("targets.py:wrong_linen_variables", "what module.apply(variables, *args, **kwargs) takes"),
+    ("targets.py:value_branch", "targets.py:value_branch: Branchy.__call__: this call uses"),
+  ],
+)
+def test_a_bad_target_exits_2_with_one_paragraph_naming_the_fix(
+  bad_targets, monkeypatch, capsys, target, fix
+):
+  monkeypatch.chdir(bad_targets)
+  assert cli.main(["inspect", target]) == 2
+  captured = capsys.readouterr()
+  assert captured.out == ""
+  message = captured.err
+  assert message.startswith("flaxlens inspect: ") and message.count("\n") == 1
+  assert fix in message
+
+
+def test_a_bad_target_shows_no_traceback_unless_debug(bad_targets):
+  done = _run("inspect", "targets.py:wrong_input_shape", cwd=bad_targets)
+  assert done.returncode == 2
+  assert "Traceback" not in done.stderr and "flaxlens inspect:" in done.stderr
+  debug = _run("inspect", "targets.py:wrong_input_shape", "--debug", cwd=bad_targets)
+  assert debug.returncode != 0
+  assert "Traceback" in debug.stderr

@@ -50,7 +50,7 @@ PUBLIC = {
   "unbind_variables",
   "variables_in",
   "variable_jit",
-  # Tools: isolate, artifacts, summary.
+  # Tools: isolate, artifacts, summary, the web page.
   "IsolatedSubmodel",
   "EquivalenceReport",
   "check_equivalence",
@@ -75,6 +75,7 @@ PUBLIC = {
   "steer",
   "load_interventions",
   "save_interventions",
+  "to_html",
   # Errors.
   "FlaxlensError",
   "ArgumentError",

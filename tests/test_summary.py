@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,9 @@ import textwrap
 import flax.linen as nn
 import jax
 import numpy as np
+import pytest
 from flax import nnx
+from frameworks import LINEN, NNX, Wrap
 from linen import corpus as linen_corpus
 from nnx import corpus as nnx_corpus
 from replacements import PlusOne
@@ -97,7 +100,17 @@ def test_printing_a_summary_prints_one_line_per_call_and_the_totals(capsys):
   summary = fl.summary(fl.unflaxify(model, variables, x))
   print(summary)
   lines = capsys.readouterr().out.splitlines()
-  assert lines[0].split() == ["path", "module", "method", "params", "param", "bytes", "state"]
+  assert lines[0].split() == [
+    "path",
+    "module",
+    "method",
+    "inputs",
+    "outputs",
+    "params",
+    "param",
+    "bytes",
+    "state",
+  ]
   body = [line.split() for line in lines[2:-2]]
   assert [cells[0] for cells in body] == [row.path or "<root>" for row in summary.rows]
   assert lines[-1].split()[:2] == ["total", f"{summary.params:,}"]
@@ -115,10 +128,30 @@ def test_print_in_a_script_shows_the_table():
   out = subprocess.run(
     [sys.executable, "-c", script], capture_output=True, text=True, check=True
   ).stdout
-  rows = [line.split()[:4] for line in out.splitlines()]
-  assert ["layers_0", "Dense", "__call__", "16"] in rows
-  assert ["layers_1", "Dense", "__call__", "10"] in rows
-  assert ["total", "26", "104", "B"] in rows
+  rows = [line.split() for line in out.splitlines()]
+  assert [
+    "layers_0",
+    "Dense",
+    "__call__",
+    "float32[1,3]",
+    "float32[1,4]",
+    "16",
+    "64",
+    "B",
+    "0",
+  ] in rows
+  assert [
+    "layers_1",
+    "Dense",
+    "__call__",
+    "float32[1,4]",
+    "float32[1,2]",
+    "10",
+    "40",
+    "B",
+    "0",
+  ] in rows
+  assert ["total", "26", "104", "B", "0"] in rows
 
 
 def test_rich_renders_the_summary_as_a_table():
@@ -132,8 +165,108 @@ def test_rich_renders_the_summary_as_a_table():
   assert "total" in text and f"{summary.params:,}" in text
 
 
-def test_a_notebook_renders_the_summary_as_an_html_table():
-  model, variables, x = _linen(linen_corpus.MLP)
-  page = fl.summary(fl.unflaxify(model, variables, x))._repr_html_()
+@pytest.mark.parametrize("fw, name", [(LINEN, "mlp"), (NNX, "mlp")])
+def test_a_notebook_renders_the_summary_as_an_html_table(corpora, fw, name):
+  summary = fl.summary(fw.convert(corpora[fw][name]))
+  page = summary._repr_html_()
   assert page.startswith("<table>") and page.endswith("</table>")
-  assert "<td>&lt;root&gt;</td>" in page and "<td>Dense_1</td>" in page
+  for row in summary.rows:
+    assert f"<td>{row.path or '&lt;root&gt;'}</td>" in page
+
+
+def test_print_in_a_script_shows_an_nnx_table():
+  script = textwrap.dedent(
+    """
+    import jax.numpy as jnp
+    from flax import nnx
+    import flaxlens as fl
+    model, x = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0))), jnp.ones((1, 3))
+    print(fl.summary(fl.unflaxify(model, x)))
+    """
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, check=True
+  ).stdout
+  rows = [line.split() for line in out.splitlines()]
+  assert [
+    "layers/0",
+    "Linear",
+    "__call__",
+    "float32[1,3]",
+    "float32[1,4]",
+    "16",
+    "64",
+    "B",
+    "0",
+  ] in rows
+  assert ["total", "16", "64", "B", "0"] in rows
+
+
+def _text(x) -> str:
+  """An array as the documented `dtype[shape]` text."""
+  return f"{x.dtype}[{','.join(str(d) for d in x.shape)}]"
+
+
+@pytest.mark.parametrize(
+  "fw, name, path",
+  [(LINEN, "transformer", "TransformerBlock_1/Dense_0"), (NNX, "mlp", "hidden")],
+)
+def test_a_row_shows_the_shapes_and_dtypes_the_native_call_takes_and_returns(
+  corpora, fw, name, path
+):
+  case = corpora[fw][name]
+  seen = []
+
+  def record(output, *args):
+    seen.append((", ".join(_text(a) for a in args), _text(output)))
+    return output
+
+  fw.native(case, wrap=Wrap(path, record))
+  row = next(row for row in fl.summary(fw.convert(case)).rows if row.path == path)
+  assert [(row.inputs, row.outputs)] == seen
+
+
+@pytest.mark.parametrize("fw, name", [(LINEN, "transformer"), (NNX, "mlp")])
+def test_given_its_argument_the_root_row_shows_the_models_input_and_output(corpora, fw, name):
+  case = corpora[fw][name]
+  output, _ = fw.native(case)
+  argument = fw.argument(case)
+  root = fl.summary(fw.convert(case), argument=argument, **fw.side_inputs(case)).rows[0]
+  assert (root.inputs, root.outputs) == (", ".join(map(_text, argument.args)), _text(output))
+
+
+def test_an_output_whose_repr_spans_lines_is_shown_on_one_line(corpora):
+  case = corpora[NNX]["capture_sow_perturb"]  # returns (array, nnx.State)
+  root = fl.summary(NNX.convert(case), argument=NNX.argument(case)).rows[0]
+  assert root.outputs.startswith("(float32[2,2], State({")
+  assert "\n" not in root.outputs
+
+
+def test_a_root_row_without_its_argument_shows_no_shapes():
+  model, variables, x = _linen(linen_corpus.MLP)
+  root = fl.summary(fl.unflaxify(model, variables, x)).rows[0]
+  assert (root.inputs, root.outputs) == ("", "")
+
+
+def test_keyword_and_python_arguments_show_by_name_and_value(corpora):
+  case = corpora[NNX]["call_time_flags"]
+  tree = NNX.convert(case)
+  root = fl.summary(tree, argument=NNX.argument(case)).rows[0]
+  assert root.inputs == f"{_text(nnx_corpus.X)}, train=True"
+
+
+def test_a_path_filter_keeps_the_calls_the_same_pattern_selects():
+  model, variables, x = _linen(linen_corpus.Transformer)
+  tree = fl.unflaxify(model, variables, x)
+  pattern = "TransformerBlock_*/Dense_*"
+  rows = fl.summary(tree, path=pattern).rows
+  selected = tree.select().at_path(pattern).get_sequence()
+  assert [(row.path, row.method) for row in rows] == [n.readable_path() for n in selected]
+
+
+def test_as_dict_holds_every_row_and_the_totals_for_json():
+  model, variables, x = _linen(linen_corpus.MLP)
+  summary = fl.summary(fl.unflaxify(model, variables, x))
+  data = json.loads(json.dumps(summary.as_dict()))
+  assert [row["path"] for row in data["rows"]] == [row.path for row in summary.rows]
+  assert data["total"]["params"] == _size_and_bytes(variables["params"])[0]

@@ -44,7 +44,7 @@ def _summary(leaf: Any) -> Any:
   return _Opaque(type(leaf))
 
 
-def _signature(tree: Any) -> tuple[Any, tuple[Any, ...]] | None:
+def signature(tree: Any) -> tuple[Any, tuple[Any, ...]] | None:
   """`(treedef, leaf summaries)`: arrays as `ShapeDtypeStruct`s, plain values as is."""
   try:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -98,8 +98,8 @@ class CallSpec:
     self.key = key
     self.path = path
     self.method_name = method_name
-    self.inputs = _signature((tuple(args), dict(kwargs)))
-    self.output = _signature(output)
+    self.inputs = signature((tuple(args), dict(kwargs)))
+    self.output = signature(output)
     try:
       self._hash = hash((key, path, self.inputs, self.output))
     except TypeError:  # Unhashable static data in a treedef: hash the call alone.
@@ -146,7 +146,7 @@ class CallSpec:
     """
     if self.inputs is None or self.output is None:
       return None
-    given = _signature((tuple(args), dict(kwargs)))
+    given = signature((tuple(args), dict(kwargs)))
     if given is None or not _same_static(given[0], self.inputs[0]):
       return None
     arrays = []

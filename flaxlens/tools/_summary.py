@@ -2,11 +2,14 @@
 
 `summary(tree)` walks the tree in execution order (each call before the calls it makes,
 those in the order it makes them) and returns a `Summary`: `print(summary)` shows a plain
-text table, rich renders it as a rich table, a notebook as HTML. A row counts the
-variables the call's module owns (not its children's); the totals count each variable
-of the tree once, so a module called twice is not counted twice. Replaced calls show
-the class of the layer that replaces them. Works on Linen and NNX trees alike, through
-the node attributes every call node has. No Flax internals here.
+text table, rich renders it as a rich table, a notebook as HTML, and `as_dict()` is the
+same data for machines (`flaxlens inspect --json`). A row shows the shapes and dtypes of
+the call's arguments and output, as conversion recorded them in the caller's `CallSpec`s
+(the root's, which has no caller, when its argument is given), and counts the variables
+the call's module owns (not its children's); the totals count each variable of the tree
+once, so a module called twice is not counted twice. Replaced calls show the class of the
+layer that replaces them. Works on Linen and NNX trees alike, through the node
+attributes every call node has. No Flax internals here.
 """
 
 from __future__ import annotations
@@ -20,10 +23,15 @@ import jax
 import numpy as np
 from rich.table import Table
 
+from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._convert import split_static
 from flaxlens.core._node import is_call_node
-from flaxlens.core._variables import AbstractVariable, Parameter, variables_in
+from flaxlens.core._selectors import path_matches
+from flaxlens.core._spec import CallSpec, signature
+from flaxlens.core._variables import AbstractVariable, Parameter, unbind_variables, variables_in
 
-_HEADER = ("path", "module", "method", "params", "param bytes", "state")
+_HEADER = ("path", "module", "method", "inputs", "outputs", "params", "param bytes", "state")
+_NUMERIC = 5  # Columns from this one on hold numbers, aligned right.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +43,11 @@ class SummaryRow:
     path: the module path (`"Block_0/Dense_0"`, `""` for the root).
     module: the module's class name, or for a replaced call the replacing layer's.
     method: the method called.
+    inputs: the call's arguments as conversion saw them, arrays as `dtype[shape]`
+      (`"float32[2,8], train=True"`; inside `nn.scan`/`nn.vmap`/`nnx.scan`/`nnx.vmap`
+      bodies, as one iteration sees them); empty for the root unless `summary` was
+      given its argument.
+    outputs: the call's output, written the same way.
     params: the number of parameter values the module owns.
     param_bytes: the bytes they take.
     state: the number of state values (batch statistics, caches, counters) it owns.
@@ -49,6 +62,8 @@ class SummaryRow:
   param_bytes: int
   state: int
   replaced: bool = False
+  inputs: str = ""
+  outputs: str = ""
 
   def _cells(self) -> tuple[str, ...]:
     module = f"{self.module} (replacement)" if self.replaced else self.module
@@ -56,6 +71,8 @@ class SummaryRow:
       self.path or "<root>",
       module,
       self.method,
+      self.inputs,
+      self.outputs,
       f"{self.params:,}",
       _bytes(self.param_bytes),
       f"{self.state:,}",
@@ -79,13 +96,25 @@ class Summary:
   state: int
 
   def _cells(self) -> list[tuple[str, ...]]:
-    total = ("total", "", "", f"{self.params:,}", _bytes(self.param_bytes), f"{self.state:,}")
+    blank = ("",) * (_NUMERIC - 1)
+    total = ("total", *blank, f"{self.params:,}", _bytes(self.param_bytes), f"{self.state:,}")
     return [row._cells() for row in self.rows] + [total]
+
+  def as_dict(self) -> dict[str, Any]:
+    """The table as plain data (`json.dumps` takes it): `{"rows": [...], "total": {...}}`.
+
+    Each row is a `SummaryRow`'s fields by name; the total has `params`, `param_bytes`
+    and `state`.
+    """
+    return {
+      "rows": [dataclasses.asdict(row) for row in self.rows],
+      "total": {"params": self.params, "param_bytes": self.param_bytes, "state": self.state},
+    }
 
   def __str__(self) -> str:
     lines = [_HEADER, *self._cells()]
     widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER))]
-    numeric = range(3, len(_HEADER))
+    numeric = range(_NUMERIC, len(_HEADER))
 
     def render(cells: tuple[str, ...]) -> str:
       return "  ".join(
@@ -103,7 +132,7 @@ class Summary:
   def __rich__(self) -> Table:
     table = Table(show_footer=False)
     for i, name in enumerate(_HEADER):
-      table.add_column(name, justify="right" if i >= 3 else "left", overflow="fold")
+      table.add_column(name, justify="right" if i >= _NUMERIC else "left", overflow="fold")
     cells = self._cells()
     for row, line in zip(self.rows, cells, strict=False):
       table.add_row(*line, style="magenta" if row.replaced else None)
@@ -145,51 +174,151 @@ def _own_variables(node: Any) -> tuple[AbstractVariable, ...]:
   return variables_in(own)
 
 
-def _rows(node: Any, depth: int, max_depth: int | None) -> Iterator[SummaryRow]:
+class _Leaf:
+  """Stands for one leaf of a recorded signature: its repr is the given text."""
+
+  __slots__ = ("text",)
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def __repr__(self) -> str:
+    return self.text
+
+
+def _leaf_text(leaf: Any) -> _Leaf:
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return _Leaf(f"{leaf.dtype}[{','.join(str(d) for d in leaf.shape)}]")
+  return _Leaf(repr(leaf))
+
+
+def _shown(signature: tuple[Any, tuple[Any, ...]] | None) -> Any:
+  """The recorded value with each leaf replaced by its text (`float32[2,8]`)."""
+  if signature is None:
+    return _Leaf("?")
+  treedef, leaves = signature
+  return jax.tree_util.tree_unflatten(treedef, [_leaf_text(x) for x in leaves])
+
+
+def _one_line(text: str) -> str:
+  """A table cell: the text with each run of whitespace (newlines too) made one space."""
+  return " ".join(text.split())
+
+
+def _inputs_text(signature: tuple[Any, tuple[Any, ...]] | None) -> str:
+  shown = _shown(signature)
+  if isinstance(shown, _Leaf):
+    return shown.text
+  args, kwargs = shown
+  cells = [*(repr(a) for a in args), *(f"{k}={v!r}" for k, v in kwargs.items())]
+  return _one_line(", ".join(cells))
+
+
+def _output_text(signature: tuple[Any, tuple[Any, ...]] | None) -> str:
+  return _one_line(repr(_shown(signature)))
+
+
+def _io(spec: CallSpec | None) -> dict[str, str]:
+  """The inputs and outputs texts of a row, from what conversion saw of the call."""
+  if spec is None:
+    return {}
+  return {"inputs": _inputs_text(spec.inputs), "outputs": _output_text(spec.output)}
+
+
+def _rows(node: Any, depth: int, max_depth: int | None, io: dict[str, str]) -> Iterator[SummaryRow]:
   path, method = node.readable_path()
   counts = _counts(_own_variables(node))
-  yield SummaryRow(depth, path, node.module_type.__name__, method, *counts)
+  yield SummaryRow(depth, path, node.module_type.__name__, method, *counts, **io)
   if max_depth is not None and depth >= max_depth:
     return
-  for (_, name), child in node.submodule_calls.items():
+  specs = {spec.key: spec for spec in node.call_specs}
+  for key, child in node.submodule_calls.items():
+    child_io = _io(specs.get(key))
     if is_call_node(child):
-      yield from _rows(child, depth + 1, max_depth)
+      yield from _rows(child, depth + 1, max_depth, child_io)
     else:
-      child_path, _, child_method = name.rpartition(".")
+      child_path, _, child_method = key[1].rpartition(".")
       if not child_path.startswith("/"):
         child_path = "/".join(p for p in (path, child_path) if p)
       counts = _counts(variables_in(child))
       yield SummaryRow(
-        depth + 1, child_path.lstrip("/"), type(child).__name__, child_method, *counts, True
+        depth + 1,
+        child_path.lstrip("/"),
+        type(child).__name__,
+        child_method,
+        *counts,
+        replaced=True,
+        **child_io,
       )
 
 
-def summary(tree: Any, max_depth: int | None = None) -> Summary:
+def _root_io(tree: Any, argument: ArgsAndKwargs, side_inputs: dict[str, Any]) -> dict[str, str]:
+  """The root call's input and output, its output traced abstractly (`jax.eval_shape`)."""
+  unbound, values = unbind_variables(tree, freeze=True)
+  arrays, rebuild = split_static((argument, side_inputs))
+
+  def run(arrays: list[Any]) -> Any:
+    given, side = rebuild(arrays)
+    return unbound.stateless_call(values, given, **side)[0]
+
+  output = jax.eval_shape(run, arrays)
+  inputs = signature((tuple(argument.args), dict(argument.kwargs)))
+  return {"inputs": _inputs_text(inputs), "outputs": _output_text(signature(output))}
+
+
+def summary(
+  tree: Any,
+  max_depth: int | None = None,
+  *,
+  path: str | None = None,
+  argument: ArgsAndKwargs | None = None,
+  **side_inputs: Any,
+) -> Summary:
   """A table of the calls in a converted tree, in execution order, with their variables.
+
+  Each row shows the call's arguments and output (shapes and dtypes, as conversion saw
+  them), and the parameters and state its module owns; the totals count each variable
+  of the tree once.
 
   Args:
     tree: a converted tree (for example from `fl.unflaxify`).
     max_depth: leave out calls nested deeper than this below the root.
+    path: keep only the calls whose path matches this pattern, in the syntax of
+      `tree.select().at_path` (`"Block_*/Dense_0"`, `"**/attention"`, with or without
+      `.method`). The totals still count the whole tree.
+    argument: the root call's `fl.ArgsAndKwargs`. Conversion records the arguments and
+      output of every call but the root's; given this, the root row shows them too
+      (traced abstractly: no FLOPs).
+    **side_inputs: side inputs of the root call (such as `random_streams`), used with
+      `argument`.
 
   Returns:
-    A `Summary`: `print` it for a plain text table; rich and notebooks render it too.
+    A `Summary`: `print` it for a plain text table; rich and notebooks render it too,
+    and `as_dict()` gives the same data for `json.dumps`.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
     >>> model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
     >>> x = jnp.ones((1, 3))
     >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
-    >>> print(fl.summary(tree))
-    path      module      method    params  param bytes  state
-    --------  ----------  --------  ------  -----------  -----
-    <root>    Sequential  __call__       0          0 B      0
-    layers_0  Dense       __call__      16         64 B      0
-    layers_1  Dense       __call__      10         40 B      0
-    --------  ----------  --------  ------  -----------  -----
-    total                               26        104 B      0
+    >>> print(fl.summary(tree, argument=fl.ArgsAndKwargs.capture(x)))
+    path      module      method    inputs        outputs       params  param bytes  state
+    --------  ----------  --------  ------------  ------------  ------  -----------  -----
+    <root>    Sequential  __call__  float32[1,3]  float32[1,2]       0          0 B      0
+    layers_0  Dense       __call__  float32[1,3]  float32[1,4]      16         64 B      0
+    layers_1  Dense       __call__  float32[1,4]  float32[1,2]      10         40 B      0
+    --------  ----------  --------  ------------  ------------  ------  -----------  -----
+    total                                                           26        104 B      0
   """
-  rows = tuple(_rows(tree, 0, max_depth))
-  return Summary(rows, *_counts(variables_in(tree)))
+  io = {} if argument is None else _root_io(tree, argument, side_inputs)
+  rows = _rows(tree, 0, max_depth, io)
+  if path is not None:
+    rows = (r for r in rows if path_matches(path, r.path) or path_matches(path, _where(r)))
+  return Summary(tuple(rows), *_counts(variables_in(tree)))
+
+
+def _where(row: SummaryRow) -> str:
+  return f"{row.path}.{row.method}"
 
 
 def _bytes(n: int) -> str:

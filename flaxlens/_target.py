@@ -1,0 +1,187 @@
+"""Loading the model a `flaxlens inspect TARGET` names, and converting it.
+
+A TARGET is `path/to/file.py:factory` or `package.module:factory`. The factory is called
+with no arguments and returns a model with example inputs, in one of two forms:
+
+- NNX: `(model, args)` or `(model, args, kwargs)`, `model` an `nnx.Module`;
+- Linen: `(module, variables, args)` or `(module, variables, args, kwargs)`, `module`
+  an unbound `nn.Module` and `variables` what `module.init` returns.
+
+`args` is a tuple (or list) of example positional arguments and `kwargs` a dict of
+example keyword arguments, which may also hold `fl.unflaxify`'s options (`method=`, and
+for Linen `rngs=`, `mutable=`, `capture_intermediates=`). Loading a file runs it, as
+`python file.py` would (its folder goes first on `sys.path`, so it can import its
+neighbours): name only files you trust. Every way a TARGET can be wrong raises a
+`FlaxlensError` whose message says what to change. No Flax internals here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+from flax import nnx
+
+from flaxlens._unflaxify import unflaxify
+from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.errors import FlaxlensError
+from flaxlens.linen._convert import unflaxify_linen
+from flaxlens.nnx._convert import unflaxify_nnx
+
+PROTOCOL = (
+  "The factory takes no arguments and returns (nnx_model, args) or (nnx_model, args,"
+  " kwargs) for NNX, or (linen_module, variables, args) or (linen_module, variables,"
+  " args, kwargs) for Linen, where args is a tuple of example positional arguments and"
+  " kwargs a dict of example keyword arguments."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A converted TARGET: the tree, and the argument and side inputs of its root call."""
+
+  tree: Any
+  argument: ArgsAndKwargs
+  side_inputs: dict[str, Any]
+  framework: str
+
+
+def load_factory(target: str) -> Callable[[], Any]:
+  """The factory `target` names (`file.py:factory` or `package.module:factory`)."""
+  where, colon, name = target.rpartition(":")
+  if not colon or not where or not name.isidentifier():
+    raise FlaxlensError(
+      f"{target!r} is not a TARGET. Write path/to/file.py:factory or"
+      " package.module:factory, naming a function that returns a model and example inputs."
+    )
+  module = _load_file(where) if _is_file(where) else _import(where)
+  factory = getattr(module, name, None)
+  if factory is None:
+    defined = sorted(
+      n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")
+    )
+    raise FlaxlensError(
+      f"{where} has no {name!r} (its functions: {defined[:12]}). Name one of them after"
+      " the colon, or define the factory there."
+    )
+  if not callable(factory):
+    raise FlaxlensError(
+      f"{where}:{name} is a {type(factory).__name__}, not a function. Name a function"
+      f" that takes no arguments. {PROTOCOL}"
+    )
+  return factory
+
+
+def _is_file(where: str) -> bool:
+  return where.endswith(".py") or os.sep in where or "/" in where
+
+
+def _load_file(path: str) -> Any:
+  if not os.path.isfile(path):
+    raise FlaxlensError(
+      f"There is no file {path!r} (looked from {os.getcwd()}). Give the path of a Python"
+      " file, relative to the current folder or absolute."
+    )
+  name = f"_flaxlens_target_{os.path.splitext(os.path.basename(path))[0]}"
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+  sys.modules[name] = module  # Dataclasses (Linen modules) look their module up here.
+  try:
+    spec.loader.exec_module(module)
+  except Exception as e:
+    del sys.modules[name]
+    raise FlaxlensError(
+      f"Running {path} raised {_said(e)}. Fix the file so that"
+      f" `python {path}` runs (add --debug for the traceback)."
+    ) from e
+  return module
+
+
+def _import(name: str) -> Any:
+  try:
+    return importlib.import_module(name)
+  except ModuleNotFoundError as e:
+    raise FlaxlensError(
+      f"Cannot import {name!r} ({e}). Install the package, run from the folder that holds"
+      " it, or name a file instead: path/to/file.py:factory."
+    ) from e
+  except Exception as e:
+    raise FlaxlensError(
+      f"Importing {name} raised {_said(e)}. Fix the module so that"
+      f" `python -c 'import {name}'` runs (add --debug for the traceback)."
+    ) from e
+
+
+def load(target: str) -> Target:
+  """Calls the factory `target` names, checks what it returns and converts the model."""
+  factory = load_factory(target)
+  try:
+    made = factory()
+  except Exception as e:
+    raise FlaxlensError(
+      f"{target}() raised {_said(e)}. Fix the factory (add --debug for the traceback). {PROTOCOL}"
+    ) from e
+  framework, model, variables, args, kwargs = _unpack(target, made)
+  options = _options(unflaxify_linen if framework == "Linen" else unflaxify_nnx)
+  call_kwargs = {k: v for k, v in kwargs.items() if k not in options}
+  side_inputs = {"random_streams": kwargs["rngs"]} if kwargs.get("rngs") is not None else {}
+  try:
+    tree = unflaxify(model, *variables, *args, **kwargs)
+  except FlaxlensError as e:  # Its message names the call and the fix.
+    raise FlaxlensError(f"{target}: {_said(e, name=False)}") from e
+  except Exception as e:
+    raise FlaxlensError(
+      f"{target}: converting the {framework} model {type(model).__name__} with the"
+      f" example inputs failed with {_said(e)} Return example inputs the"
+      f" model accepts: the factory's args and kwargs must be what"
+      f" {_call_form(framework)} takes (add --debug for the traceback)."
+    ) from e
+  return Target(tree, ArgsAndKwargs.capture(*args, **call_kwargs), side_inputs, framework)
+
+
+def _said(error: Exception, name: bool = True) -> str:
+  """`"TypeError: what it said"` in one line, for a one-paragraph message."""
+  said = " ".join(str(error).split())
+  return f"{type(error).__name__}: {said}" if name else said
+
+
+def _options(convert: Callable[..., Any]) -> set[str]:
+  """The conversion options of a framework's converter: its keyword-only parameters."""
+  parameters = inspect.signature(convert).parameters.values()
+  return {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _call_form(framework: str) -> str:
+  if framework == "Linen":
+    return "module.apply(variables, *args, **kwargs)"
+  return "model(*args, **kwargs)"
+
+
+def _unpack(target: str, made: Any) -> tuple[str, Any, tuple[Any, ...], tuple, dict]:
+  """`(framework, model, (variables,) or (), args, kwargs)` from the factory's result."""
+  if not isinstance(made, tuple) or not made:
+    raise FlaxlensError(f"{target}() returned a {type(made).__name__}, not a tuple. {PROTOCOL}")
+  model, *rest = made
+  if isinstance(model, nnx.Module) and len(rest) in (1, 2):
+    framework, variables = "NNX", ()
+  elif isinstance(model, nn.Module) and len(rest) in (2, 3):
+    framework, variables = "Linen", (rest.pop(0),)
+  else:
+    kinds = ", ".join(type(x).__name__ for x in made)
+    raise FlaxlensError(f"{target}() returned ({kinds}). {PROTOCOL}")
+  args, kwargs = rest[0], rest[1] if len(rest) == 2 else {}
+  if not isinstance(args, tuple | list) or not isinstance(kwargs, dict):
+    raise FlaxlensError(
+      f"{target}() returned args of type {type(args).__name__} and kwargs of type"
+      f" {type(kwargs).__name__}; args must be a tuple and kwargs a dict (write (x,) for"
+      f" one argument). {PROTOCOL}"
+    )
+  return framework, model, variables, tuple(args), kwargs
