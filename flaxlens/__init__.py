@@ -63,6 +63,10 @@ from flaxlens.tools._isolate import isolate_submodel as isolate_submodel
 from flaxlens.tools._replay import IsolatedSubmodel as IsolatedSubmodel
 from flaxlens.tools._replay import ReplayReport as ReplayReport
 from flaxlens.tools._summary import summary as summary
+from flaxlens.tools._sweeps import SweepResult as SweepResult
+from flaxlens.tools._sweeps import attribute as attribute
+from flaxlens.tools._sweeps import grad_at as grad_at
+from flaxlens.tools._sweeps import sweep as sweep
 
 __version__ = _metadata.version("flaxlens")
 

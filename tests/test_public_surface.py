@@ -69,6 +69,11 @@ PUBLIC = {
   "run",
   "scale",
   "steer",
+  # sweeps, attribution patching, gradients at calls
+  "SweepResult",
+  "attribute",
+  "grad_at",
+  "sweep",
   # Errors.
   "FlaxlensError",
   "ArgumentError",
