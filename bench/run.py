@@ -35,6 +35,7 @@ from bench.cases import (
   isolate_replay,
   jitted_forward,
   not_yet_available,
+  sweeps,
 )
 from bench.models import FULL, QUICK
 from bench.report import DOC, Row, closing_notes, render
@@ -49,6 +50,7 @@ CASES = (
   not_yet_available,
   extra_bytes,
   isolate_replay,
+  sweeps,
 )
 
 

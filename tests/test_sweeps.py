@@ -10,6 +10,8 @@ through natively wrapped calls; gradients at calls equal Flax's own `perturb`.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import re
 
 import flax.linen as nn
 import jax
@@ -185,7 +187,7 @@ def test_sweep_patches_each_iteration_of_a_scanned_call_alone(name, corpora):
   expected = []
   for layer in range(layers):
     seen = []
-    unrolled(case, layer, x, lambda h: seen.append(h) or h)
+    unrolled(case, layer, x, lambda h, seen=seen: seen.append(h) or h)
     clean = seen[0]
     row = []
     for p in range(2):
@@ -274,7 +276,7 @@ def test_attribution_of_a_scanned_call_has_one_row_per_iteration(name, corpora):
   expected = []
   for layer in range(layers):
     seen = []
-    unrolled(case, layer, x, lambda h: seen.append(h) or h)
+    unrolled(case, layer, x, lambda h, seen=seen: seen.append(h) or h)
     clean = seen[0]
 
     def loss(delta, layer=layer):
@@ -348,10 +350,21 @@ def test_grad_at_stacks_the_gradients_of_a_scanned_call(name, corpora):
   expected = []
   for layer in range(layers):
     shape = []
-    unrolled(case, layer, x, lambda h: shape.append(h) or h)
+    unrolled(case, layer, x, lambda h, shape=shape: shape.append(h) or h)
 
     def loss(delta, layer=layer):
       return (unrolled(case, layer, x, lambda h: h + delta) ** 2).sum()
 
     expected.append(jax.grad(loss)(jnp.zeros_like(shape[0])))
   np.testing.assert_allclose(grads[site], np.stack(expected), rtol=1e-6, atol=1e-6)
+
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "sweeps.md"
+
+
+def test_the_sweeps_page_examples_run_in_order(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+  namespace: dict = {}
+  for index, block in enumerate(blocks):
+    exec(compile(block, f"docs/sweeps.md[python block {index}]", "exec"), namespace)
