@@ -69,11 +69,9 @@ def test_sweep_equals_the_loop_of_native_single_patches(framework, corpora, posi
   clean, corrupted, sites, metric = _setting(framework, corpora)
   tree = framework.convert(clean)
   result = fl.sweep(tree, clean.args, corrupted.args, sites, metric, positions=positions)
+  cleans = {s: _native_clean(framework, clean, s) for s in sites}
   expected = [
-    [
-      metric(_native_patched(framework, corrupted, s, _native_clean(framework, clean, s), p))
-      for p in (positions or [None])
-    ]
+    [metric(_native_patched(framework, corrupted, s, cleans[s], p)) for p in positions or [None]]
     for s in sites
   ]
   expected = np.asarray(expected)
