@@ -1,4 +1,4 @@
-"""Case 7: activation patching over every block in one call, and attribution patching.
+"""Case 9: activation patching over every block in one call, and attribution patching.
 
 On each subject, the sites are the model's blocks (N of them) and the metric is one
 logit at the last position, patched from a clean run into a run on the reversed tokens.
@@ -24,7 +24,7 @@ from bench.models import LinenBlock, NNXBlock, Sizes, tokens
 from bench.report import Row
 from bench.subjects import Subject, per_subject
 
-NAME = "7. sweeps"
+NAME = "9. sweeps"
 
 
 def _metric(output: Any) -> Any:
