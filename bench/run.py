@@ -35,6 +35,7 @@ from bench.cases import (
   interventions,
   isolate_replay,
   jitted_forward,
+  sweeps,
 )
 from bench.models import FULL, QUICK
 from bench.report import DOC, Row, closing_notes, render
@@ -49,6 +50,7 @@ CASES = (
   interventions,
   extra_bytes,
   isolate_replay,
+  sweeps,
 )
 
 

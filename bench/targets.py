@@ -164,14 +164,14 @@ TARGETS: dict[str, Target] = {
     "0.5",
     "A sweep should be one compiled program over all N sites, not N dispatches of N"
     " programs; at under half the loop's time it is worth calling.",
-    None,
+    "sweeps",
   ),
   "patching_sweep_vs_batched": Target(
     "N-site patching sweep in one call / N plain forwards batched",
     "≤",
     "1.10",
     "Batched, a sweep does the work of N forwards; 10% bounds the cost of the patches themselves.",
-    None,
+    "sweeps",
   ),
   "attribution_patching": Target(
     "attribution patching / one forward and backward",
@@ -180,7 +180,7 @@ TARGETS: dict[str, Target] = {
     "Attribution patching estimates every site's effect from one forward and one backward"
     " pass, so it should cost about that pass; 20% bounds reading activations and"
     " gradients at every site.",
-    None,
+    "sweeps",
   ),
   # Issue 15 (speed).
   "jitted_host_time": Target(

@@ -71,6 +71,10 @@ from flaxlens.tools._saving import save_exported as save_exported
 from flaxlens.tools._specs import load_interventions as load_interventions
 from flaxlens.tools._specs import save_interventions as save_interventions
 from flaxlens.tools._summary import summary as summary
+from flaxlens.tools._sweeps import SweepResult as SweepResult
+from flaxlens.tools._sweeps import attribute as attribute
+from flaxlens.tools._sweeps import grad_at as grad_at
+from flaxlens.tools._sweeps import sweep as sweep
 
 __version__ = _metadata.version("flaxlens")
 

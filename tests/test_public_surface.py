@@ -76,6 +76,11 @@ PUBLIC = {
   "load_interventions",
   "save_interventions",
   "to_html",
+  # sweeps, attribution patching, gradients at calls
+  "SweepResult",
+  "attribute",
+  "grad_at",
+  "sweep",
   # Errors.
   "FlaxlensError",
   "ArgumentError",

@@ -15,7 +15,9 @@ while a capturing run is active those entry points are wrapped (in place, restor
 beside its own output; `scan` and `vmap` stack it along a new leading axis. A value
 captured in a trace no channel stands for (a body staged by a transform flaxlens does
 not wrap) is not returned: the run raises `UnsupportedFlaxFeatureError` naming the site.
-No Flax internals here.
+A probing made `indexed` also wraps scans when it captures nothing, and gives each scan
+body its iteration number, which edits read with `scan_iterations()` (to patch one
+iteration of a call inside `nn.scan`/`nnx.scan`, say). No Flax internals here.
 """
 
 from __future__ import annotations
@@ -72,14 +74,19 @@ class Probing:
 
   Attributes:
     probes: `{id(node): Probe}`.
-    capturing: whether any probe captures (only then are staged bodies wrapped).
+    capturing: whether any probe captures (then staged bodies are wrapped).
+    indexed: whether edits read `scan_iterations()` (then staged bodies are wrapped).
+    iterations: the iteration numbers of the scan bodies being traced, outermost first
+      (None for a vmap body).
     channels: the open channels, the run's own first.
     stray: `{site: where}` for values captured in a trace no channel carries out.
   """
 
-  def __init__(self, probes: dict[int, Probe]):
+  def __init__(self, probes: dict[int, Probe], indexed: bool = False):
     self.probes = probes
     self.capturing = any(p.output or p.input for p in probes.values())
+    self.indexed = indexed
+    self.iterations: list[Any] = []
     self.channels: list[Channel] = []
     self.stray: dict[str, str] = {}
     self.captured: dict[str, Any] = {}  # What the run captured, once it ran.
@@ -161,30 +168,58 @@ def _is_array(x: Any) -> bool:
 
 
 def active_probing() -> Probing | None:
-  """The capturing probing of this thread's innermost run, or None."""
+  """The capturing (or indexed) probing of this thread's innermost run, or None."""
   interceptor = current_interceptor()
   probing = getattr(interceptor, "probing", None)
-  if probing is None or not probing.capturing or not probing.channels:
+  if probing is None or not (probing.capturing or probing.indexed) or not probing.channels:
     return None
   return probing
+
+
+def scan_iterations() -> tuple[Any, ...]:
+  """The iteration numbers (traced scalars) of the scans enclosing the current call.
+
+  Outermost first, None for an enclosing vmap body; empty outside such bodies. Only an
+  `indexed` probing counts them, and only in the bodies JAX runs: a body Flax traces
+  beforehand to learn its shapes (`nn.scan` does) sees fewer.
+  """
+  probing = active_probing()
+  return tuple(probing.iterations) if probing is not None else ()
 
 
 # --- carrying captured values out of staged bodies ------------------------------------
 
 
 def _wrap_scan(original: Callable[..., Any]) -> Callable[..., Any]:
+  signature = inspect.signature(original)
+
   @functools.wraps(original)
   def scan(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     probing = active_probing()
     if probing is None:
       return original(f, *args, **kwargs)
+    bound = signature.bind(f, *args, **kwargs)
+    indexed = probing.indexed
+    if indexed:  # the iteration number rides along with xs
+      xs, length = bound.arguments.get("xs"), bound.arguments.get("length")
+      if length is None:
+        length = jax.tree_util.tree_leaves(xs)[0].shape[0]
+      bound.arguments["xs"] = (xs, jax.numpy.arange(length))
 
     def body(carry: Any, x: Any) -> Any:
-      with probing.channel() as channel:
-        carry, y = f(carry, x)
+      if indexed:
+        x, i = x
+        probing.iterations.append(i)
+      try:
+        with probing.channel() as channel:
+          carry, y = f(carry, x)
+      finally:
+        if indexed:
+          probing.iterations.pop()
       return carry, (y, channel.values)
 
-    carry, (ys, captured) = original(body, *args, **kwargs)
+    bound.arguments["f"] = body
+    carry, (ys, captured) = original(*bound.args, **bound.kwargs)
     probing.merge(captured)
     return carry, ys
 
@@ -202,9 +237,17 @@ def _wrap_mapped(original: Callable[..., Any], axes_argument: str | None) -> Cal
       return original(fun, *args, **kwargs)
     bound = signature.bind(fun, *args, **kwargs)
 
+    mapped = probing.indexed and axes_argument is not None
+
     def body(*a: Any, **k: Any) -> Any:
-      with probing.channel() as channel:
-        out = fun(*a, **k)
+      if mapped:  # a vmap body: its elements have no iteration number
+        probing.iterations.append(None)
+      try:
+        with probing.channel() as channel:
+          out = fun(*a, **k)
+      finally:
+        if mapped:
+          probing.iterations.pop()
       return out, channel.values
 
     first = next(iter(signature.parameters))

@@ -131,7 +131,10 @@ def _run_probed(
     updates.append(changed)
     return output
 
-  with interceptor.active(), carrying_out() if probing.capturing else nullcontext():
+  with (
+    interceptor.active(),
+    carrying_out() if probing.capturing or probing.indexed else nullcontext(),
+  ):
     with probing.channel():
       probe = probing.probes.get(id(root))
       if probe is None:

@@ -1,0 +1,639 @@
+"""Sweeps, attribution patching and gradients at calls: many interventions, one compiled call.
+
+`fl.sweep` patches each chosen call (site), one at a time, from a clean run into a
+corrupted run and returns a metric per site (and per position): one compiled function
+runs the clean forward once, then every patched corrupted forward batched with
+`jax.vmap` (or in chunks with `jax.lax.map`). Every patched forward carries an edit at
+every site, which keeps the corrupted value unless the forward's number (a traced
+input of the batch) names that site, so the N forwards are one program. A call inside
+an `nn.scan`/`nnx.scan` body is one node for all iterations: the sweep treats each
+iteration as a site of its own (`"layers/mlp[3]"`), the edit reading the iteration
+number that an indexed probing (`core/_probes.py`) passes into the scan body.
+
+`fl.attribute` estimates the same patches linearly, from one clean forward and one
+corrupted forward and backward: `(clean - corrupted) * d metric / d value` at each site,
+summed. `fl.grad_at` differentiates any function of a run with respect to the outputs of
+chosen calls, by adding zero-valued deltas there and differentiating with respect to them.
+
+Every run here starts from a copy of the tree's variables, so state a run would update
+(batch statistics, NNX random counts) is left as it was, and each patched forward sees
+the same state. No Flax internals here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._jit import variable_jit
+from flaxlens.core._node import CallNode
+from flaxlens.core._probes import Probing, scan_iterations
+from flaxlens.core._runtime import resolve_random_streams, run_tree
+from flaxlens.core._variables import bind_variables, unbind_variables
+from flaxlens.errors import ArgumentError, UnsupportedFlaxFeatureError
+from flaxlens.tools._interventions import (
+  Intervention,
+  Site,
+  _check_part,
+  _check_tree,
+  _get_part,
+  _make,
+  _probes_for,
+  modify,
+  select_sites,
+  sites_of,
+)
+
+# --- results ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepResult:
+  """A metric per site (and per position), as `fl.sweep` and `fl.attribute` return it.
+
+  Attributes:
+    values: an array of shape `(sites,)`, or `(sites, positions)` when positions were
+      swept, followed by the metric's own shape (for `fl.sweep`).
+    sites: the name of each row: the site's name, with `[i]` for iteration `i` of a
+      call inside an `nn.scan`/`nnx.scan` body (`[i,j]` inside two).
+    positions: the positions of the columns, or None.
+
+  Example:
+    >>> import flaxlens as fl, jax.numpy as jnp
+    >>> result = fl.SweepResult(jnp.array([[0.5, 1.0]]), ("h/0",), (0, 1))
+    >>> result.values.shape, result.sites
+    ((1, 2), ('h/0',))
+  """
+
+  values: Any
+  sites: tuple[str, ...]
+  positions: tuple[int, ...] | None = None
+
+  def plot(self, path: Any, *, title: str | None = None) -> None:
+    """Saves the values as a heatmap image (sites down, positions across) to `path`.
+
+    Needs matplotlib (`pip install "flaxlens[plots]"`); the image format follows the
+    file's suffix (`.png`, `.svg`, `.pdf`).
+
+    Example:
+      >>> import flaxlens as fl, jax.numpy as jnp, tempfile, pathlib
+      >>> path = pathlib.Path(tempfile.mkdtemp()) / "sweep.png"
+      >>> fl.SweepResult(jnp.ones((2, 3)), ("a", "b"), (0, 1, 2)).plot(path)
+      >>> path.exists()
+      True
+    """
+    try:
+      from matplotlib.figure import Figure
+    except ImportError:
+      raise ImportError(
+        'SweepResult.plot draws with matplotlib; install it: pip install "flaxlens[plots]".'
+      ) from None
+    values = np.asarray(self.values, dtype=np.float64)
+    if values.ndim == 1:
+      values = values[:, None]
+    if values.ndim != 2:
+      raise ArgumentError(
+        f"plot draws one number per site and position; the values have shape {values.shape}"
+        " (a metric that is not a scalar). Plot one entry: fl.SweepResult(result.values[...,"
+        " k], result.sites, result.positions).plot(path)."
+      )
+    rows, columns = values.shape
+    figure = Figure(figsize=(min(2 + 0.5 * columns, 16), min(1.5 + 0.3 * rows, 20)))
+    axes = figure.subplots()
+    bound = float(np.abs(values).max()) or 1.0
+    image = axes.imshow(values, aspect="auto", cmap="RdBu", vmin=-bound, vmax=bound)
+    figure.colorbar(image, ax=axes)
+    axes.set_yticks(range(rows), self.sites)
+    if self.positions is None:
+      axes.set_xticks([])
+    else:
+      axes.set_xticks(range(columns), [str(p) for p in self.positions])
+      axes.set_xlabel("position")
+    if title is not None:
+      axes.set_title(title)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+# --- shared machinery ---------------------------------------------------------------------
+
+
+def _argument(value: Any, kwargs: dict[str, Any]) -> ArgsAndKwargs:
+  """A run's argument: an `ArgsAndKwargs`, a tuple of positional arguments, or one."""
+  if isinstance(value, ArgsAndKwargs):
+    return ArgsAndKwargs(args=tuple(value.args), kwargs={**kwargs, **value.kwargs})
+  args = value if isinstance(value, tuple) else (value,)
+  return ArgsAndKwargs(args=args, kwargs=dict(kwargs))
+
+
+def _chosen(tree: CallNode, at: Any, part: Any) -> tuple[int, ...]:
+  """The indices, among `sites_of(tree)`, of the sites `at` names; each checked for `part`."""
+  sites = sites_of(tree)
+  chosen = select_sites(tree, tuple(at) if isinstance(at, list) else at, sites)
+  for site in chosen:
+    _check_part(site, _make("zero", site.node, (), None, "output", part))
+  return tuple(sites.index(site) for site in chosen)
+
+
+class _Copies:
+  """Fresh copies of a tree, each with variables of its own (runs leave the tree alone)."""
+
+  def __init__(self, tree: CallNode, chosen: tuple[int, ...]):
+    self.slots, self.values = unbind_variables(tree, freeze=True)
+    self.chosen = chosen
+
+  def fresh(self) -> tuple[CallNode, list[Site]]:
+    copy = bind_variables(self.slots, self.values)
+    sites = sites_of(copy)
+    return copy, [sites[k] for k in self.chosen]
+
+
+def _run(
+  tree: CallNode,
+  argument: ArgsAndKwargs,
+  edits: tuple[Intervention, ...],
+  capture: tuple[CallNode, ...] | None,
+  random_streams: Any,
+) -> tuple[Any, dict[str, Any]]:
+  """Runs `tree` with `edits`, capturing `capture`; edits may read `scan_iterations()`."""
+  probing = Probing(_probes_for(tree, edits, capture, False, None), indexed=True)
+  key = (edits, capture)
+  output = run_tree(tree, argument, random_streams, {}, probing=probing, probing_key=key)
+  return output, probing.captured
+
+
+def _captured(copies: _Copies, argument: ArgsAndKwargs, part: Any, random_streams: Any) -> list:
+  """The chosen sites' values (their `part`) in a run on `argument`, stacked over scans."""
+  tree, sites = copies.fresh()
+  _, cache = _run(tree, argument, (), tuple(s.node for s in sites), random_streams)
+  return [_get_part(cache[s.name], part, s.name) for s in sites]
+
+
+def _lead(site: Site, value: Any, part: Any) -> tuple[int, ...]:
+  """The leading axes a capture stacked `value` along (one per enclosing scan or vmap)."""
+  if site.output is None:
+    return ()
+  treedef, leaves = site.output
+  once = _get_part(jax.tree_util.tree_unflatten(treedef, leaves), part, site.name)
+  return tuple(value.shape[: value.ndim - len(once.shape)])
+
+
+def _iteration(name: str, lead: tuple[int, ...]) -> tuple[tuple[Any, ...], Any] | None:
+  """The scan iterations the current call runs in, and their number in row-major order.
+
+  None in a trace Flax makes of a scan body to learn its shapes (it sees no iteration
+  numbers; what it computes is not kept).
+  """
+  iterations = scan_iterations()
+  if any(i is None for i in iterations):
+    raise UnsupportedFlaxFeatureError(
+      f"{name}: this call runs inside an nn.vmap/nnx.vmap body, which computes all its"
+      " elements at once, so they cannot be patched one at a time; only the iterations of"
+      " nn.scan/nnx.scan bodies can. Choose the call that encloses the vmap instead."
+    )
+  if len(iterations) < len(lead):
+    return None
+  number = 0
+  for i, size in zip(iterations, lead, strict=True):
+    number = number * size + i
+  return iterations, number
+
+
+def _position_mask(name: str, value: Any, axis: int, positions: tuple[int, ...], at: Any) -> Any:
+  """A boolean mask, broadcasting to `value`, true at position `at` along `axis`."""
+  if not -value.ndim <= axis < value.ndim:
+    raise ArgumentError(
+      f"{name}: axis={axis} is not an axis of the value, of shape {tuple(value.shape)}."
+      " Pass the axis of positions (axis=1 for (batch, sequence, ...) values)."
+    )
+  axis %= value.ndim
+  size = value.shape[axis]
+  outside = [p for p in positions if not 0 <= p < size]
+  if outside:
+    raise ArgumentError(
+      f"{name}: positions {outside} are outside axis {axis} of the value, of shape"
+      f" {tuple(value.shape)}. Give positions from 0 to {size - 1}."
+    )
+  shape = [1] * value.ndim
+  shape[axis] = size
+  return (jnp.arange(size) == at).reshape(shape)
+
+
+def _units(names: list[str], leads: list[tuple[int, ...]]) -> tuple[str, ...]:
+  """The row names: a site's name, with `[i]` (or `[i,j]`) per iteration of its scans."""
+  out = []
+  for name, lead in zip(names, leads, strict=True):
+    if not lead:
+      out.append(name)
+      continue
+    for index in np.ndindex(*lead):
+      out.append(f"{name}[{','.join(map(str, index))}]")
+  return tuple(out)
+
+
+def _rows(leads: list[tuple[int, ...]]) -> tuple[Any, ...]:
+  """Each site's row numbers in the values, shaped as its scan axes (`()` for none)."""
+  rows, start = [], 0
+  for lead in leads:
+    size = math.prod(lead)
+    rows.append(jnp.arange(start, start + size).reshape(lead))
+    start += size
+  return tuple(rows)
+
+
+def _result(
+  tree: CallNode, chosen: tuple[int, ...], values: Any, rows: Any, positions: Any
+) -> SweepResult:
+  sites = sites_of(tree)
+  names = [sites[k].name for k in chosen]
+  return SweepResult(values, _units(names, [r.shape for r in rows]), positions)
+
+
+def _checked_positions(positions: Any) -> tuple[int, ...] | None:
+  if positions is None:
+    return None
+  try:
+    out = tuple(int(p) for p in np.asarray(positions).reshape(-1))
+  except (TypeError, ValueError):
+    raise ArgumentError(
+      f"positions= takes integers (for example range(seq_len)), got {positions!r}."
+    ) from None
+  if not out:
+    raise ArgumentError("positions= is empty; give at least one position, or None.")
+  return out
+
+
+def _metric_value(metric: Callable[[Any], Any], output: Any, scalar: bool) -> Any:
+  value = metric(output)
+  if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+    raise ArgumentError(
+      f"The metric must return an array (a scalar, say), got {type(value).__name__}."
+    )
+  if scalar and value.shape != ():
+    raise ArgumentError(
+      f"Gradients need a scalar metric; this one returned shape {tuple(value.shape)}."
+      " Reduce it (for example .mean() or .sum())."
+    )
+  return value
+
+
+# --- sweep --------------------------------------------------------------------------------
+
+
+def _patcher(name: str, base: int, lead: tuple[int, ...], positions: Any, axis: int) -> Callable:
+  """The edit of one site in every patched forward: the clean value where chosen."""
+
+  def patch_if_chosen(argument: Any, value: Any, clean: Any, unit: Any, at: Any) -> Any:
+    del argument
+    found = _iteration(name, lead)
+    if found is None:
+      return value
+    iterations, number = found
+    if iterations:
+      clean = clean[tuple(iterations)]
+    chosen = unit == base + number
+    if positions is not None:
+      chosen = chosen & _position_mask(name, value, axis, positions, at)
+    return jnp.where(chosen, clean, value)
+
+  return patch_if_chosen
+
+
+def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams):
+  copies = _Copies(tree, chosen)
+  clean_values = _captured(copies, clean, part, streams)
+  _, sites = copies.fresh()
+  leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
+  bases = np.cumsum([0, *(math.prod(lead) for lead in leads)]).tolist()
+  count = 1 if positions is None else len(positions)
+  units = jnp.repeat(jnp.arange(bases[-1]), count)
+  at = jnp.tile(jnp.asarray(positions or (0,)), bases[-1])
+
+  def patched(unit_and_position: tuple[Any, Any]) -> Any:
+    unit, position = unit_and_position
+    copy, sites = copies.fresh()
+    edits = tuple(
+      modify(
+        site.node,
+        _patcher(site.name, base, lead, positions, axis),
+        value,
+        unit,
+        position,
+        part=part,
+      )
+      for site, base, lead, value in zip(sites, bases, leads, clean_values, strict=False)
+    )
+    output, _ = _run(copy, corrupted, edits, None, streams)
+    return _metric_value(metric, output, scalar=False)
+
+  if chunk_size is None:
+    values = jax.vmap(patched)((units, at))
+  else:
+    values = jax.lax.map(patched, (units, at), batch_size=chunk_size)
+  if positions is not None:
+    values = values.reshape(bases[-1], count, *values.shape[1:])
+  return values, _rows(leads)
+
+
+_sweep_compiled = variable_jit(_sweep)
+
+
+def sweep(
+  tree: CallNode,
+  clean: Any,
+  corrupted: Any,
+  at: Any,
+  metric: Callable[[Any], Any],
+  *,
+  positions: Any = None,
+  axis: int = 1,
+  part: Any = None,
+  chunk_size: int | None = None,
+  random_streams: Any = None,
+  jit: bool = True,
+  **kwargs: Any,
+) -> SweepResult:
+  """Activation patching over many sites in one compiled call: a metric per site.
+
+  For each site (and each position), runs the tree on `corrupted` with that site's
+  output replaced by its value in a run on `clean`, and returns `metric(output)`. The
+  clean forward runs once; the patched forwards run batched with `jax.vmap` (or with
+  `jax.lax.map` in batches of `chunk_size`, to bound memory), all in one program
+  compiled once per shape, sites and metric. A call inside an `nn.scan`/`nnx.scan`
+  body is swept one iteration at a time (`"layers/mlp[3]"`: iteration 3).
+
+  Each result equals the single patch `fl.run(tree, *corrupted, interventions=
+  [fl.patch(site, clean_value, where=...)])` followed by `metric`; batching can change
+  how XLA orders a reduction (a matmul over a larger batch), so the two agree to
+  rounding, and bit for bit with `chunk_size=1` on the same program. Every forward
+  starts from the tree's state, which the sweep leaves unchanged.
+
+  Args:
+    tree: a converted tree (`fl.unflaxify`).
+    clean: the clean run's positional arguments: one value, a tuple, or an
+      `fl.ArgsAndKwargs`.
+    corrupted: the corrupted run's arguments, alike.
+    at: the sites, as `fl.run` takes them (`"h/*"`, `"**/mlp"`, a module class, ...).
+    metric: a function of the model's output returning an array (a scalar, say: the
+      logit difference of two answers).
+    positions: patch one position at a time, for each of these integers (for example
+      `range(seq_len)`) along `axis`; None patches the whole value.
+    axis: the axis of positions in each site's value (per iteration): 1 for
+      `(batch, sequence, features)`.
+    part: for sites returning a tuple, dict or dataclass, which part to patch (Hugging
+      Face blocks return tuples: `part=0`).
+    chunk_size: run the patched forwards in batches of this many (None: all at once).
+    random_streams: as for a tree call, used by every run.
+    jit: compile (default); pass False inside your own `jax.jit`.
+    **kwargs: keyword arguments of both runs (`deterministic=True`, say).
+
+  Returns:
+    A `SweepResult`: `values` of shape `(sites, [positions,] *metric shape)`, `sites`
+    (names), `positions`.
+
+  Raises:
+    SelectionError: a site matches no call (the closest names are listed).
+    ArgumentError: a site returns a structure and `part` is missing, or a position or
+      `axis` does not fit a site's value.
+    UnsupportedFlaxFeatureError: a site runs inside an `nn.vmap`/`nnx.vmap` body.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(4), nn.relu, nn.Dense(2)])
+    >>> clean, corrupted = jnp.ones((1, 3)), -jnp.ones((1, 3))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), clean), clean)
+    >>> result = fl.sweep(tree, clean, corrupted, "layers_*", lambda out: out[0, 0])
+    >>> result.sites, result.values.shape
+    (('layers_0', 'layers_2', 'layers_4'), (3,))
+    >>> bool(result.values[-1] == model.apply(tree.export(), clean)[0, 0])
+    True
+  """
+  _check_tree(tree)
+  positions = _checked_positions(positions)
+  if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+    raise ArgumentError(f"chunk_size= is a positive integer or None, got {chunk_size!r}.")
+  chosen = _chosen(tree, at, part)
+  streams = resolve_random_streams(random_streams, tree.where())
+  run = _sweep_compiled if jit else _sweep
+  values, rows = run(
+    tree,
+    _argument(clean, kwargs),
+    _argument(corrupted, kwargs),
+    chosen,
+    metric,
+    positions,
+    axis,
+    part,
+    chunk_size,
+    streams,
+  )
+  return _result(tree, chosen, values, rows, positions)
+
+
+# --- attribution patching and gradients ----------------------------------------------------
+
+
+def _adder(name: str, lead: tuple[int, ...]) -> Callable:
+  """The edit adding a delta (stacked over the site's scans) to a site's value."""
+
+  def add_delta(argument: Any, value: Any, delta: Any) -> Any:
+    del argument
+    found = _iteration(name, lead)
+    if found is None:
+      return value
+    iterations, _ = found
+    return value + (delta[tuple(iterations)] if iterations else delta)
+
+  return add_delta
+
+
+def _with_deltas(copies: _Copies, leads: list, part: Any, deltas: list, capture: bool) -> tuple:
+  """A fresh copy of the tree, the edits adding `deltas` at its sites, and what to capture."""
+  tree, sites = copies.fresh()
+  edits = tuple(
+    modify(site.node, _adder(site.name, lead), delta, part=part)
+    for site, lead, delta in zip(sites, leads, deltas, strict=True)
+  )
+  return tree, sites, edits, tuple(s.node for s in sites) if capture else None
+
+
+def _reduce(contribution: Any, lead: int, positions: Any, axis: int, name: str) -> Any:
+  """Sums a site's contribution over each iteration's axes (all but `axis` with positions)."""
+  rank = contribution.ndim - lead
+  if positions is None:
+    return contribution.sum(axis=tuple(range(lead, contribution.ndim)))
+  if not -rank <= axis < rank:
+    raise ArgumentError(
+      f"{name}: axis={axis} is not an axis of the value, of shape"
+      f" {tuple(contribution.shape[lead:])}. Pass the axis of positions (axis=1 for (batch,"
+      " sequence, ...) values)."
+    )
+  moved = jnp.moveaxis(contribution, lead + axis % rank, -1)
+  per_position = moved.sum(axis=tuple(range(lead, moved.ndim - 1)))
+  size = per_position.shape[-1]
+  outside = [p for p in positions if not 0 <= p < size]
+  if outside:
+    raise ArgumentError(
+      f"{name}: positions {outside} are outside axis {axis % rank} of the value, of shape"
+      f" {tuple(contribution.shape[lead:])}. Give positions from 0 to {size - 1}."
+    )
+  return per_position[..., jnp.asarray(positions)]
+
+
+def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, streams):
+  copies = _Copies(tree, chosen)
+  clean_values = _captured(copies, clean, part, streams)
+  _, sites = copies.fresh()
+  leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
+
+  def corrupted_metric(deltas: list) -> Any:
+    copy, sites, edits, capture = _with_deltas(copies, leads, part, deltas, capture=True)
+    output, cache = _run(copy, corrupted, edits, capture, streams)
+    values = [_get_part(cache[s.name], part, s.name) for s in sites]
+    return _metric_value(metric, output, scalar=True), values
+
+  zeros = [jnp.zeros_like(v) for v in clean_values]
+  grads, corrupted_values = jax.grad(corrupted_metric, has_aux=True)(zeros)
+  values = [
+    _reduce((c - x) * g, len(lead), positions, axis, s.name).reshape(
+      -1, *(() if positions is None else (len(positions),))
+    )
+    for s, lead, c, x, g in zip(sites, leads, clean_values, corrupted_values, grads, strict=True)
+  ]
+  return jnp.concatenate(values), _rows(leads)
+
+
+_attribute_compiled = variable_jit(_attribute)
+
+
+def attribute(
+  tree: CallNode,
+  clean: Any,
+  corrupted: Any,
+  at: Any,
+  metric: Callable[[Any], Any],
+  *,
+  positions: Any = None,
+  axis: int = 1,
+  part: Any = None,
+  random_streams: Any = None,
+  jit: bool = True,
+  **kwargs: Any,
+) -> SweepResult:
+  """Attribution patching: the linear estimate of `fl.sweep`'s patches from gradients.
+
+  For each site, `sum((clean - corrupted) * d metric / d value)` with the value and its
+  gradient taken on the corrupted run: the first-order change of the metric if the
+  site were patched with its clean value. One clean forward, one corrupted forward and
+  one backward pass estimate every site (every iteration of a call inside an
+  `nn.scan`/`nnx.scan` body) and, with `positions`, every position (the sum then runs
+  over all axes but `axis`). Arguments and result as for `fl.sweep`; `metric` must
+  return a scalar.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+    >>> clean, corrupted = jnp.ones((1, 3)), -jnp.ones((1, 3))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), clean), clean)
+    >>> result = fl.attribute(tree, clean, corrupted, "layers_2", lambda out: out[0, 0])
+    >>> exact = fl.sweep(tree, clean, corrupted, "layers_2", lambda out: out[0, 0])
+    >>> baseline = fl.run(tree, corrupted)[0, 0]
+    >>> bool(jnp.allclose(result.values, exact.values - baseline, atol=1e-6))  # linear site
+    True
+  """
+  _check_tree(tree)
+  positions = _checked_positions(positions)
+  chosen = _chosen(tree, at, part)
+  streams = resolve_random_streams(random_streams, tree.where())
+  run = _attribute_compiled if jit else _attribute
+  values, rows = run(
+    tree,
+    _argument(clean, kwargs),
+    _argument(corrupted, kwargs),
+    chosen,
+    metric,
+    positions,
+    axis,
+    part,
+    streams,
+  )
+  return _result(tree, chosen, values, rows, positions)
+
+
+def _grad_at(tree, argument, chosen, loss, part, streams):
+  copies = _Copies(tree, chosen)
+
+  def values() -> list:
+    copy, sites = copies.fresh()
+    _, cache = _run(copy, argument, (), tuple(s.node for s in sites), streams)
+    return [_get_part(cache[s.name], part, s.name) for s in sites]
+
+  shapes = jax.eval_shape(values)
+  _, sites = copies.fresh()
+  leads = [_lead(s, v, part) for s, v in zip(sites, shapes, strict=True)]
+
+  def loss_of(deltas: list) -> Any:
+    copy, _, edits, _ = _with_deltas(copies, leads, part, deltas, capture=False)
+    output, _ = _run(copy, argument, edits, None, streams)
+    return _metric_value(loss, output, scalar=True)
+
+  zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+  value, grads = jax.value_and_grad(loss_of)(zeros)
+  return value, {s.name: g for s, g in zip(sites, grads, strict=True)}
+
+
+_grad_at_compiled = variable_jit(_grad_at)
+
+
+def grad_at(
+  tree: CallNode,
+  loss: Callable[[Any], Any],
+  *args: Any,
+  at: Any,
+  part: Any = None,
+  random_streams: Any = None,
+  jit: bool = True,
+  **kwargs: Any,
+) -> tuple[Any, dict[str, Any]]:
+  """The gradient of `loss(output)` with respect to the outputs of chosen calls.
+
+  Runs the tree on `*args, **kwargs` with a zero delta added to each site's output and
+  differentiates with respect to the deltas, as Flax's `perturb` does, without editing
+  the model. A call inside an `nn.scan`/`nnx.scan` body gets its gradient stacked along
+  the scan axis.
+
+  Args:
+    tree: a converted tree (`fl.unflaxify`).
+    loss: a function of the model's output returning a scalar.
+    *args: the call's positional arguments.
+    at: the sites, as `fl.run` takes them.
+    part: for sites returning a tuple, dict or dataclass, which part to differentiate by.
+    random_streams: as for a tree call.
+    jit: compile (default); pass False inside your own `jax.jit`.
+    **kwargs: the call's keyword arguments.
+
+  Returns:
+    `(loss value, {site: gradient})`, each gradient shaped as the site's output.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> loss, grads = fl.grad_at(tree, lambda out: out.sum(), x, at="layers_2")
+    >>> grads["layers_2"].tolist()  # d sum(out) / d out
+    [[1.0, 1.0]]
+  """
+  _check_tree(tree)
+  chosen = _chosen(tree, at, part)
+  streams = resolve_random_streams(random_streams, tree.where())
+  run = _grad_at_compiled if jit else _grad_at
+  return run(
+    tree, ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs)), chosen, loss, part, streams
+  )

@@ -1,0 +1,368 @@
+"""Sweeps, attribution patching and gradients at calls, against native Flax.
+
+A one-call patching sweep equals the loop of single patches made natively (the model's
+call wrapped with `nn.intercept_methods` or an NNX subclass, under `jax.jit`); sweeping
+the iterations of an `nn.scan`/`nnx.scan` body equals patching that layer of the model
+unrolled by hand; attribution patching equals its definition computed with `jax.grad`
+through natively wrapped calls; gradients at calls equal Flax's own `perturb`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from frameworks import LINEN, NNX, Wrap
+from linen import corpus as linen_corpus
+
+import flaxlens as fl
+
+# Per framework: a corpus case, the sites swept, and a metric of the output.
+SWEEPS = {
+  "linen": ("transformer", ["TransformerBlock_0", "TransformerBlock_1"], lambda o: o[:, -1, 0]),
+  "nnx": ("list", ["layers/0", "layers/1", "layers/2"], lambda o: o[:, 0]),
+}
+
+
+def _setting(framework, corpora):
+  name, sites, metric = SWEEPS[framework.name]
+  clean = corpora[framework][name]
+  corrupted = dataclasses.replace(clean, args=(clean.args[0][::-1],))
+  return clean, corrupted, sites, metric
+
+
+def _native_clean(framework, case, site):
+  """The site's output in a native call of the case, compiled as the sweep compiles it."""
+
+  def run(x):
+    seen = []
+    record = Wrap(site, lambda out, *args: seen.append(out) or out)
+    framework.native(dataclasses.replace(case, args=(x,)), wrap=record)
+    return seen[-1]
+
+  return jax.jit(run)(case.args[0])
+
+
+def _native_patched(framework, case, site, clean, position):
+  """The metric's input: a native jitted call with the site's output patched."""
+
+  def patch(out, *args):
+    return clean if position is None else out.at[:, position].set(clean[:, position])
+
+  output, _ = framework.native(case, jit=True, wrap=Wrap(site, patch))
+  return output
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+@pytest.mark.parametrize("positions", [None, range(4)], ids=["whole", "positions"])
+def test_sweep_equals_the_loop_of_native_single_patches(framework, corpora, positions):
+  # Batching N forwards into one changes the shapes XLA reduces over, and the native
+  # reference compiles its own program, so results may round differently (measured: at
+  # most a float32 ulp or two); the next test shows chunk_size=1 is bit for bit.
+  clean, corrupted, sites, metric = _setting(framework, corpora)
+  tree = framework.convert(clean)
+  result = fl.sweep(tree, clean.args, corrupted.args, sites, metric, positions=positions)
+  cleans = {s: _native_clean(framework, clean, s) for s in sites}
+  expected = [
+    [metric(_native_patched(framework, corrupted, s, cleans[s], p)) for p in positions or [None]]
+    for s in sites
+  ]
+  expected = np.asarray(expected)
+  assert result.sites == tuple(sites)
+  expected = expected if positions else expected[:, 0]
+  np.testing.assert_allclose(result.values, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_sweep_in_chunks_of_one_equals_single_patches_bit_for_bit(framework, corpora):
+  clean, corrupted, sites, metric = _setting(framework, corpora)
+  tree = framework.convert(clean)
+  result = fl.sweep(
+    tree, clean.args, corrupted.args, sites, metric, positions=range(4), chunk_size=1
+  )
+  _, cache = fl.capture(tree, *clean.args, at=sites)
+  single = [
+    [
+      metric(
+        fl.run(tree, *corrupted.args, interventions=[fl.patch(s, cache[s], where=jnp.s_[:, p])])
+      )
+      for p in range(4)
+    ]
+    for s in sites
+  ]
+  np.testing.assert_array_equal(result.values, np.asarray(single))
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_sweep_leaves_the_tree_and_its_state_unchanged(framework, corpora):
+  clean, corrupted, sites, metric = _setting(framework, corpora)
+  tree = framework.convert(clean)
+  before = framework.tree_state(tree)
+  fl.sweep(tree, clean.args, corrupted.args, sites, metric)
+  after = framework.tree_state(tree)
+  assert before.keys() == after.keys()
+  assert all(before[k] is after[k] for k in before)
+
+
+def test_sweep_compiles_once_for_new_inputs(corpora):
+  clean, corrupted, sites, metric = _setting(LINEN, corpora)
+  tree = LINEN.convert(clean)
+  traces = []
+
+  def counted(output):
+    traces.append(1)
+    return metric(output)
+
+  for shift in range(3):
+    fl.sweep(tree, clean.args, (corrupted.args[0] + shift) % 10, sites, counted)
+  # One trace of the patched forward (vmap traces it once) per compilation.
+  assert len(traces) == 1
+
+
+# --- nn.scan / nnx.scan: one site per iteration -------------------------------------------
+
+
+def _linen_scan_layer(case, layer, x, patch):
+  """The Linen scan case unrolled by hand: layer `layer`'s Dense output edited by `patch`."""
+  params = case.variables["params"]["layers"]
+  block = linen_corpus.ScanBlock()
+
+  def interceptor(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    return patch(out) if isinstance(context.module, nn.Dense) else out
+
+  for i in range(3):
+    layer_params = jax.tree_util.tree_map(lambda a, i=i: a[i], params)
+    if i == layer:
+      with nn.intercept_methods(interceptor):
+        x, _ = block.apply({"params": layer_params}, x, None)
+    else:
+      x, _ = block.apply({"params": layer_params}, x, None)
+  return x
+
+
+def _nnx_scan_layer(case, layer, x, patch):
+  """The NNX scan case unrolled by hand: layer `layer`'s Linear output edited by `patch`."""
+  graphdef, state = nnx.split(nnx.view(case.model, deterministic=True).blocks)
+  for i in range(4):
+    block = nnx.merge(graphdef, jax.tree_util.tree_map(lambda a, i=i: a[i], state))
+    h = block.linear(x)
+    if i == layer:
+      h = patch(h)
+    x = x + block.drop(nnx.relu(h))
+  return x
+
+
+SCANS = {
+  "linen": (LINEN, "scan", "layers/Dense_0", 3, _linen_scan_layer),
+  "nnx": (NNX, "scan", "blocks/linear", 4, _nnx_scan_layer),
+}
+
+
+def _scan_setting(name, corpora):
+  framework, case_name, site, layers, unrolled = SCANS[name]
+  case = corpora[framework][case_name]
+  if framework is NNX:
+    case = dataclasses.replace(case, model=nnx.view(case.model, deterministic=True))
+  return framework, case, site, layers, unrolled
+
+
+@pytest.mark.parametrize("name", ["linen", "nnx"])
+def test_sweep_patches_each_iteration_of_a_scanned_call_alone(name, corpora):
+  framework, case, site, layers, unrolled = _scan_setting(name, corpora)
+  tree = framework.convert(case)
+  x = case.args[0]
+  corrupted = -0.5 * x
+  metric = lambda out: out[:, 0]
+  result = fl.sweep(tree, x, corrupted, site, metric, positions=range(2), axis=0, chunk_size=1)
+  expected = []
+  for layer in range(layers):
+    seen = []
+    unrolled(case, layer, x, lambda h, seen=seen: seen.append(h) or h)
+    clean = seen[0]
+    row = []
+    for p in range(2):
+      patched = jax.jit(
+        lambda c, p=p, layer=layer, clean=clean: unrolled(
+          case, layer, c, lambda h: h.at[p].set(clean[p])
+        )
+      )(corrupted)
+      row.append(metric(patched))
+    expected.append(row)
+  assert result.sites == tuple(f"{site}[{i}]" for i in range(layers))
+  np.testing.assert_allclose(result.values, np.asarray(expected), rtol=1e-6, atol=1e-6)
+
+
+def test_sweep_refuses_calls_inside_a_vmap_body(corpora):
+  case = corpora[LINEN]["vmap"]
+  tree = LINEN.convert(case)
+  with pytest.raises(fl.UnsupportedFlaxFeatureError, match="ensemble.*vmap"):
+    fl.sweep(tree, case.args, case.args, "ensemble", lambda out: out.sum())
+
+
+def test_sweep_refuses_positions_outside_the_value(corpora):
+  clean, corrupted, sites, metric = _setting(LINEN, corpora)
+  tree = LINEN.convert(clean)
+  with pytest.raises(fl.ArgumentError, match=r"TransformerBlock_0: positions \[4\]"):
+    fl.sweep(tree, clean.args, corrupted.args, sites, metric, positions=[0, 4])
+
+
+def test_sweep_refuses_a_structured_output_without_part(corpora):
+  case = corpora[LINEN]["scan"]
+  tree = LINEN.convert(case)
+  with pytest.raises(fl.ArgumentError, match="layers: the output is a tuple.*part="):
+    fl.sweep(tree, case.args, case.args, "layers", lambda out: out.sum())
+
+
+def test_sweep_result_plots_a_heatmap(corpora, tmp_path):
+  clean, corrupted, sites, metric = _setting(LINEN, corpora)
+  tree = LINEN.convert(clean)
+  result = fl.sweep(
+    tree, clean.args, corrupted.args, sites, lambda o: metric(o).mean(), positions=range(4)
+  )
+  path = tmp_path / "sweep.png"
+  result.plot(path, title="logit")
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- attribution patching -------------------------------------------------------------------
+
+
+def _native_attribution(framework, clean, corrupted, site, metric):
+  """(clean - corrupted) * d metric / d value at the site, summed over all but axis 1."""
+  clean_value = _native_clean(framework, clean, site)
+
+  def loss(delta):
+    seen = []
+
+    def add(out, *args):
+      seen.append(out + delta)
+      return seen[-1]
+
+    output, _ = framework.native(corrupted, wrap=Wrap(site, add))
+    return metric(output).mean(), seen[-1]
+
+  grad, corrupted_value = jax.grad(loss, has_aux=True)(jnp.zeros_like(clean_value))
+  return ((clean_value - corrupted_value) * grad).sum(axis=0)
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_attribution_equals_its_definition_by_hand(framework, corpora):
+  clean, corrupted, sites, metric = _setting(framework, corpora)
+  tree = framework.convert(clean)
+  scalar = lambda out: metric(out).mean()
+  result = fl.attribute(tree, clean.args, corrupted.args, sites, scalar, positions=range(4))
+  expected = [_native_attribution(framework, clean, corrupted, s, metric) for s in sites]
+  expected = np.stack([e if e.ndim == 1 else e.sum(axis=-1) for e in expected])
+  np.testing.assert_allclose(result.values, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["linen", "nnx"])
+def test_attribution_of_a_scanned_call_has_one_row_per_iteration(name, corpora):
+  framework, case, site, layers, unrolled = _scan_setting(name, corpora)
+  tree = framework.convert(case)
+  x = case.args[0]
+  corrupted = -0.5 * x
+  result = fl.attribute(tree, x, corrupted, site, lambda out: out.sum())
+  expected = []
+  for layer in range(layers):
+    seen = []
+    unrolled(case, layer, x, lambda h, seen=seen: seen.append(h) or h)
+    clean = seen[0]
+
+    def loss(delta, layer=layer):
+      values = []
+
+      def add(h):
+        values.append(h + delta)
+        return values[-1]
+
+      return unrolled(case, layer, corrupted, add).sum(), values[-1]
+
+    grad, value = jax.grad(loss, has_aux=True)(jnp.zeros_like(clean))
+    expected.append(((clean - value) * grad).sum())
+  assert result.sites == tuple(f"{site}[{i}]" for i in range(layers))
+  np.testing.assert_allclose(result.values, np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_attribution_refuses_a_metric_that_is_not_a_scalar(corpora):
+  clean, corrupted, sites, metric = _setting(LINEN, corpora)
+  tree = LINEN.convert(clean)
+  with pytest.raises(fl.ArgumentError, match="scalar metric"):
+    fl.attribute(tree, clean.args, corrupted.args, sites, metric)
+
+
+# --- gradients at calls ------------------------------------------------------------------------
+
+
+def test_grad_at_equals_linen_perturb(corpora):
+  case = corpora[LINEN]["perturb"]
+  tree = LINEN.convert(case)
+  loss = lambda out: (out**2).sum()
+  value, grads = fl.grad_at(tree, loss, *case.args, at="Dense_0")
+
+  def native(perturbations, x):
+    variables = {**case.variables, "perturbations": perturbations}
+    output, _ = case.module.apply(variables, x, mutable=["perturbations"])
+    return loss(output)
+
+  native_value, native_grads = jax.jit(jax.value_and_grad(native))(
+    case.variables["perturbations"], *case.args
+  )
+  np.testing.assert_array_equal(value, native_value)
+  np.testing.assert_array_equal(grads["Dense_0"], native_grads["hidden"])
+
+
+def test_grad_at_equals_nnx_perturb_under_nnx_capture(corpora):
+  model = corpora[NNX]["capture_sow_perturb"].model
+  x = corpora[NNX]["capture_sow_perturb"].args[0]
+  tree = fl.unflaxify(model, x)
+  loss = lambda out: (out**2).sum()
+  value, grads = fl.grad_at(tree, loss, x, at="first")
+
+  _, perturbations = nnx.capture(model, nnx.Perturbation)(x)
+
+  def native(model, perturbations, x):
+    output, _ = nnx.capture(model, nnx.Intermediate, init=perturbations)(x)
+    return loss(output)
+
+  native = nnx.jit(nnx.value_and_grad(native, argnums=1))
+  native_value, native_grads = native(model, perturbations, x)
+  np.testing.assert_array_equal(value, native_value)
+  np.testing.assert_array_equal(grads["first"], native_grads["delta"][...])
+
+
+@pytest.mark.parametrize("name", ["linen", "nnx"])
+def test_grad_at_stacks_the_gradients_of_a_scanned_call(name, corpora):
+  framework, case, site, layers, unrolled = _scan_setting(name, corpora)
+  tree = framework.convert(case)
+  x = case.args[0]
+  _, grads = fl.grad_at(tree, lambda out: (out**2).sum(), x, at=site)
+  expected = []
+  for layer in range(layers):
+    shape = []
+    unrolled(case, layer, x, lambda h, shape=shape: shape.append(h) or h)
+
+    def loss(delta, layer=layer):
+      return (unrolled(case, layer, x, lambda h: h + delta) ** 2).sum()
+
+    expected.append(jax.grad(loss)(jnp.zeros_like(shape[0])))
+  np.testing.assert_allclose(grads[site], np.stack(expected), rtol=1e-6, atol=1e-6)
+
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "sweeps.md"
+
+
+def test_the_sweeps_page_examples_run_in_order(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+  namespace: dict = {}
+  for index, block in enumerate(blocks):
+    exec(compile(block, f"docs/sweeps.md[python block {index}]", "exec"), namespace)
