@@ -15,7 +15,16 @@ import pytest
 import flaxlens as fl
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-WORKFLOW_PAGES = ["inspect.md", "patch.md", "isolate.md", "export.md", "sharding.md"]
+WORKFLOW_PAGES = [
+  "inspect.md",
+  "patch.md",
+  "interventions.md",
+  "sweeps.md",
+  "intervention-specs.md",
+  "isolate.md",
+  "export.md",
+  "sharding.md",
+]
 
 
 def test_the_api_page_documents_every_public_name_once():
