@@ -18,72 +18,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 
 def demo() -> int:
-  """Converts a Linen and an NNX model, checks them against Flax, patches and edits them."""
-  print("flaxlens demo: importing JAX and Flax ...", flush=True)
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from flax import nnx
-  from rich.console import Console
+  """Tells the whole story on built-in tiny models; see `flaxlens._demo`."""
+  from flaxlens._demo import demo as run_demo
 
-  import flaxlens as fl
-  from flaxlens._demo_model import TinyLM, TinyMLP
-
-  console = Console(highlight=False)
-
-  def same(a: Any, b: Any) -> bool:
-    return bool(np.array_equal(np.asarray(a), np.asarray(b)))
-
-  model = TinyLM()
-  tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 32)
-  variables = model.init(jax.random.key(0), tokens)
-  console.print("\n[bold]1. Linen[/]: converting a 2-block transformer (fl.unflaxify) ...")
-  tree = fl.unflaxify(model, variables, tokens)
-  print(fl.summary(tree, argument=fl.ArgsAndKwargs.capture(tokens)))
-
-  native = model.apply(variables, tokens)
-  ours = tree(fl.ArgsAndKwargs.capture(tokens))
-  linen_exact = same(native, ours)
-  console.print(f"\ntree(tokens) == model.apply(variables, tokens) bit for bit: {linen_exact}")
-
-  class Zero(fl.Layer):
-    def __call__(self, argument, /, **side_inputs):
-      return jnp.zeros_like(argument.args[0])
-
-  patched = tree.select().at_path("Block_1/MultiHeadDotProductAttention_0").apply(lambda _: Zero())
-  change = float(jnp.abs(patched(fl.ArgsAndKwargs.capture(tokens)) - ours).max())
-  console.print(f"zeroing Block_1's attention changes the logits by up to {change:.4f}")
-
-  head = tree.select().at_path("head").get()
-  head.scope_data.parameters["bias"].value = head.scope_data.parameters["bias"].value + 1.0
-  shifted = tree(fl.ArgsAndKwargs.capture(tokens))
-  console.print(
-    "adding 1 to the head's bias shifts every logit by 1:"
-    f" {bool(np.allclose(np.asarray(shifted - ours), 1.0, atol=1e-5))}"
-  )
-  console.print(
-    "the edited tree exported back to Flax runs the same:"
-    f" {same(model.apply(tree.export(), tokens), shifted)}"
-  )
-
-  console.print("\n[bold]2. NNX[/]: converting an MLP with a batch norm, in training mode ...")
-  mlp = TinyMLP(nnx.Rngs(0))
-  x = jax.random.normal(jax.random.key(2), (4, 32))
-  nnx_tree = fl.unflaxify(mlp, x)
-  print(fl.summary(nnx_tree, argument=fl.ArgsAndKwargs.capture(x)))
-  nnx_ours = nnx_tree(fl.ArgsAndKwargs.capture(x))
-  nnx_exact = same(mlp(x), nnx_ours)
-  console.print(f"\ntree(x) == model(x) bit for bit: {nnx_exact}")
-  stats = nnx_tree.select().at_path("norm").get().scope_data.variables["batch_stats"]["mean"]
-  console.print(
-    "the tree's batch statistics follow the model's after the call:"
-    f" {same(stats.value, mlp.norm.mean[...])}"
-  )
-  return 0 if linen_exact and nnx_exact else 1
+  return run_demo()
 
 
 def inspect(

@@ -63,13 +63,17 @@ def test_demo_says_it_is_importing_before_anything_else(demo_run):
   assert done.stdout.splitlines()[0] == "flaxlens demo: importing JAX and Flax ..."
 
 
-def test_demo_converts_linen_and_nnx_models_and_proves_each_step(demo_run):
+def test_demo_tells_the_whole_story_and_proves_each_step(demo_run):
   done = demo_run
   assert done.returncode == 0, done.stderr
   for proof in (
     "tree(tokens) == model.apply(variables, tokens) bit for bit: True",
     "adding 1 to the head's bias shifts every logit by 1: True",
-    "the edited tree exported back to Flax runs the same: True",
+    "the capturing run's logits equal jax.jit(model.apply)'s bit for bit: True",
+    "20 steering strengths, one compilation: True",
+    "the sweep's (Block_0, position 2) cell equals that single patch: True",
+    "saved, then `flaxlens replay` in a fresh process: exact: True",
+    "the edited tree and model.apply(tree.export(), ...) agree bit for bit: True",
     "tree(x) == model(x) bit for bit: True",
     "the tree's batch statistics follow the model's after the call: True",
   ):
