@@ -5,6 +5,8 @@ Each task is at most three lines of flaxlens code after the model setup.
 """
 
 import functools
+import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -54,3 +56,30 @@ while len(tokens) < max_length:
   step_ids, step_positions = logits[:, -1:].argmax(-1), step_positions[:, -1:] + 1
   tokens.append(int(step_ids[0, 0]))
 print("steered generation:", tokens)
+
+# 5. Sweep activation patching over blocks x positions in one compiled call (part 0 of a
+#    block's output is its hidden state); saved as a heatmap image.
+corrupted, answer = ids.at[0, 2].set(9), int(out.logits[0, -1].argmax())
+sweep = fl.sweep(
+  tree,
+  (ids, mask, positions),
+  (corrupted, mask, positions),
+  "transformer/h/*",
+  lambda o: o.logits[0, -1, answer],
+  positions=range(6),
+  part=0,
+)
+sweep.plot(os.path.join(tempfile.mkdtemp(), "patching.png"))
+print("patching sweep (blocks x positions):\n", sweep.values)
+
+# 6. Attribution patching: the same grid from one forward and one backward pass.
+estimate = fl.attribute(
+  tree,
+  (ids, mask, positions),
+  (corrupted, mask, positions),
+  "transformer/h/*",
+  lambda o: o.logits[0, -1, answer],
+  positions=range(6),
+  part=0,
+)
+print("attribution estimate:\n", estimate.values)

@@ -1,8 +1,12 @@
 """Capture, ablate, steer and steer a cached generation on a small NNX transformer.
 
 Run: python examples/nnx_transformer.py (random weights; nothing is downloaded).
-Each task is at most three lines of flaxlens code after the model setup.
+Each task is at most three lines of flaxlens code after the model setup (a long call is
+wrapped over lines).
 """
+
+import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -78,3 +82,29 @@ for t in range(12):  # reads the prompt token by token, then appends its greedy 
     tokens.append(int(step[0, -1].argmax()))
 print("steered generation:", tokens)
 assert model.blocks[0].attn.cached_key is None  # the model itself was not changed
+
+# 5. Sweep activation patching over blocks x positions in one compiled call: each cell
+#    runs the corrupted prompt with one block's output at one position taken from the
+#    clean run, and measures the clean next-token logit. Saved as a heatmap image.
+corrupted, answer = ids.at[0, 2].set(9), int(logits[0, -1].argmax())
+sweep = fl.sweep(
+  tree,
+  (ids, positions),
+  (corrupted, positions),
+  "blocks/*",
+  lambda out: out[0, -1, answer],
+  positions=range(6),
+)
+sweep.plot(os.path.join(tempfile.mkdtemp(), "patching.png"))
+print("patching sweep (blocks x positions):\n", sweep.values)
+
+# 6. Attribution patching: the same grid estimated from one forward and one backward pass.
+estimate = fl.attribute(
+  tree,
+  (ids, positions),
+  (corrupted, positions),
+  "blocks/*",
+  lambda out: out[0, -1, answer],
+  positions=range(6),
+)
+print("attribution estimate:\n", estimate.values)
