@@ -62,6 +62,14 @@ class _Tolerance:
   def close(self, expected: Any, actual: Any) -> bool:
     return self.report(expected, actual, "", "").close(self.atol, self.rtol)
 
+  def differs(self, expected: Any, actual: Any) -> str:
+    """How far apart two values are, for a refusal."""
+    report = self.report(expected, actual, "", "")
+    return (
+      f"max abs difference {report.max_abs:.3g}, max rel {report.max_rel:.3g};"
+      f" atol={self.atol}, rtol={self.rtol}"
+    )
+
 
 def fold(
   tree: CallNode,
@@ -135,8 +143,7 @@ def fold(
   for intervention in interventions:
     if not isinstance(intervention, Intervention):
       raise ArgumentError(
-        "fl.fold takes a list of fl.steer/scale/ablate results, got"
-        f" {type(intervention).__name__}."
+        f"fl.fold takes a list of fl.steer/scale/ablate results, got {type(intervention).__name__}."
       )
   interventions, _ = _nodes_by_name(tree, interventions, None)
   tolerance = _Tolerance(atol, rtol)
@@ -198,8 +205,7 @@ def _verify(
   if not report.close(tolerance.atol, tolerance.rtol):
     raise ExportError(
       f"{tree.where()}: the folded tree does not reproduce the interventions on the"
-      f" example inputs (max abs difference {report.max_abs:.3g}, max rel"
-      f" {report.max_rel:.3g}; atol={tolerance.atol}, rtol={tolerance.rtol}):\n{report}\n"
+      f" example inputs ({tolerance.differs(expected, actual)}):\n{report}\n"
       "Raise atol/rtol if the model computes in low precision, or keep running these"
       " interventions with fl.run."
     )
@@ -265,9 +271,7 @@ class _Call:
   def __init__(self, isolated: IsolatedSubmodel):
     self.isolated = isolated
     self.layer = isolated.submodel
-    self.parameters = {
-      name: _leaf(p.value) for name, p in self.layer.scope_data.parameters.items()
-    }
+    self.parameters = {name: _leaf(p.value) for name, p in self.layer.scope_data.parameters.items()}
 
   def __call__(self, new: dict[str, Any], argument: ArgsAndKwargs | None = None) -> Any:
     frozen = self.layer.scope_data.parameters
@@ -414,16 +418,21 @@ def _into_one(
 ) -> dict[str, Any]:
   """The first candidate edit of one parameter under which the call gives `expected`."""
   tried = candidates.find(call.parameters)
+  outputs = []
   for name, edit in tried:
     new = edit(call.parameters[name])
-    if tolerance.close(expected, call({name: new})):
+    output = call({name: new})
+    if tolerance.close(expected, output):
       return {name: _with_leaf(site.node.scope_data.parameters[name].value, new)}
+    outputs.append((name, output))
   shapes = {name: tuple(p.shape) for name, p in call.parameters.items() if p is not None}
   if not tried:
     raise _Unfoldable(f"at {site.node.where()} (parameters {shapes}), {candidates.need}")
+  closest = "; ".join(f"{name!r}: {tolerance.differs(expected, out)}" for name, out in outputs)
   raise _Unfoldable(
     f"no parameter of {site.node.where()} ({shapes}) reproduces the edit when changed"
-    " alone: the call does not add or multiply it linearly"
+    f" alone ({closest}): the call does not add or multiply it linearly, or the tolerance"
+    " is too tight"
   )
 
 
@@ -441,10 +450,12 @@ def _scaled_all(
         f" {name!r} {tuple(p.shape)} of {site.node.where()} does not end with"
       )
     new[name] = (p * trailing).astype(p.dtype)
-  if not tolerance.close(expected, call(new)):
+  output = call(new)
+  if not tolerance.close(expected, output):
     raise _Unfoldable(
-      f"{site.node.where()} does not scale with its parameters (a nonlinear call);"
-      " scale the output of a linear call"
+      f"{site.node.where()} with every parameter multiplied by the factor misses the"
+      f" scaled output ({tolerance.differs(expected, output)}): the call is not linear"
+      " in its parameters (scale a linear call), or the tolerance is too tight"
     )
   held = site.node.scope_data.parameters
   return {name: _with_leaf(held[name].value, value) for name, value in new.items()}
