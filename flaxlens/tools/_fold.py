@@ -149,8 +149,7 @@ def fold(
   tolerance = _Tolerance(atol, rtol)
   streams = resolve_random_streams(random_streams, tree.where())
   argument = ArgsAndKwargs(args=tuple(example_args), kwargs=dict(example_kwargs))
-  unbound, values = unbind_variables(tree, freeze=True)
-  folded = bind_variables(unbound, values)
+  folded = _copy(tree)
   parameters = {v.label: v for v in variables_in(folded) if isinstance(v, Parameter)}
   refused = []
   for number, intervention in enumerate(interventions):
@@ -171,6 +170,12 @@ def fold(
     )
   _verify(tree, folded, interventions, argument, streams, tolerance)
   return folded
+
+
+def _copy(tree: CallNode) -> CallNode:
+  """The tree with variables of its own (the arrays are shared: they are never written)."""
+  unbound, values = unbind_variables(tree, freeze=True)
+  return bind_variables(unbound, values)
 
 
 def _describe(intervention: Intervention) -> str:
@@ -197,10 +202,18 @@ def _verify(
   streams: Any,
   tolerance: _Tolerance,
 ) -> None:
-  """Refuses a folded tree whose plain run differs from the intervened run."""
-  args, kwargs = argument.args, argument.kwargs
-  expected = run(tree, *args, interventions=interventions, random_streams=streams, **kwargs)
-  actual = run(folded, *args, random_streams=streams, **kwargs)
+  """Refuses a folded tree whose plain run differs from the intervened run.
+
+  Both run on copies: a run writes the state it updates (batch statistics, NNX rng
+  counts, a decoding cache) into its tree, and neither tree may change."""
+
+  def fresh() -> tuple[tuple[Any, ...], dict[str, Any]]:  # an nnx.Rngs argument advances
+    return jax.tree_util.tree_map(lambda x: x, (argument.args, argument.kwargs))
+
+  args, kwargs = fresh()
+  expected = run(_copy(tree), *args, interventions=interventions, random_streams=streams, **kwargs)
+  args, kwargs = fresh()
+  actual = run(_copy(folded), *args, random_streams=streams, **kwargs)
   report = tolerance.report(expected, actual, "the tree with the interventions", "folded tree")
   if not report.close(tolerance.atol, tolerance.rtol):
     raise ExportError(
@@ -353,26 +366,26 @@ def _trailing(x: Any, same: Callable[[Any, Any], bool]) -> Any:
   raise AssertionError("unreachable: the last row of a one-row array is itself")
 
 
-Candidate = tuple[str, Callable[[Any], Any]]
+_Candidate = tuple[str, Callable[[Any], Any]]
 
 
-class Candidates(NamedTuple):
+class _Candidates(NamedTuple):
   """The parameter edits that may express a change (`find(parameters)`), and what a
   parameter must be for one to exist (`need`, for the refusal)."""
 
-  find: Callable[[dict[str, Any]], list[Candidate]]
+  find: Callable[[dict[str, Any]], list[_Candidate]]
   need: str
 
 
-def _added(trailing: Any, shape: tuple[int, ...]) -> Candidates:
-  """Candidates for an addition: a parameter over the value's trailing axes (a bias)."""
+def _added(trailing: Any, shape: tuple[int, ...]) -> _Candidates:
+  """_Candidates for an addition: a parameter over the value's trailing axes (a bias)."""
   varies = f" (this value varies along {trailing.ndim} of them)" if trailing.ndim else ""
   need = (
     f"no parameter is shaped as the last axes of the output {tuple(shape)}{varies}, as a"
     " bias is: steer a call with a bias, by a vector that is the same at every position"
   )
 
-  def candidates(parameters: dict[str, Any]) -> list[Candidate]:
+  def candidates(parameters: dict[str, Any]) -> list[_Candidate]:
     found = []
     for name, p in parameters.items():
       if p is None or not trailing.ndim <= p.ndim <= len(shape):
@@ -381,11 +394,11 @@ def _added(trailing: Any, shape: tuple[int, ...]) -> Candidates:
         found.append((name, lambda p: (p + trailing).astype(p.dtype)))
     return found
 
-  return Candidates(candidates, need)
+  return _Candidates(candidates, need)
 
 
-def _input_scaled(trailing: Any) -> Candidates:
-  """Candidates for a factor on the input: parameter axes that match the input's trailing
+def _input_scaled(trailing: Any) -> _Candidates:
+  """_Candidates for a factor on the input: parameter axes that match the input's trailing
   axes (a kernel's input axes), at each place they occur."""
   need = (
     f"the factor varies along input axes of shape {tuple(trailing.shape)}, and no"
@@ -393,7 +406,7 @@ def _input_scaled(trailing: Any) -> Candidates:
     " or ablate features or heads, the same at every position"
   )
 
-  def candidates(parameters: dict[str, Any]) -> list[Candidate]:
+  def candidates(parameters: dict[str, Any]) -> list[_Candidate]:
     found = []
     for name, p in parameters.items():
       if p is None:
@@ -406,14 +419,14 @@ def _input_scaled(trailing: Any) -> Candidates:
           found.append((name, lambda p, f=factor: (p * f).astype(p.dtype)))
     return found
 
-  return Candidates(candidates, need)
+  return _Candidates(candidates, need)
 
 
 def _into_one(
   site: Site,
   call: _Call,
   expected: Any,
-  candidates: Candidates,
+  candidates: _Candidates,
   tolerance: _Tolerance,
 ) -> dict[str, Any]:
   """The first candidate edit of one parameter under which the call gives `expected`."""

@@ -39,6 +39,8 @@ SITES = {
   },
 }
 TIED = {LINEN: ("shared_child_called_twice", "shared"), NNX: ("called_twice", "linear")}
+DROPOUT = {LINEN: ("dropout", "Dense_1"), NNX: ("convnet_train", "head")}  # a biased call
+STATEFUL = {LINEN: ("batchnorm_train", "Conv_0"), NNX: ("convnet_train", "head")}
 VECTOR = jax.random.normal(jax.random.key(11), (8,))
 CLOSE = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -178,6 +180,30 @@ def test_fold_leaves_the_tree_unmodified_also_when_it_refuses(corpora, fw):
   with pytest.raises(fl.ExportError):
     fl.fold(tree, [fl.steer(SITES[fw]["down"], VECTOR), fl.patch("**", 0.0)], *case.args)
   assert_trees_equal({v.label: v.value for v in fl.variables_in(tree)}, before)
+
+
+@pytest.mark.parametrize("fw", BOTH)
+def test_fold_checks_a_model_with_dropout_under_the_same_random_streams(corpora, fw):
+  name, path = DROPOUT[fw]
+  case = corpora[fw][name]
+  tree = fw.convert(case)
+  edits = [fl.steer(path, 0.5)]
+  folded = fl.fold(tree, edits, *case.args, **fw.side_inputs(case), **case.kwargs)
+  steered, _ = fw.native(case, wrap=Wrap(path, lambda out, *args: out + 0.5))
+  _assert_close(fw.native(fw.with_exported(case, fw.export(folded)))[0], steered)
+
+
+@pytest.mark.parametrize("fw", BOTH)
+def test_fold_leaves_the_state_of_the_tree_and_of_its_copy_as_it_was(corpora, fw):
+  name, path = STATEFUL[fw]
+  case = corpora[fw][name]
+  tree = fw.convert(case)
+  labels = [v.label for v in fl.variables_in(tree) if isinstance(v, fl.StateVariable)]
+  before = {v.label: v.value for v in fl.variables_in(tree)}
+  folded = fl.fold(tree, [fl.steer(path, 0.5)], *case.args, **fw.side_inputs(case), **case.kwargs)
+  assert_trees_equal({v.label: v.value for v in fl.variables_in(tree)}, before)
+  folded_state = {v.label: v.value for v in fl.variables_in(folded) if v.label in labels}
+  assert_trees_equal(folded_state, {label: before[label] for label in labels})
 
 
 @pytest.mark.parametrize("fw", BOTH)
