@@ -47,10 +47,6 @@ _NOT_WEIGHTS = {
 }
 
 
-class _Unfoldable(Exception):
-  """Why one intervention cannot be folded (collected, then raised as one ExportError)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class _Tolerance:
   atol: float
@@ -155,7 +151,7 @@ def fold(
   for number, intervention in enumerate(interventions):
     try:
       edits = _fold_one(folded, intervention, argument, streams, tolerance)
-    except _Unfoldable as e:
+    except ExportError as e:  # why this one cannot fold: listed with the others below
       refused.append(f"[{number}] {_describe(intervention)}: {e}")
       continue
     for label, value in edits.items():
@@ -236,13 +232,13 @@ def _fold_one(
 ) -> dict[str, Any]:
   """`{label: new value}` of the parameters that express `intervention` in `root`."""
   if intervention.kind in _NOT_WEIGHTS:
-    raise _Unfoldable(_NOT_WEIGHTS[intervention.kind])
+    raise ExportError(_NOT_WEIGHTS[intervention.kind])
   sites = sites_of(root)
   chosen = select_sites(root, intervention.at, sites)
   edits: dict[str, Any] = {}
   for site in chosen:
     if site.node.sliced:
-      raise _Unfoldable(
+      raise ExportError(
         f"{site.node.where()} runs inside nn.scan/nn.vmap (or nnx.scan/nnx.vmap), whose"
         " parameters are stacked per iteration and edited alike at every one"
       )
@@ -252,7 +248,7 @@ def _fold_one(
       for name, value in proposed.items():
         label = site.node.scope_data.parameters[name].label
         if label in edits and not tolerance.close(_leaf(edits[label]), _leaf(value)):
-          raise _Unfoldable(
+          raise ExportError(
             f"the calls it edits share the parameter {label!r} but need different values"
           )
         edits[label] = value
@@ -261,7 +257,7 @@ def _fold_one(
     held = {p.label for p in site.node.scope_data.parameters.values()}
     shared = sorted(held & edits.keys())
     if shared and id(site.node) not in chosen_nodes:
-      raise _Unfoldable(
+      raise ExportError(
         f"{site.node.where()} also uses {shared}, and the intervention does not edit that"
         " call (tied weights); folding would change it too"
       )
@@ -308,7 +304,7 @@ def _fold_call(
   """`{parameter name: new value}` of one call that reproduce `intervention` there."""
   call = _Call(isolated)
   if not any(v is not None for v in call.parameters.values()):
-    raise _Unfoldable(f"{site.node.where()} has no parameters of its own to fold into")
+    raise ExportError(f"{site.node.where()} has no parameters of its own to fold into")
   plain = call({})
   name = site.name
   if intervention.on == "output":
@@ -321,7 +317,7 @@ def _fold_call(
     return _scaled_all(site, call, expected, trailing, tolerance)
   args = isolated.saved_arg.args
   if not args:
-    raise _Unfoldable(f"{site.node.where()} takes no positional argument to edit")
+    raise ExportError(f"{site.node.where()} takes no positional argument to edit")
   edited_input = intervention.edit(name, isolated.saved_arg, args[0])
   edited = dataclasses.replace(isolated.saved_arg, args=(edited_input, *args[1:]))
   expected = call({}, edited)
@@ -331,7 +327,7 @@ def _fold_call(
   if how == "mul":
     return _into_one(site, call, expected, _input_scaled(trailing), tolerance)
   if not isinstance(plain, jax.Array):
-    raise _Unfoldable(f"{site.node.where()} returns a {type(plain).__name__}, not one array")
+    raise ExportError(f"{site.node.where()} returns a {type(plain).__name__}, not one array")
   delta = expected - plain
   scale = float(jnp.max(jnp.abs(plain), initial=0.0))
 
@@ -440,9 +436,9 @@ def _into_one(
     outputs.append((name, output))
   shapes = {name: tuple(p.shape) for name, p in call.parameters.items() if p is not None}
   if not tried:
-    raise _Unfoldable(f"at {site.node.where()} (parameters {shapes}), {candidates.need}")
+    raise ExportError(f"at {site.node.where()} (parameters {shapes}), {candidates.need}")
   closest = "; ".join(f"{name!r}: {tolerance.differs(expected, out)}" for name, out in outputs)
-  raise _Unfoldable(
+  raise ExportError(
     f"no parameter of {site.node.where()} ({shapes}) reproduces the edit when changed"
     f" alone ({closest}): the call does not add or multiply it linearly, or the tolerance"
     " is too tight"
@@ -458,14 +454,14 @@ def _scaled_all(
     if p is None:
       continue
     if trailing.ndim > p.ndim or tuple(p.shape[p.ndim - trailing.ndim :]) != trailing.shape:
-      raise _Unfoldable(
+      raise ExportError(
         f"the factor varies along axes {tuple(trailing.shape)} that the parameter"
         f" {name!r} {tuple(p.shape)} of {site.node.where()} does not end with"
       )
     new[name] = (p * trailing).astype(p.dtype)
   output = call(new)
   if not tolerance.close(expected, output):
-    raise _Unfoldable(
+    raise ExportError(
       f"{site.node.where()} with every parameter multiplied by the factor misses the"
       f" scaled output ({tolerance.differs(expected, output)}): the call is not linear"
       " in its parameters (scale a linear call), or the tolerance is too tight"
