@@ -52,6 +52,7 @@ from flaxlens.tools._artifact import save_isolated as save_isolated
 from flaxlens.tools._codec import register_value_codec as register_value_codec
 from flaxlens.tools._equivalence import EquivalenceReport as EquivalenceReport
 from flaxlens.tools._equivalence import check_equivalence as check_equivalence
+from flaxlens.tools._fold import fold as fold
 from flaxlens.tools._html import to_html as to_html
 from flaxlens.tools._interventions import Intervention as Intervention
 from flaxlens.tools._interventions import ablate as ablate

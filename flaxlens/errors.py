@@ -29,8 +29,10 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   asked for, or cannot make the edit asked for. Fix: the message lists what it found.
 - `ExportError`: a tree cannot be exported as it is (a call was replaced or wrapped by a
   layer, which weights cannot express), the model given to update in place does not fit
-  the tree, or a saved exported model does not fit the model it is restored into. Fix:
-  the message lists the patched calls or the variables that differ.
+  the tree, a saved exported model does not fit the model it is restored into, or
+  `fl.fold` cannot express interventions in weights (or its result misses them beyond
+  the tolerance). Fix: the message lists the patched calls, the variables that differ,
+  or each unfoldable intervention with its reason.
 - `ArtifactError`: an artifact could not be written, read or trusted (malformed,
   truncated, or naming code from a package not allowed). Fix: the message names the
   file and, for code, the `allow=[...]` that would load it.
@@ -87,4 +89,5 @@ class ArtifactError(FlaxlensError):
 
 
 class ExportError(FlaxlensError):
-  """A tree cannot be exported as it is, or an exported model cannot be saved or restored."""
+  """A tree cannot be exported as it is (interventions that cannot be folded included), or
+  an exported model cannot be saved or restored."""

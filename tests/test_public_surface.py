@@ -54,6 +54,7 @@ PUBLIC = {
   "IsolatedSubmodel",
   "EquivalenceReport",
   "check_equivalence",
+  "fold",
   "ReplayReport",
   "isolate",
   "isolate_calls",

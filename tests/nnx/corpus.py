@@ -372,6 +372,39 @@ class Annotated(nnx.Module):
     return self.linear(x) * self.scale[...]
 
 
+class TransformerBlock(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.attention_norm = nnx.LayerNorm(8, rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(
+      num_heads=2, in_features=8, qkv_features=8, decode=False, rngs=rngs
+    )
+    self.mlp_norm = nnx.LayerNorm(8, rngs=rngs)
+    self.up = nnx.Linear(8, 16, rngs=rngs)
+    self.down = nnx.Linear(16, 8, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.attention_norm(x)
+    x = x + self.attention(h)
+    return x + self.down(nnx.gelu(self.up(self.mlp_norm(x))))
+
+
+class Transformer(nnx.Module):
+  """The NNX counterpart of the Linen corpus's `Transformer` (attention with its `out`
+  projection taking `(..., heads, head_dim)`)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(10, 8, rngs=rngs)
+    self.blocks = nnx.List([TransformerBlock(rngs) for _ in range(2)])
+    self.norm = nnx.LayerNorm(8, rngs=rngs)
+    self.head = nnx.Linear(8, 10, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.norm(x))
+
+
 def _mha(decode: bool) -> nnx.MultiHeadAttention:
   mha = nnx.MultiHeadAttention(
     num_heads=2, in_features=8, qkv_features=8, decode=decode, rngs=RNGS()
