@@ -5,18 +5,33 @@ jitted function that rebinds fresh copies, runs the user function and returns th
 values of the variables it assigned; the wrapper then writes those back into the
 caller's variable objects. Array leaves are traced; every other leaf (Python numbers,
 strings, bools, None) is static, so `train=True` stays a Python value and changing only
-array values never recompiles. No Flax internals here.
+array values never recompiles.
+
+Splitting a converted tree into its structure, variables and leaves walks every node, so
+it is done once per tree: the split of an argument that is a `Struct` is kept while the
+struct lives (`_Part`) and reused while everything it reached is unchanged. Structs are
+frozen, so only the dicts and lists inside can change in place; each call checks that
+they still hold the same keys and the identical objects, and that the variables keep
+their labels (a C-speed comparison), and splits the argument again otherwise. Variable
+values and array leaves are read on every call, never cached. An argument holding a
+pytree node of another type (which might change unseen) is split on every call. No Flax
+internals here.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
+import operator
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from flaxlens.core._struct import Struct
 from flaxlens.core._variables import (
   AbstractVariable,
   AbstractVariableSlot,
@@ -27,6 +42,9 @@ from flaxlens.core._variables import (
 from flaxlens.errors import ArgumentError
 
 _ARRAY, _STATIC = -1, -2  # Leaf kinds besides variable indices.
+_DICTS = (dict, collections.OrderedDict, collections.defaultdict)
+_label = operator.attrgetter("label")
+_value = operator.attrgetter("value")
 
 
 def _is_variable_or_slot(x: Any) -> bool:
@@ -35,32 +53,6 @@ def _is_variable_or_slot(x: Any) -> bool:
 
 def _is_traced(leaf: Any) -> bool:
   return isinstance(leaf, jax.Array | np.ndarray | np.generic)
-
-
-class _Static:
-  """Hashable wrapper for the static (non-array) leaves of a call."""
-
-  __slots__ = ("values",)
-
-  def __init__(self, values: tuple[Any, ...]):
-    try:
-      hash(values)
-    except TypeError as e:
-      raise ArgumentError(
-        "variable_jit treats non-array leaves as static, and they must be hashable;"
-        f" got an unhashable leaf ({e}). Convert it to an array or a tuple."
-      ) from None
-    self.values = values
-
-  def __hash__(self) -> int:
-    return hash(self.values)
-
-  def __eq__(self, other: object) -> bool:
-    return (
-      isinstance(other, _Static)
-      and len(self.values) == len(other.values)
-      and all(type(a) is type(b) and a == b for a, b in zip(self.values, other.values, strict=True))
-    )
 
 
 def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> Any:
@@ -96,13 +88,22 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
     )
   name = getattr(fn, "__name__", "function")
 
-  def traced(static: _Static, treedef: Any, kinds: tuple[int, ...], specs, arrays, values):
+  def traced(layout: tuple[Any, ...], arrays: Any, values: tuple[Any, ...]) -> Any:
+    n_args, names, structures, maps = layout
+    maps = maps or (None,) * len(structures)
+    specs: list[Any] = [None] * len(values)
+    for structure, indices in zip(structures, maps, strict=True):
+      for i, spec in enumerate(structure.specs):
+        specs[i if indices is None else indices[i]] = spec
     fresh = [
       (StateVariable if is_state else Parameter)(value, label=label)
       for (label, is_state), value in zip(specs, values, strict=True)
     ]
-    args, kwargs = _join_arguments(treedef, kinds, static, arrays, fresh)
-    out = fn(*args, **kwargs)
+    elements = [
+      s.join(a, fresh if indices is None else [fresh[g] for g in indices])
+      for s, a, indices in zip(structures, arrays, maps, strict=True)
+    ]
+    out = fn(*elements[:n_args], **dict(zip(names, elements[n_args:], strict=True)))
     if any(isinstance(x, AbstractVariable) for x in jax.tree_util.tree_leaves(out)):
       raise VariableError(
         f"{name} under variable_jit returned a bound variable; return its .value (or"
@@ -110,74 +111,230 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
       )
     return out, {i: v.value for i, v in enumerate(fresh) if v.value is not values[i]}
 
-  jitted = jax.jit(traced, static_argnums=(0, 1, 2, 3), **jit_kwargs)
+  jitted = jax.jit(traced, static_argnums=0, **jit_kwargs)
 
   @functools.wraps(fn)
   def wrapper(*args: Any, **kwargs: Any) -> Any:
-    split = _SplitArguments(args, kwargs, name)
-    specs = tuple((v.label, isinstance(v, StateVariable)) for v in split.variables)
-    values = tuple(v.value for v in split.variables)
-    static = _Static(tuple(split.static))
-    out, changed = jitted(static, split.treedef, tuple(split.kinds), specs, split.arrays, values)
+    names = tuple(sorted(kwargs))
+    elements = (*args, *(kwargs[k] for k in names)) if names else args
+    parts = [_ArrayPart(e) if _is_traced(e) else _part(e, name) for e in elements]
+    variables, maps = _merge_variables(parts)
+    layout = (len(args), names, tuple(p.structure for p in parts), maps)
+    values = tuple(map(_value, variables))
+    out, changed = jitted(layout, [p.arrays for p in parts], values)
     for i, value in changed.items():
-      split.variables[i].value = value
+      variables[i].value = value
     return out
 
   return wrapper
 
 
-class _SplitArguments:
-  """The leaves of `(args, kwargs)` sorted into variables, arrays and static values.
-
-  Attributes:
-    treedef: the structure of `(args, kwargs)`, variables as leaves.
-    kinds: per leaf, the index of its variable in `variables`, `_ARRAY` or `_STATIC`.
-    variables: each bound variable once, in first-seen order.
-    arrays: the array leaves (traced).
-    static: the other leaves (static).
+class _Structure:
+  """What the trace of one argument depends on: its treedef, leaf kinds, static leaves
+  and variable specs. Hashable (the hash is computed once), compared by value.
   """
 
-  def __init__(self, args: Any, kwargs: Any, name: str):
-    leaves, self.treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_variable_or_slot)
-    self.kinds: list[int] = []
+  __slots__ = ("treedef", "kinds", "static", "specs", "_hash")
+
+  def __init__(self, treedef: Any, kinds: tuple[int, ...], static: tuple[Any, ...], specs: Any):
+    self.treedef, self.kinds, self.static, self.specs = treedef, kinds, static, specs
+    try:
+      self._hash = hash((treedef, kinds, static, specs))
+    except TypeError as e:
+      raise ArgumentError(
+        "variable_jit treats non-array leaves as static, and they must be hashable;"
+        f" got an unhashable leaf ({e}). Convert it to an array or a tuple."
+      ) from None
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: object) -> bool:
+    if self is other:
+      return True
+    return (
+      isinstance(other, _Structure)
+      and self._hash == other._hash
+      and self.treedef == other.treedef
+      and self.kinds == other.kinds
+      and self.specs == other.specs
+      and len(self.static) == len(other.static)
+      and all(type(a) is type(b) and a == b for a, b in zip(self.static, other.static, strict=True))
+    )
+
+  def join(self, arrays: Any, variables: list[Any]) -> Any:
+    """The argument again, from its arrays and (fresh) variables (inside the trace)."""
+    arrays_iter, static_iter = iter(arrays), iter(self.static)
+    leaves = [
+      variables[k] if k >= 0 else next(arrays_iter) if k == _ARRAY else next(static_iter)
+      for k in self.kinds
+    ]
+    return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+class _Part:
+  """One argument split into its structure, its variables (each once) and its arrays."""
+
+  __slots__ = ("structure", "variables", "arrays", "labels", "watched", "__weakref__")
+
+  def __init__(self, argument: Any, name: str):
+    leaves, treedef = jax.tree_util.tree_flatten(argument, is_leaf=_is_variable_or_slot)
+    kinds: list[int] = []
+    static: list[Any] = []
     self.variables: list[AbstractVariable] = []
     self.arrays: list[Any] = []
-    self.static: list[Any] = []
     index: dict[int, int] = {}
-    labels: dict[str, AbstractVariable] = {}
     for leaf in leaves:
       if isinstance(leaf, AbstractVariable):
         if id(leaf) not in index:
-          if labels.setdefault(leaf.label, leaf) is not leaf:
-            raise VariableError(
-              f"Two different variables share the label {leaf.label!r}; labels identify"
-              " variables, so each must be unique (for a second converted model:"
-              " other = fl.relabel_variables(other, 'teacher/'))."
-            )
           index[id(leaf)] = len(self.variables)
           self.variables.append(leaf)
-        self.kinds.append(index[id(leaf)])
+        kinds.append(index[id(leaf)])
       elif _is_traced(leaf):
-        self.kinds.append(_ARRAY)
+        kinds.append(_ARRAY)
         self.arrays.append(leaf)
-      elif not isinstance(leaf, AbstractVariableSlot):
-        self.kinds.append(_STATIC)
-        self.static.append(leaf)
-    unbound = [leaf.label for leaf in leaves if isinstance(leaf, AbstractVariableSlot)]
-    if unbound:
+      elif isinstance(leaf, AbstractVariableSlot):
+        raise VariableError(
+          f"{name} under variable_jit got a tree with unbound slots"
+          f" {[x.label for x in leaves if isinstance(x, AbstractVariableSlot)]}; bind them"
+          " first with fl.bind_variables(tree, values)."
+        )
+      else:
+        kinds.append(_STATIC)
+        static.append(leaf)
+    self.labels = list(map(_label, self.variables))
+    _check_labels(self.variables)
+    specs = tuple(
+      (label, isinstance(v, StateVariable))
+      for label, v in zip(self.labels, self.variables, strict=True)
+    )
+    self.structure = _Structure(treedef, tuple(kinds), tuple(static), specs)
+    self.watched: _Watched | None = None
+
+  def watch(self, argument: Any) -> bool:
+    """Records the mutable containers `argument` reaches; False if it cannot be watched."""
+    dicts: list[Any] = []
+    lists: list[Any] = []
+    if not _collect(argument, dicts, lists):
+      return False
+    filled = [d for d in dicts if d]
+    self.watched = _Watched(
+      dicts + lists,
+      list(map(len, dicts + lists)),
+      filled,
+      list(itertools.chain.from_iterable(filled)),
+      lists,
+      _children(filled, lists),
+    )
+    return True
+
+  def current(self) -> bool:
+    """Whether the watched containers and the variables' labels are as when split."""
+    w = self.watched
+    if list(map(len, w.containers)) != w.sizes:
+      return False
+    # Sizes are unchanged, so only containers that held something can differ.
+    return (
+      all(map(operator.is_, _children(w.filled, w.lists), w.children))
+      and list(itertools.chain.from_iterable(w.filled)) == w.keys
+      and list(map(_label, self.variables)) == self.labels
+    )
+
+
+class _Watched(NamedTuple):
+  """The containers a split argument reaches, and what they held when it was split."""
+
+  containers: list[Any]  # every dict and list
+  sizes: list[int]
+  filled: list[Any]  # the dicts that held something
+  keys: list[Any]  # their keys, in order
+  lists: list[Any]
+  children: list[Any]  # the filled dicts' values, then the lists' items
+
+
+def _children(dicts: list[Any], lists: list[Any]) -> list[Any]:
+  return list(
+    itertools.chain(
+      itertools.chain.from_iterable(map(dict.values, dicts)),
+      itertools.chain.from_iterable(lists),
+    )
+  )
+
+
+def _collect(x: Any, dicts: list[Any], lists: list[Any]) -> bool:
+  """Adds the dicts and lists `x` reaches; False if it reaches another mutable node."""
+  if x is None or _is_variable_or_slot(x):
+    return True
+  kind = type(x)
+  if kind is tuple or (issubclass(kind, tuple) and hasattr(kind, "_fields")):
+    return all(_collect(c, dicts, lists) for c in x)
+  if kind is list:
+    lists.append(x)
+    return all(_collect(c, dicts, lists) for c in x)
+  if kind in _DICTS:
+    dicts.append(x)
+    return all(_collect(c, dicts, lists) for c in x.values())
+  if isinstance(x, Struct):
+    return all(_collect(c, dicts, lists) for c in x.tree_flatten()[0])
+  leaves = jax.tree_util.tree_leaves(x)
+  return len(leaves) == 1 and leaves[0] is x
+
+
+_parts: dict[int, tuple[weakref.ref, _Part]] = {}
+
+
+def _part(argument: Any, name: str) -> _Part:
+  """The split of `argument`, reused for a struct while it is unchanged."""
+  if not isinstance(argument, Struct) or isinstance(argument, AbstractVariableSlot):
+    return _Part(argument, name)
+  key = id(argument)
+  entry = _parts.get(key)
+  if entry is not None and entry[0]() is argument and entry[1].current():
+    return entry[1]
+  part = _Part(argument, name)
+  if part.watch(argument):
+    _parts[key] = (weakref.ref(argument, lambda _, key=key: _parts.pop(key, None)), part)
+  return part
+
+
+def _check_labels(variables: Any) -> None:
+  labels: dict[str, AbstractVariable] = {}
+  for v in variables:
+    if labels.setdefault(v.label, v) is not v:
       raise VariableError(
-        f"{name} under variable_jit got a tree with unbound slots {unbound}; bind them"
-        " first with fl.bind_variables(tree, values)."
+        f"Two different variables share the label {v.label!r}; labels identify"
+        " variables, so each must be unique (for a second converted model:"
+        " other = fl.relabel_variables(other, 'teacher/'))."
       )
 
 
-def _join_arguments(
-  treedef: Any, kinds: tuple[int, ...], static: _Static, arrays: Any, variables: list[Any]
-) -> Any:
-  """`(args, kwargs)` again from the parts `_SplitArguments` made (inside the trace)."""
-  arrays_iter, static_iter = iter(arrays), iter(static.values)
-  leaves = [
-    variables[k] if k >= 0 else next(arrays_iter) if k == _ARRAY else next(static_iter)
-    for k in kinds
-  ]
-  return jax.tree_util.tree_unflatten(treedef, leaves)
+def _merge_variables(parts: list[Any]) -> tuple[list[AbstractVariable], Any]:
+  """The variables of all parts, each once, and per part where its variables went.
+
+  With at most one part holding variables, that part's own list is used as is (maps None).
+  """
+  holding = [p for p in parts if p.variables]
+  if len(holding) <= 1:
+    return (holding[0].variables if holding else []), None
+  variables: list[AbstractVariable] = []
+  index: dict[int, int] = {}
+  maps = []
+  for part in parts:
+    for v in part.variables:
+      if id(v) not in index:
+        index[id(v)] = len(variables)
+        variables.append(v)
+    maps.append(tuple(index[id(v)] for v in part.variables))
+  _check_labels(variables)
+  return variables, tuple(maps)
+
+
+class _ArrayPart:
+  """An argument that is one array."""
+
+  __slots__ = ("arrays",)
+  structure = _Structure(jax.tree_util.tree_structure(0), (_ARRAY,), (), ())
+  variables: tuple[()] = ()
+
+  def __init__(self, array: Any):
+    self.arrays = [array]

@@ -55,9 +55,18 @@ class Struct:
   treescope_hidden_fields: ClassVar[tuple[str, ...]] = ()
   treescope_short_fields: ClassVar[tuple[str, ...]] = ()
 
+  # A subclass whose static fields hold only hashable values, whose `__init__` takes every
+  # field and which keeps `key_for_field` may set this: JAX then flattens it in C++ (as a
+  # registered dataclass) instead of calling `tree_flatten`, which matters for pytrees
+  # flattened at every jitted call (frozen variable values).
+  _flaxlens_flat_in_cpp: ClassVar[bool] = False
+
   def __init_subclass__(cls, **kwargs: Any):
     super().__init_subclass__(**kwargs)
     dataclasses.dataclass(frozen=True, eq=False)(cls)
+    if cls._flaxlens_flat_in_cpp:
+      jax.tree_util.register_dataclass(cls)
+      return
     jax.tree_util.register_pytree_with_keys(
       cls, cls.tree_flatten_with_keys, cls.tree_unflatten, cls.tree_flatten
     )

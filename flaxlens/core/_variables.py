@@ -166,6 +166,8 @@ class StateVariable(AbstractVariable):
 class AbstractVariableValue(Struct):
   """Frozen snapshot of a variable; a pytree whose only child is `value`."""
 
+  _flaxlens_flat_in_cpp = True  # flattened at every call of a jitted stateless_call
+
   value: Any
   label: str = static_field()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -179,3 +180,63 @@ def test_accepts_frozen_values_as_ordinary_pytrees():
 def test_argument_selection_options_are_refused_with_a_reason():
   with pytest.raises(TypeError, match="static already"):
     fl.variable_jit(lambda x: x, static_argnums=(0,))
+
+
+def test_a_sublayer_replaced_in_a_list_in_place_is_run_on_the_next_call(chain, affine):
+  run = fl.variable_jit(lambda layer, x: layer(x))
+  run(chain, jnp.array(1.0))
+  chain.layers[0] = type(affine)(
+    scale=fl.Parameter(jnp.array(10.0), label="scale"),
+    shift=fl.Parameter(jnp.array(0.0), label="shift"),
+  )
+  np.testing.assert_allclose(run(chain, jnp.array(1.0)), 10.0)
+
+
+def test_a_variable_relabelled_into_a_clash_is_refused_on_the_next_call(affine):
+  run = fl.variable_jit(lambda layer, x: layer(x))
+  run(affine, jnp.array(1.0))
+  affine.shift.label = "scale"
+  with pytest.raises(fl.VariableError, match="share the label 'scale'"):
+    run(affine, jnp.array(1.0))
+
+
+def test_a_rebuilt_layer_of_the_same_structure_reuses_the_compiled_call(affine):
+  traces = []
+
+  @fl.variable_jit
+  def run(layer, x):
+    traces.append(None)
+    return layer(x)
+
+  run(affine, jnp.array(1.0))
+  rebuilt = type(affine)(
+    scale=fl.Parameter(jnp.array(3.0), label="scale"),
+    shift=fl.Parameter(jnp.array(0.0), label="shift"),
+  )
+  np.testing.assert_allclose(run(rebuilt, jnp.array(2.0)), 6.0)
+  assert len(traces) == 1
+
+
+class _Box:
+  """A mutable pytree node of the user's own (flaxlens cannot see it change)."""
+
+  def __init__(self, item):
+    self.item = item
+
+
+jax.tree_util.register_pytree_node(_Box, lambda b: ((b.item,), None), lambda _, c: _Box(*c))
+
+
+class _Holder(fl.Layer):
+  box: object
+
+  def __call__(self, argument, /, **side_inputs):
+    return argument * self.box.item.value
+
+
+def test_a_layer_holding_a_mutable_node_of_another_type_sees_its_edits():
+  holder = _Holder(_Box(fl.Parameter(jnp.array(2.0), label="w")))
+  run = fl.variable_jit(lambda layer, x: layer(x))
+  run(holder, jnp.array(1.0))
+  holder.box.item = fl.Parameter(jnp.array(5.0), label="w")
+  np.testing.assert_allclose(run(holder, jnp.array(1.0)), 5.0)

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from comparisons import assert_trees_equal
-from frameworks import LINEN, NNX
+from frameworks import LINEN, NNX, Wrap
+from replacements import PlusOne, plus_one
 
 import flaxlens as fl
 
@@ -201,3 +202,48 @@ def test_edited_variables_export_back_to_the_framework(corpora, fw, name):
   expected_out, expected_state = fw.native(exported)
   assert_trees_equal(fw.call(tree, case), expected_out)
   assert_trees_equal(fw.tree_state(tree), expected_state)
+
+
+def _counting_jit(traces: list) -> object:
+  def forward(t, x):
+    traces.append(1)
+    return t(fl.ArgsAndKwargs.capture(x))
+
+  return fl.variable_jit(forward)
+
+
+@pytest.mark.parametrize("fw, path", [(LINEN, "Dense_1"), (NNX, "out")])
+def test_variable_jit_reads_a_parameter_edited_after_a_call_without_retracing(corpora, fw, path):
+  case = corpora[fw]["mlp"]
+  tree, traces = fw.convert(case), []
+  run = _counting_jit(traces)
+  run(tree, *case.args)
+  kernel = fw.parameters(tree.select().at_path(path).get())["kernel"]
+  kernel.value = kernel.value * 2.0
+  expected, _ = fw.native(fw.with_variable(case, kernel.label, kernel.value))
+  assert_trees_equal(run(tree, *case.args), expected)
+  assert len(traces) == 1
+
+
+@pytest.mark.parametrize("fw, path", [(LINEN, "Dense_1"), (NNX, "out")])
+def test_variable_jit_runs_a_node_replaced_by_selection_after_a_call(corpora, fw, path):
+  case = corpora[fw]["mlp"]
+  tree = fw.convert(case)
+  run = _counting_jit([])
+  run(tree, *case.args)
+  wrapped = tree.select().at_path(path).apply(PlusOne)
+  expected, _ = fw.native(case, wrap=Wrap(path, plus_one))
+  assert_trees_equal(run(wrapped, *case.args), expected)
+
+
+@pytest.mark.parametrize("fw, path", [(LINEN, "Dense_1"), (NNX, "out")])
+def test_variable_jit_uses_a_parameter_object_swapped_into_a_node_in_place(corpora, fw, path):
+  case = corpora[fw]["mlp"]
+  tree = fw.convert(case)
+  run = _counting_jit([])
+  run(tree, *case.args)
+  parameters = fw.parameters(tree.select().at_path(path).get())
+  old = parameters["kernel"]
+  parameters["kernel"] = fl.Parameter(old.value * 2.0, label=old.label)
+  expected, _ = fw.native(fw.with_variable(case, old.label, old.value * 2.0))
+  assert_trees_equal(run(tree, *case.args), expected)
