@@ -46,8 +46,9 @@ def _transformer_tree():
 # removes itself: none left means the tree is drawn.
 _DRAWN = """
 const host = document.querySelector("treescope-container");
+const root = host === null ? null : host.shadowRoot.querySelector(".treescope_root");
 return document.querySelectorAll("treescope-run-here").length === 0
-  && host !== null && host.shadowRoot.querySelector(".treescope_root") !== null;
+  && root !== null && root.innerText.trim().length > 0;
 """
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from flaxlens.core._call_record import CallRecord, converting
 from flaxlens.core._calls import CallInterceptor, Frame
 from flaxlens.core._node import CallNode, new_origin
+from flaxlens.core._readonly import ReadOnlyDict
 
 
 def record_calls(
@@ -76,6 +77,6 @@ def build_nodes(
   origin = new_origin()
 
   def build(record: CallRecord) -> CallNode:
-    return make(record, {key: build(child) for key, child in record.children}, origin)
+    return make(record, ReadOnlyDict((key, build(child)) for key, child in record.children), origin)
 
   return build(root)

@@ -10,12 +10,13 @@ array values never recompiles.
 Splitting a converted tree into its structure, variables and leaves walks every node, so
 it is done once per tree: the split of an argument that is a `Struct` is kept while the
 struct lives (`_Part`) and reused while everything it reached is unchanged. Structs are
-frozen, so only the dicts and lists inside can change in place; each call checks that
-they still hold the same keys and the identical objects, and that the variables keep
-their labels (a C-speed comparison), and splits the argument again otherwise. Variable
-values and array leaves are read on every call, never cached. An argument holding a
-pytree node of another type (which might change unseen) is split on every call. No Flax
-internals here.
+frozen, the dicts of a converted tree are read-only (`ReadOnlyDict`) and variable labels
+are fixed, so only plain dicts and lists put into a tree by hand can change in place;
+each call checks that those still hold the same keys and the identical objects (a
+C-speed comparison, nothing at all for a converted tree) and splits the argument again
+otherwise. Variable values and array leaves are read on every call, never cached. An
+argument holding a pytree node of another type (which might change unseen) is split on
+every call. No Flax internals here.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from flaxlens.core._readonly import ReadOnlyDict
 from flaxlens.core._struct import Struct
 from flaxlens.core._variables import (
   AbstractVariable,
@@ -42,9 +44,10 @@ from flaxlens.core._variables import (
 from flaxlens.errors import ArgumentError
 
 _ARRAY, _STATIC = -1, -2  # Leaf kinds besides variable indices.
+_TRACED = jax.Array | np.ndarray | np.generic
+_traced_types: set[type] = set()  # Types all of whose instances are traced (tracers are not).
 _DICTS = (dict, collections.OrderedDict, collections.defaultdict)
-_label = operator.attrgetter("label")
-_value = operator.attrgetter("value")
+_value = operator.attrgetter("_value")  # The slot itself: no Python call per variable.
 
 
 def _is_variable_or_slot(x: Any) -> bool:
@@ -52,7 +55,14 @@ def _is_variable_or_slot(x: Any) -> bool:
 
 
 def _is_traced(leaf: Any) -> bool:
-  return isinstance(leaf, jax.Array | np.ndarray | np.generic)
+  kind = type(leaf)
+  if kind in _traced_types:
+    return True
+  if not isinstance(leaf, _TRACED):
+    return False
+  if issubclass(kind, _TRACED):
+    _traced_types.add(kind)
+  return True
 
 
 def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> Any:
@@ -115,13 +125,12 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
 
   @functools.wraps(fn)
   def wrapper(*args: Any, **kwargs: Any) -> Any:
-    names = tuple(sorted(kwargs))
-    elements = (*args, *(kwargs[k] for k in names)) if names else args
-    parts = [_ArrayPart(e) if _is_traced(e) else _part(e, name) for e in elements]
+    names = tuple(sorted(kwargs)) if kwargs else ()
+    elements = (*args, *map(kwargs.__getitem__, names)) if names else args
+    parts = [_part(e, name) for e in elements]
     variables, maps = _merge_variables(parts)
     layout = (len(args), names, tuple(p.structure for p in parts), maps)
-    values = tuple(map(_value, variables))
-    out, changed = jitted(layout, [p.arrays for p in parts], values)
+    out, changed = jitted(layout, [p.arrays for p in parts], tuple(map(_value, variables)))
     for i, value in changed.items():
       variables[i].value = value
     return out
@@ -175,7 +184,7 @@ class _Structure:
 class _Part:
   """One argument split into its structure, its variables (each once) and its arrays."""
 
-  __slots__ = ("structure", "variables", "arrays", "labels", "watched", "__weakref__")
+  __slots__ = ("structure", "variables", "arrays", "watched", "__weakref__")
 
   def __init__(self, argument: Any, name: str):
     leaves, treedef = jax.tree_util.tree_flatten(argument, is_leaf=_is_variable_or_slot)
@@ -202,12 +211,8 @@ class _Part:
       else:
         kinds.append(_STATIC)
         static.append(leaf)
-    self.labels = list(map(_label, self.variables))
     _check_labels(self.variables)
-    specs = tuple(
-      (label, isinstance(v, StateVariable))
-      for label, v in zip(self.labels, self.variables, strict=True)
-    )
+    specs = tuple((v.label, isinstance(v, StateVariable)) for v in self.variables)
     self.structure = _Structure(treedef, tuple(kinds), tuple(static), specs)
     self.watched: _Watched | None = None
 
@@ -217,27 +222,29 @@ class _Part:
     lists: list[Any] = []
     if not _collect(argument, dicts, lists):
       return False
-    filled = [d for d in dicts if d]
-    self.watched = _Watched(
-      dicts + lists,
-      list(map(len, dicts + lists)),
-      filled,
-      list(itertools.chain.from_iterable(filled)),
-      lists,
-      _children(filled, lists),
-    )
+    if dicts or lists:
+      filled = [d for d in dicts if d]
+      self.watched = _Watched(
+        dicts + lists,
+        list(map(len, dicts + lists)),
+        filled,
+        list(itertools.chain.from_iterable(filled)),
+        lists,
+        _children(filled, lists),
+      )
     return True
 
   def current(self) -> bool:
-    """Whether the watched containers and the variables' labels are as when split."""
+    """Whether the watched containers are as when split (always, when there are none)."""
     w = self.watched
+    if w is None:
+      return True
     if list(map(len, w.containers)) != w.sizes:
       return False
     # Sizes are unchanged, so only containers that held something can differ.
     return (
       all(map(operator.is_, _children(w.filled, w.lists), w.children))
       and list(itertools.chain.from_iterable(w.filled)) == w.keys
-      and list(map(_label, self.variables)) == self.labels
     )
 
 
@@ -271,6 +278,8 @@ def _collect(x: Any, dicts: list[Any], lists: list[Any]) -> bool:
   if kind is list:
     lists.append(x)
     return all(_collect(c, dicts, lists) for c in x)
+  if kind is ReadOnlyDict:  # Cannot change in place: nothing to watch at this level.
+    return all(_collect(c, dicts, lists) for c in x.values())
   if kind in _DICTS:
     dicts.append(x)
     return all(_collect(c, dicts, lists) for c in x.values())
@@ -283,8 +292,10 @@ def _collect(x: Any, dicts: list[Any], lists: list[Any]) -> bool:
 _parts: dict[int, tuple[weakref.ref, _Part]] = {}
 
 
-def _part(argument: Any, name: str) -> _Part:
+def _part(argument: Any, name: str) -> _Part | _ArrayPart:
   """The split of `argument`, reused for a struct while it is unchanged."""
+  if _is_traced(argument):
+    return _ArrayPart(argument)
   if not isinstance(argument, Struct) or isinstance(argument, AbstractVariableSlot):
     return _Part(argument, name)
   key = id(argument)

@@ -6,8 +6,9 @@ along the object's class and its bases: every subclass, a user's included, rende
 the class it extends. A struct renders as a call of its class with its fields, in the
 color its `treescope_color()` names, leaving out the fields its class lists in
 `treescope_hidden_fields` and writing those in `treescope_short_fields` in one line
-(`short_text`). A variable renders as its class with its label and value. No Flax
-internals here.
+(`short_text`). A variable renders as its class with its label and value, and a
+`ReadOnlyDict` (the dicts of a converted tree) as the dict it reads as. No Flax internals
+here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from treescope import formatting_util, rendering_parts, repr_lib, type_registries
 
+from flaxlens.core._readonly import ReadOnlyDict
 from flaxlens.core._struct import Struct
 from flaxlens.core._variables import AbstractVariable
 
@@ -78,9 +80,14 @@ def _render_variable(variable: AbstractVariable, path: str | None, subtree_rende
   )
 
 
+def _render_read_only_dict(node: ReadOnlyDict, path: str | None, subtree_renderer: Any) -> Any:
+  return subtree_renderer(dict(node), path=path)  # Shown as the dict it reads as.
+
+
 def register_handlers() -> None:
   """Registers the treescope handlers of flaxlens's base classes."""
   registry = type_registries.TREESCOPE_HANDLER_REGISTRY
   registry[Struct] = _render_struct
   registry[AbstractVariable] = _render_variable
   registry[_Text] = _render_text
+  registry[ReadOnlyDict] = _render_read_only_dict

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from flaxlens.core._names import join_name
+from flaxlens.core._readonly import read_only
 from flaxlens.core._struct import Struct
 
 Path = tuple[Any, ...]
@@ -92,9 +93,9 @@ class ScopeBuilder:
     """A new `InterceptedFlaxScopeData` for the call at `path` (fresh dicts each time)."""
     parameters, variables, immutable = self._data[path]
     return InterceptedFlaxScopeData(
-      parameters=dict(parameters),
-      variables={c: dict(v) for c, v in variables.items()},
-      immutable_variables={c: dict(v) for c, v in immutable.items()},
+      parameters=read_only(parameters),
+      variables=read_only(variables),
+      immutable_variables=read_only(immutable),
     )
 
 

@@ -70,16 +70,30 @@ class AbstractVariable:
   was created inside the transformation being traced; see `check_storable`.
   """
 
-  __slots__ = ("label", "_value", "_trace")
+  __slots__ = ("_label", "_value", "_trace")
 
   def __init__(self, value: Any, label: str | None = None):
     if label is None:
       label = f"{type(self).__name__.lower()}_{next(_label_counter)}"
     if not isinstance(label, str):
       raise ArgumentError(f"A variable label must be a string, got {label!r}.")
-    self.label = label
+    self._label = label
     self._trace = _current_trace()
     self._value = value
+
+  @property
+  def label(self) -> str:
+    """The name that identifies this variable; fixed when it is made."""
+    return self._label
+
+  @label.setter
+  def label(self, label: str) -> None:
+    raise VariableError(
+      f"The label of {type(self).__name__} {self._label!r} cannot change: labels identify"
+      " variables (compiled calls, unbinding and export rely on them). Make a variable with"
+      f" the new label instead ({type(self).__name__}(variable.value, label={label!r})), or"
+      " relabel a whole tree with fl.relabel_variables(tree, prefix)."
+    )
 
   @property
   def value(self) -> Any:
@@ -90,7 +104,7 @@ class AbstractVariable:
     return {"label": self.label, "value": self._value}
 
   def __setstate__(self, state: dict[str, Any]) -> None:
-    self.label = state["label"]
+    self._label = state["label"]
     self._trace = _current_trace()
     self._value = state["value"]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,12 +194,18 @@ def test_a_sublayer_replaced_in_a_list_in_place_is_run_on_the_next_call(chain, a
   np.testing.assert_allclose(run(chain, jnp.array(1.0)), 10.0)
 
 
-def test_a_variable_relabelled_into_a_clash_is_refused_on_the_next_call(affine):
+def test_a_variables_label_cannot_be_reassigned(affine):
+  with pytest.raises(fl.VariableError, match=r"'shift' cannot change.*fl.relabel_variables"):
+    affine.shift.label = "scale"
+  assert affine.shift.label == "shift"
+
+
+def test_a_layer_relabelled_into_a_clash_is_refused_on_the_next_call(affine):
   run = fl.variable_jit(lambda layer, x: layer(x))
   run(affine, jnp.array(1.0))
-  affine.shift.label = "scale"
+  clash = dataclasses.replace(affine, shift=fl.Parameter(affine.shift.value, label="scale"))
   with pytest.raises(fl.VariableError, match="share the label 'scale'"):
-    run(affine, jnp.array(1.0))
+    run(clash, jnp.array(1.0))
 
 
 def test_a_rebuilt_layer_of_the_same_structure_reuses_the_compiled_call(affine):

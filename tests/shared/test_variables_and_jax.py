@@ -237,13 +237,46 @@ def test_variable_jit_runs_a_node_replaced_by_selection_after_a_call(corpora, fw
 
 
 @pytest.mark.parametrize("fw, path", [(LINEN, "Dense_1"), (NNX, "out")])
-def test_variable_jit_uses_a_parameter_object_swapped_into_a_node_in_place(corpora, fw, path):
+def test_variable_jit_uses_a_parameter_object_swapped_in_by_a_selection(corpora, fw, path):
   case = corpora[fw]["mlp"]
   tree = fw.convert(case)
   run = _counting_jit([])
   run(tree, *case.args)
-  parameters = fw.parameters(tree.select().at_path(path).get())
-  old = parameters["kernel"]
-  parameters["kernel"] = fl.Parameter(old.value * 2.0, label=old.label)
+  old = fw.parameters(tree.select().at_path(path).get())["kernel"]
+  swapped = (
+    tree.select()
+    .at_path(path)
+    .at(lambda node: fw.parameters(node)["kernel"])
+    .set(fl.Parameter(old.value * 2.0, label=old.label))
+  )
   expected, _ = fw.native(fw.with_variable(case, old.label, old.value * 2.0))
-  assert_trees_equal(run(tree, *case.args), expected)
+  assert_trees_equal(run(swapped, *case.args), expected)
+  assert_trees_equal(run(tree, *case.args), fw.native(case)[0])
+
+
+_IN_PLACE_EDITS = {
+  "assign": lambda d, k: d.__setitem__(k, d[k]),
+  "delete": lambda d, k: d.__delitem__(k),
+  "pop": lambda d, k: d.pop(k),
+  "popitem": lambda d, k: d.popitem(),
+  "setdefault": lambda d, k: d.setdefault("new", 1),
+  "update": lambda d, k: d.update({k: d[k]}),
+  "merge in place": lambda d, k: d.__ior__({k: d[k]}),
+  "clear": lambda d, k: d.clear(),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(_IN_PLACE_EDITS))
+@pytest.mark.parametrize("fw, path", [(LINEN, "Dense_1"), (NNX, "out")])
+def test_a_converted_trees_dicts_refuse_in_place_edits_and_stay_whole(corpora, fw, path, edit):
+  case = corpora[fw]["mlp"]
+  tree = fw.convert(case)
+  node = tree.select().at_path(path).get()
+  for held, key in (
+    (fw.parameters(node), "kernel"),
+    (tree.submodule_calls, next(iter(tree.submodule_calls))),
+  ):
+    with pytest.raises(fl.ArgumentError, match=r"read-only.*select\(\)\.at"):
+      _IN_PLACE_EDITS[edit](held, key)
+  assert "kernel" in fw.parameters(node)
+  assert_trees_equal(_counting_jit([])(tree, *case.args), fw.native(case)[0])
