@@ -58,7 +58,7 @@ def unflaxify_linen(
     vs, args, kwargs, keys = inputs
     snapshot = keys.as_flax() if isinstance(keys, RngSnapshot) else None
     keys = None if snapshot is not None else keys
-    with interceptor.active():
+    with interceptor.active(), fi.param_checks_once():
       result = fi.apply_fresh(
         module,
         vs,
