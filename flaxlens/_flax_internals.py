@@ -588,6 +588,19 @@ def nnx_jit_keys(handler: Callable[[Callable[[], Any], Any], Any]) -> Iterator[N
     _nnx_local.handlers.pop()
 
 
+def nnx_flatten(module: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
+  """`nnx.split(module)`'s `GraphDef` and `(path, variable)` pairs, in the order that
+  `nnx.merge(graphdef, leaves)` takes a list of leaves.
+
+  `nnx.graph.flatten` is what `nnx.split` runs first; its leaves come in the graph's
+  traversal order, the order `GraphDef.num_leaves` counts and a list is merged in.
+  """
+  from flax import nnx
+
+  graphdef, flat = nnx.graph.flatten(module)
+  return graphdef, [(tuple(path), variable) for path, variable in flat]
+
+
 def nnx_static_attributes(module: Any) -> dict[str, Any]:
   """The module's own static attributes, as its `GraphDef` records them.
 
