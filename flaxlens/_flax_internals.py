@@ -7,11 +7,14 @@ and where they adopt modules held in attributes (`Module.bind`),
 the per-scope rng counters
 (`Scope.rng_counters`), the `TestScope` that Flax's setup check runs lifted modules on,
 a copy of `Module.apply` (`flax.linen.module._get_unbound_fn`, `_context.capture_stack`),
-and `nn.jit`'s cache key (`flax.linen.transforms._HashableProxy`,
-`flax.core.lift._restore_rng_counters`). NNX: a `_pytree__`-prefixed instance attribute
+`nn.jit`'s cache key (`flax.linen.transforms._HashableProxy`,
+`flax.core.lift._restore_rng_counters`), and the parameter shape check of
+`flax.core.scope.Scope.param`, done once per distinct initializer while converting
+(`param_checks_once`). NNX: a `_pytree__`-prefixed instance attribute
 that rides in the `GraphDef` as static data, `nnx.jit`'s wrapper classes
-(`JitWrapped`, `SimpleJitWrapped`), `GraphDef.num_leaves`, and the base classes whose
-methods are Flax's own (see the NNX section below). Methods of Flax and user classes
+(`JitWrapped`, `SimpleJitWrapped`), `GraphDef.num_leaves`, the leaf order of
+`nnx.graph.flatten`, and the base classes whose methods are Flax's own (see the NNX
+section below). Methods of Flax and user classes
 are wrapped in place only while a run is active (`patched`). JAX: the current trace and
 what a staging trace traces for (`runs_compiled`, jax 0.10.2). A Flax or JAX upgrade
 that changes any of these should break here only.

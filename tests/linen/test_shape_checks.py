@@ -113,13 +113,25 @@ def test_an_initializer_taking_arrays_converts_and_matches_apply(keyword):
   assert_trees_equal(tree(fl.ArgsAndKwargs.capture(X)), module.apply(variables, X))
 
 
-def test_flaxs_scope_param_is_restored_after_a_conversion_that_raises():
+class Failing(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    nn.Dense(2, kernel_init=SHARED_INIT)(x)
+    raise RuntimeError("failed mid-conversion")
+
+
+@pytest.mark.parametrize("failure", ["shape_error", "model_raises"])
+def test_flaxs_scope_param_is_restored_after_a_conversion_that_raises(failure):
   variables = Params(((2,), (2,))).init(jax.random.key(0), X)
-  module = Params(((2,), (3,)))
-  with pytest.raises(ScopeParamShapeError):
-    fl.unflaxify(module, variables, X)
+  if failure == "shape_error":
+    with pytest.raises(ScopeParamShapeError):
+      fl.unflaxify(Params(((2,), (3,))), variables, X)
+  else:
+    dense = nn.Dense(2, kernel_init=SHARED_INIT).init(jax.random.key(0), X)["params"]
+    with pytest.raises(RuntimeError, match="failed mid-conversion"):
+      fl.unflaxify(Failing(), {"params": {"Dense_0": dense}}, X)
   assert vars(flax_scope.Scope)["param"] is FLAX_PARAM
-  _native_error(module, variables, X)
+  _native_error(Params(((2,), (3,))), variables, X)
 
 
 class Waiting(nn.Module):
