@@ -7,11 +7,14 @@ and where they adopt modules held in attributes (`Module.bind`),
 the per-scope rng counters
 (`Scope.rng_counters`), the `TestScope` that Flax's setup check runs lifted modules on,
 a copy of `Module.apply` (`flax.linen.module._get_unbound_fn`, `_context.capture_stack`),
-and `nn.jit`'s cache key (`flax.linen.transforms._HashableProxy`,
-`flax.core.lift._restore_rng_counters`). NNX: a `_pytree__`-prefixed instance attribute
+`nn.jit`'s cache key (`flax.linen.transforms._HashableProxy`,
+`flax.core.lift._restore_rng_counters`), and the parameter shape check of
+`flax.core.scope.Scope.param`, done once per distinct initializer while converting
+(`param_checks_once`). NNX: a `_pytree__`-prefixed instance attribute
 that rides in the `GraphDef` as static data, `nnx.jit`'s wrapper classes
-(`JitWrapped`, `SimpleJitWrapped`), `GraphDef.num_leaves`, and the base classes whose
-methods are Flax's own (see the NNX section below). Methods of Flax and user classes
+(`JitWrapped`, `SimpleJitWrapped`), `GraphDef.num_leaves`, the leaf order of
+`nnx.graph.flatten`, and the base classes whose methods are Flax's own (see the NNX
+section below). Methods of Flax and user classes
 are wrapped in place only while a run is active (`patched`). JAX: the current trace and
 what a staging trace traces for (`runs_compiled`, jax 0.10.2). A Flax or JAX upgrade
 that changes any of these should break here only.
@@ -29,8 +32,11 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 from flax import core as flax_core
+from flax import errors as flax_errors
 from flax.core import lift as core_lift
+from flax.core import meta as flax_meta
 from flax.core import scope as flax_scope
 from flax.linen import module as linen_module
 from flax.linen import transforms as linen_transforms
@@ -345,6 +351,79 @@ def patched(replacements: Mapping[tuple[Any, str], Callable[[Any], Any]]) -> Ite
           del _patches[(id(owner), name)]
 
 
+# --- Linen: checking each distinct initializer once per conversion ----------------------
+#
+# For a parameter that exists, `Scope.param` (flax 0.12.8, `flax.core.scope`, the
+# `has_variable` branch) reserves the name, reads the value (unboxed unless
+# `unbox=False`), evaluates `init_fn(jax.random.key(0), *init_args, **init_kwargs)` under
+# `jax.eval_shape` and raises `errors.ScopeParamShapeError(name, scope.path_text, given,
+# expected)` for the first leaf whose shape differs. The expected shapes depend only on
+# `init_fn` and its arguments, so while a conversion runs they are computed once per
+# distinct `(init_fn, arguments)`; the comparison and the error stay Flax's, at every
+# call. A call whose arguments cannot be keyed (arrays, dicts, tracers) or whose
+# parameter does not exist yet runs Flax's own `Scope.param`.
+
+_param_local = threading.local()
+
+
+def _static_key(value: Any) -> Any:
+  """A key equal for two values only if they have the same types and equal contents.
+
+  Raises:
+    TypeError: for a value that cannot be keyed (unhashable, such as an array).
+  """
+  if type(value) in (tuple, list):
+    return (type(value), tuple(_static_key(v) for v in value))
+  hash(value)
+  return (type(value), value)
+
+
+def _checking_once(original: Callable[..., Any]) -> Callable[..., Any]:
+  def param(
+    self: Any,
+    name: str,
+    init_fn: Callable[..., Any],
+    *init_args: Any,
+    unbox: bool = True,
+    **init_kwargs: Any,
+  ) -> Any:
+    expected = getattr(_param_local, "expected", None)
+    if expected is None or not isinstance(name, str) or not self.has_variable("params", name):
+      return original(self, name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+    try:
+      key = (id(init_fn), _static_key(init_args), _static_key(tuple(init_kwargs.items())))
+      shapes = expected.get(key)
+    except Exception:  # Arguments that cannot be keyed (arrays, tracers, dicts).
+      return original(self, name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+    self.reserve(name, "params")
+    value = self.get_variable("params", name)
+    if unbox:
+      value = flax_meta.unbox(value)
+    if shapes is None:
+      abstract = jax.eval_shape(lambda: init_fn(jax.random.key(0), *init_args, **init_kwargs))
+      shapes = [np.shape(leaf) for leaf in jax.tree_util.tree_leaves(abstract)]
+      expected[key] = shapes
+      _param_local.held.append(init_fn)  # Its id stays unique while the cache lives.
+    for leaf, shape in zip(jax.tree_util.tree_leaves(value), shapes, strict=False):
+      if np.shape(leaf) != shape:
+        raise flax_errors.ScopeParamShapeError(name, self.path_text, np.shape(leaf), shape)
+    return value
+
+  return param
+
+
+@contextmanager
+def param_checks_once() -> Iterator[None]:
+  """While active in this thread, `Scope.param` checks each distinct initializer once."""
+  outer = getattr(_param_local, "expected", None), getattr(_param_local, "held", None)
+  _param_local.expected, _param_local.held = {}, []
+  try:
+    with patched({(flax_scope.Scope, "param"): _checking_once}):
+      yield
+  finally:
+    _param_local.expected, _param_local.held = outer
+
+
 def current_trace() -> Any:
   """The JAX trace calls are made in now (equal for two calls in the same trace)."""
   import jax.extend
@@ -510,6 +589,19 @@ def nnx_jit_keys(handler: Callable[[Callable[[], Any], Any], Any]) -> Iterator[N
       yield
   finally:
     _nnx_local.handlers.pop()
+
+
+def nnx_flatten(module: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
+  """`nnx.split(module)`'s `GraphDef` and `(path, variable)` pairs, in the order that
+  `nnx.merge(graphdef, leaves)` takes a list of leaves.
+
+  `nnx.graph.flatten` is what `nnx.split` runs first; its leaves come in the graph's
+  traversal order, the order `GraphDef.num_leaves` counts and a list is merged in.
+  """
+  from flax import nnx
+
+  graphdef, flat = nnx.graph.flatten(module)
+  return graphdef, [(tuple(path), variable) for path, variable in flat]
 
 
 def nnx_static_attributes(module: Any) -> dict[str, Any]:

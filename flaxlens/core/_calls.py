@@ -203,11 +203,6 @@ class CallInterceptor:
       return self.recorder.observe(self, node, module, args, kwargs, run)
     return run()
 
-  def record_call(self, record: CallRecord, module: Any, run: Callable[[], Any]) -> Any:
-    """Runs a call being recorded; subclasses add what they learn from it."""
-    with converting(record):
-      return run()
-
   def new_record(self, module: Any, path: Path, name: str) -> CallRecord:
     return CallRecord(module, path, name)
 
@@ -234,9 +229,15 @@ class CallInterceptor:
       record = self.new_record(module, path, name)
       if not retrace:
         frame.record.children.append((key, record))
-      output = self.record_call(
-        record, module, lambda: self.run_frame(Frame(path, record=record), next_fun, args, kwargs)
-      )
+      # The call runs right here, not through `run_frame`: JAX saves the Python stack
+      # with every operation it traces, so each frame added per call level slows the
+      # tracing of everything below it.
+      self.frames.append(Frame(path, record=record))
+      try:
+        with converting(record):
+          output = next_fun(*args, **kwargs)
+      finally:
+        self.frames.pop()
       record.spec = CallSpec(key, path, name, args, kwargs, output)
       return output
     node = frame.node

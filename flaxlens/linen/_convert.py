@@ -5,7 +5,11 @@ with a building `LinenInterceptor`, so it costs no FLOPs, copies no buffers and 
 grow with batch size. Every intercepted call becomes a node; every variable becomes a
 `Parameter` (`params`), a `StateVariable` (mutable collections) or a plain value (other
 collections) holding the caller's own buffer, owned by the calls of its module. Flax
-internals used: see `flaxlens._flax_internals`.
+re-checks every parameter's shape against its initializer at every apply; while
+converting, each distinct initializer (same function object, equal arguments) is
+evaluated once and its shapes compared for every parameter, raising Flax's own
+`ScopeParamShapeError` (`_flax_internals.param_checks_once`). Flax internals used: see
+`flaxlens._flax_internals`.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def unflaxify_linen(
     vs, args, kwargs, keys = inputs
     snapshot = keys.as_flax() if isinstance(keys, RngSnapshot) else None
     keys = None if snapshot is not None else keys
-    with interceptor.active():
+    with interceptor.active(), fi.param_checks_once():
       result = fi.apply_fresh(
         module,
         vs,

@@ -60,6 +60,10 @@ class LinenInterceptor(CallInterceptor):
       with jax.disable_jit(False):
         return self.intercept(next_fun, args, kwargs, context)
     path = self.prefix + fi.module_path(module)
+    if self.building:  # Conversion runs every call natively (no `native` frame).
+      output = self.dispatch(module, path, context.method_name, next_fun, args, kwargs)
+      self._not_run = None
+      return output
     ran = []
 
     def native(*a: Any, **k: Any) -> Any:
@@ -129,7 +133,11 @@ class LinenInterceptor(CallInterceptor):
       self._inlined_body = False
 
   def new_record(self, module: Any, path: Path, name: str) -> CallRecord:
-    return CallRecord(fi.unbound_clone(module), path, name)
+    record = CallRecord(fi.unbound_clone(module), path, name)
+    lifted_by = fi.lifting_transforms(module)
+    record.extra["lifted_by"] = lifted_by
+    record.extra["sliced"] = any(t not in _SHAPE_PRESERVING_LIFTS for t in lifted_by)
+    return record
 
   def same_module(self, node: CallNode, module: Any) -> bool:
     return type(node.module) is type(module)
@@ -185,12 +193,6 @@ class LinenInterceptor(CallInterceptor):
         " submodules' own nodes, or convert a model built with the new settings."
       )
     return fields
-
-  def record_call(self, record: CallRecord, module: Any, run: Callable[[], Any]) -> Any:
-    lifted_by = fi.lifting_transforms(module)
-    record.extra["lifted_by"] = lifted_by
-    record.extra["sliced"] = any(t not in _SHAPE_PRESERVING_LIFTS for t in lifted_by)
-    return super().record_call(record, module, run)
 
 
 # Lifted transforms that run their body on the whole variables (no slicing).

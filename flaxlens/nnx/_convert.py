@@ -26,7 +26,7 @@ from flaxlens.core._names import Path, join_name
 from flaxlens.core._scope import ScopeBuilder
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.nnx._definition import NNXModuleDef, abstract, equal, leaf_paths
+from flaxlens.nnx._definition import NNXModuleDef, abstract, equal
 from flaxlens.nnx._interceptor import NNXInterceptor, call_method
 from flaxlens.nnx._node import InterceptedNNXModuleMethod, NNXVariableSpec
 
@@ -55,8 +55,8 @@ def unflaxify_nnx(
       f" got {type(method).__name__}."
     )
 
-  graphdef, state = nnx.split(model)
-  given = {tuple(p): v for p, v in nnx.to_flat_state(state)}
+  graphdef, variables = fi.nnx_flatten(model)
+  given = dict(variables)
   for path, variable in given.items():
     mode = fi.nnx_variable_mode(variable)
     if mode is not None:
@@ -64,8 +64,8 @@ def unflaxify_nnx(
         f"{where}: the variable {join_name(path)!r} is in {mode} mode, which flaxlens"
         " does not support yet. Create the model with plain variables (the default)."
       )
-  paths = leaf_paths(graphdef)
-  leaves = [given[p].get_raw_value() for p in paths]
+  paths = tuple(given)
+  leaves = [v.get_raw_value() for v in given.values()]
   definition = NNXModuleDef(graphdef, tuple(abstract(x) for x in leaves), paths)
 
   root = CallRecord(type(model), (), method)
@@ -132,10 +132,9 @@ def _check_created(where: str, path: Path, variable: Any, modules: dict[Path, An
 
 
 def _definition(module: nnx.Module, family: object) -> NNXModuleDef:
-  graphdef, state = nnx.split(module)
-  values = {tuple(p): v.get_raw_value() for p, v in nnx.to_flat_state(state)}
-  paths = leaf_paths(graphdef)
-  return NNXModuleDef(graphdef, tuple(abstract(values[p]) for p in paths), paths, family)
+  graphdef, variables = fi.nnx_flatten(module)
+  leaves = tuple(abstract(v.get_raw_value()) for _, v in variables)
+  return NNXModuleDef(graphdef, leaves, tuple(p for p, _ in variables), family)
 
 
 def _build_tree(
