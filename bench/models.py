@@ -2,7 +2,8 @@
 
 Both are plain compact models without calls of a module's own methods (Penzai's converter,
 the comparison, cannot follow those). `Sizes` fixes the model size and the repetitions of
-one run: `FULL` for the report, `QUICK` for the smoke run.
+one run: `FULL` for the report, `QUICK` for the smoke run. Most rows use the model at
+`layers`; dispatch, eager calls and conversion are measured at every depth of `scales`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Sizes:
   vocab: int
   seq: int
   batch: int
-  conversion_layers: tuple[int, ...]
+  scales: tuple[int, ...]  # depths of the rows measured at several model sizes
   conversion_batches: tuple[int, int]
   forward_reps: int
   compile_reps: int
@@ -42,9 +43,9 @@ FULL = Sizes(
   vocab=1024,
   seq=128,
   batch=4,
-  conversion_layers=(12, 48),
+  scales=(2, 12, 48),
   conversion_batches=(4, 64),
-  forward_reps=15,
+  forward_reps=31,
   compile_reps=7,
   conversion_reps=4,
   eager_reps=7,
@@ -56,7 +57,7 @@ QUICK = Sizes(
   vocab=64,
   seq=8,
   batch=2,
-  conversion_layers=(1, 2),
+  scales=(1, 2),
   conversion_batches=(2, 8),
   forward_reps=3,
   compile_reps=1,
@@ -136,6 +137,7 @@ def linen_model(sizes: Sizes, layers: int) -> tuple[nn.Module, dict[str, Any]]:
   return model, variables
 
 
-def nnx_model(sizes: Sizes) -> NNXGPT:
-  """The NNX model, initialised by its own layers."""
-  return NNXGPT(sizes.layers, sizes.width, sizes.heads, sizes.vocab, nnx.Rngs(0))
+def nnx_model(sizes: Sizes, layers: int | None = None) -> NNXGPT:
+  """The NNX model (`sizes.layers` deep unless given), initialised by its own layers."""
+  depth = sizes.layers if layers is None else layers
+  return NNXGPT(depth, sizes.width, sizes.heads, sizes.vocab, nnx.Rngs(0))

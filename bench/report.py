@@ -126,12 +126,12 @@ def render(rows: list[Row], sizes: Sizes, command: str, taken: float) -> str:
     "",
     *environment(),
     f"- Command: `{command}` (measurements took {seconds(taken)})",
-    f"- Model (rows 1, 2, 4, 7, 8): GPT-style, {sizes.layers} layers, width {sizes.width},"
+    f"- Model: GPT-style, {sizes.layers} layers (rows 1, 3 and 4 at"
+    f" {', '.join(map(str, sizes.scales))} layers), width {sizes.width},"
     f" {sizes.heads} heads, vocabulary {sizes.vocab}; input batch {sizes.batch} x"
     f" {sizes.seq} tokens, float32. Linen: `nn.Embed`, blocks of `nn.LayerNorm` +"
     " causal `nn.MultiHeadDotProductAttention` + MLP, final `nn.LayerNorm` + `nn.Dense`;"
-    " NNX: the same with `nnx` layers. Row 3 uses the Linen model at"
-    f" {' and '.join(map(str, sizes.conversion_layers))} layers.",
+    " NNX: the same with `nnx` layers.",
     f"- Repetitions: forward {sizes.forward_reps}, compile {sizes.compile_reps}, conversion"
     f" {sizes.conversion_reps}, eager {sizes.eager_reps}.",
     "- Jitted styles: `fl.variable_jit` jits a function of the tree and writes state back"

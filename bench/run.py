@@ -12,7 +12,7 @@ This file is the entry point; the package `bench` holds the harness, the models,
 table of targets (`bench/targets.py`), one module per case (`bench/cases/`) and the report.
 
 Usage:
-  python bench/run.py          # full run, ~5 minutes on 2 cores; rewrites docs/BENCHMARKS.md
+  python bench/run.py          # full run, ~15 minutes on 2 cores; rewrites docs/BENCHMARKS.md
   python bench/run.py --quick  # tiny model, few repetitions, no profiles (CI smoke); prints only
   python bench/run.py --out -  # full run, printed only
 """
@@ -39,7 +39,7 @@ from bench.cases import (
 )
 from bench.models import FULL, QUICK
 from bench.report import DOC, Row, closing_notes, render
-from bench.subjects import linen_subject, nnx_subject
+from bench.subjects import make_subjects
 
 # In the order of the report; compile_time quotes what jitted_forward found.
 CASES = (
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
   def progress(message: str) -> None:
     print(f"[{time.perf_counter() - started:6.1f} s] {message}", file=sys.stderr, flush=True)
 
-  subjects = [linen_subject(sizes), nnx_subject(sizes)]
+  subjects = make_subjects(sizes, progress)
   rows: list[Row] = []
   for case in CASES:
     rows += case.measure(subjects, sizes, progress)

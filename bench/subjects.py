@@ -1,6 +1,6 @@
 """The subjects: each benchmark model in native and converted form, and the calls timed on it.
 
-A `Subject` holds, for one framework, the eager calls and the jitted-function factories
+A `Subject` holds, for one framework and depth, the eager calls and the jitted-function factories
 the cases compare, and which ratios they report (`Comparison`). Penzai, the optional
 peer, joins the Linen subject when it is installed (`pip install -e ".[bench]"`);
 without it `pz` and `pz_unflaxify` are None and its rows say "not installed".
@@ -58,7 +58,34 @@ class Subject:
   tree: Any
   convert: Callable[[], Any]
   user_arrays: list[Any]
+  layers: int
+  floor: Callable[[], Any]  # an abstract trace of the native call alone (jax.eval_shape)
+  penzai_convert: Callable[[], Any] | None = None
   same_program: dict[str, str] = dataclasses.field(default_factory=dict)
+
+  @property
+  def name(self) -> str:
+    """How rows name the subject: its framework and depth."""
+    return f"{self.framework}, {self.layers} layers"
+
+
+class Subjects(list):
+  """The subjects at the main depth (`sizes.layers`), and in `scaled` those at every
+  depth of `sizes.scales` (the main ones among them)."""
+
+  def __init__(self, main: list[Subject], scaled: list[Subject]):
+    super().__init__(main)
+    self.scaled = scaled
+
+
+def make_subjects(sizes: Sizes, progress: Callable[[str], None]) -> Subjects:
+  """Linen and NNX subjects at `sizes.layers` and at each depth of `sizes.scales`."""
+  by_depth = {}
+  for layers in sorted({sizes.layers, *sizes.scales}):
+    progress(f"models and trees, {layers} layers")
+    by_depth[layers] = [linen_subject(sizes, layers), nnx_subject(sizes, layers)]
+  scaled = [s for layers in sorted(sizes.scales) for s in by_depth[layers]]
+  return Subjects(by_depth[sizes.layers], scaled)
 
 
 def _call_tree(tree: Any, x: jax.Array) -> Any:
@@ -71,8 +98,9 @@ def _stateless_jit(tree: Any, x: jax.Array) -> tuple[Callable[..., Any], tuple[A
   return fn, (values, x)
 
 
-def linen_subject(sizes: Sizes) -> Subject:
-  model, variables = linen_model(sizes, sizes.layers)
+def linen_subject(sizes: Sizes, layers: int | None = None) -> Subject:
+  layers = sizes.layers if layers is None else layers
+  model, variables = linen_model(sizes, layers)
   x = tokens(sizes)
   tree = fl.unflaxify(model, variables, x)
   eager = {"native": lambda: model.apply(variables, x), "flaxlens": lambda: _call_tree(tree, x)}
@@ -86,8 +114,10 @@ def linen_subject(sizes: Sizes) -> Subject:
     Comparison("fl.variable_jit(tree call) / jax.jit(module.apply)", "variable_jit", "native"),
     Comparison("jax.jit(tree.stateless_call) / jax.jit(module.apply)", "stateless_call", "native"),
   ]
+  penzai_convert = None
   if pz is not None:
     pz_tree = pz_unflaxify.unflaxify_apply(model, variables, x)
+    penzai_convert = lambda: pz_unflaxify.unflaxify_apply(model, variables, x)  # noqa: E731
     capture = pz_unflaxify.ArgsAndKwargs.capture
     eager["penzai"] = lambda: pz_tree(capture(x))
     eager_comparisons.append(
@@ -113,11 +143,15 @@ def linen_subject(sizes: Sizes) -> Subject:
     tree,
     lambda: fl.unflaxify(model, variables, x),
     jax.tree_util.tree_leaves(variables),
+    layers,
+    lambda: jax.eval_shape(lambda v, x: model.apply(v, x), variables, x),
+    penzai_convert,
   )
 
 
-def nnx_subject(sizes: Sizes) -> Subject:
-  model = nnx_model(sizes)
+def nnx_subject(sizes: Sizes, layers: int | None = None) -> Subject:
+  layers = sizes.layers if layers is None else layers
+  model = nnx_model(sizes, layers)
   x = tokens(sizes)
   tree = fl.unflaxify(model, x)
   graphdef, state = nnx.split(model)
@@ -140,16 +174,21 @@ def nnx_subject(sizes: Sizes) -> Subject:
     tree,
     lambda: fl.unflaxify(model, x),
     jax.tree_util.tree_leaves(state),
+    layers,
+    lambda: jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x), state, x),
   )
 
 
-def per_subject(name: str, measure_one: Callable[[Subject, Sizes], list[Any]]) -> Any:
-  """A case's `measure`: `measure_one(subject, sizes)` for each subject, in order."""
+def per_subject(
+  name: str, measure_one: Callable[[Subject, Sizes], list[Any]], scaled: bool = False
+) -> Any:
+  """A case's `measure`: `measure_one(subject, sizes)` for each subject, in order (with
+  `scaled`, for the subjects at every depth of `sizes.scales`)."""
 
-  def measure(subjects: list[Subject], sizes: Sizes, progress: Callable[[str], None]) -> list:
+  def measure(subjects: Subjects, sizes: Sizes, progress: Callable[[str], None]) -> list:
     rows = []
-    for subject in subjects:
-      progress(f"{name}, {subject.framework}")
+    for subject in subjects.scaled if scaled else subjects:
+      progress(f"{name}, {subject.name}")
       rows += measure_one(subject, sizes)
     return rows
 

@@ -1,9 +1,10 @@
-"""Case 3: `fl.unflaxify` against Penzai's `unflaxify_apply`, and against batch size.
+"""Case 3: `fl.unflaxify` against its floor and Penzai's `unflaxify_apply`, at every depth.
 
-Both converters run the model's Python once under `jax.eval_shape`, so each is also
-compared with that floor, an abstract trace of `module.apply` alone, timed in the same
-run. The Linen model is converted at each of `sizes.conversion_layers` depths and at two
-batch sizes; conversion must not grow with the batch.
+Both converters run the model's Python once under `jax.eval_shape`, so each is compared
+with that floor, an abstract trace of the native call alone, timed in the same run: for
+Linen `module.apply`, for NNX the merged model's call. Linen is also compared with
+Penzai at every depth of `sizes.scales`, and converted at two batch sizes at the main
+depth: conversion must not grow with the batch.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import numpy as np
 
@@ -20,20 +20,9 @@ import flaxlens as fl
 from bench.harness import Progress, interleaved, median, profile, ratios, seconds, timed
 from bench.models import Sizes, linen_model, tokens
 from bench.report import Row
-from bench.subjects import Subject, pz_unflaxify
+from bench.subjects import Subject, Subjects
 
 NAME = "3. conversion"
-
-
-def _converters(model: nn.Module, variables: Any) -> dict[str, Callable[[jax.Array], Any]]:
-  """The conversions of case 3, and their floor: an abstract trace of `module.apply`."""
-  converters = {
-    "flaxlens": lambda x: fl.unflaxify(model, variables, x),
-    "floor": lambda x: jax.eval_shape(lambda v, x: model.apply(v, x), variables, x),
-  }
-  if pz_unflaxify is not None:
-    converters["penzai"] = lambda x: pz_unflaxify.unflaxify_apply(model, variables, x)
-  return converters
 
 
 def _param_check_share(floor: Callable[[], Any]) -> float:
@@ -49,72 +38,105 @@ def _param_check_share(floor: Callable[[], Any]) -> float:
   return param / total
 
 
-def measure(subjects: list[Subject], sizes: Sizes, progress: Progress) -> list[Row]:
-  progress(NAME)
+def _against_floor(subject: Subject, sizes: Sizes) -> list[Row]:
+  contenders = {"flaxlens": subject.convert, "floor": subject.floor}
+  if subject.penzai_convert is not None:
+    contenders["penzai"] = subject.penzai_convert
+  samples = interleaved(
+    {name: functools.partial(timed, convert) for name, convert in contenders.items()},
+    sizes.conversion_reps,
+  )
+  ours, floor = samples["flaxlens"], samples["floor"]
+  floor_name = "module.apply" if subject.framework == "Linen" else "the merged model's call"
   rows = []
-  small, large = sizes.conversion_batches
-  for layers in sizes.conversion_layers:
-    model, variables = linen_model(sizes, layers)
-    inputs = {batch: tokens(sizes, batch) for batch in (small, large)}
-    converters = _converters(model, variables)
-    contenders = {
-      f"{name}@{batch}": functools.partial(timed, functools.partial(convert, x))
-      for batch, x in inputs.items()
-      for name, convert in converters.items()
-    }
-    samples = interleaved(contenders, sizes.conversion_reps)
-    param_check = _param_check_share(functools.partial(converters["floor"], inputs[small]))
-    for batch in (small, large):
-      what = f"fl.unflaxify / Penzai unflaxify_apply, {layers}-layer model, batch {batch}"
-      ours, floor = samples[f"flaxlens@{batch}"], samples[f"floor@{batch}"]
-      over_floor = float(np.median(ratios(ours, floor)))
-      note = (
-        f"floor (jax.eval_shape of module.apply alone) {seconds(median(floor))};"
-        f" flaxlens / floor {over_floor:.3f}"
-      )
-      if pz_unflaxify is None:
-        rows.append(Row(NAME, what, "conversion_vs_penzai", status="not installed", note=note))
-        continue
-      theirs = samples[f"penzai@{batch}"]
-      theirs_over_floor = float(np.median(ratios(theirs, floor)))
-      analysis = (
-        "both converters run the model's Python once under jax.eval_shape, so neither"
-        " can beat the floor, an abstract trace of module.apply alone. flaxlens takes"
-        f" {over_floor:.2f}x the floor and Penzai {theirs_over_floor:.2f}x: a converter with"
-        f" no work of its own would take {1 / theirs_over_floor:.2f}x Penzai's time. Inside"
-        " the floor, Flax's Scope.param (which re-runs every initializer under"
-        " jax.eval_shape to check the given parameter's shape, at every apply) takes"
-        f" {100 * param_check:.0f}% (at batch {small}); the rest is tracing the model's jnp"
-        " operations and Flax's module machinery"
-      )
-
-      rows.append(
-        Row(
-          NAME,
-          what,
-          "conversion_vs_penzai",
-          ratios(ours, theirs),
-          f"{seconds(median(ours))} vs {seconds(median(theirs))}",
-          note=f"{note}; Penzai / floor {theirs_over_floor:.3f}",
-          analysis=analysis,
-          profile=functools.partial(converters["flaxlens"], inputs[batch]),
-        )
-      )
-    ours_small, ours_large = samples[f"flaxlens@{small}"], samples[f"flaxlens@{large}"]
-    floor_flat = np.median(ratios(samples[f"floor@{large}"], samples[f"floor@{small}"]))
+  share = ""
+  if subject.framework == "Linen":
+    share = (
+      f" Inside the floor, Flax's Scope.param (which re-runs every initializer under"
+      f" jax.eval_shape to check each given parameter's shape, at every apply) takes"
+      f" {100 * _param_check_share(subject.floor):.0f}%; flaxlens does each distinct check"
+      " once per conversion."
+    )
+  if "penzai" in samples:
+    theirs = samples["penzai"]
+    theirs_over_floor = float(np.median(ratios(theirs, floor)))
     rows.append(
       Row(
         NAME,
-        f"fl.unflaxify at batch {large} / at batch {small}, {layers}-layer model",
-        "conversion_flat_in_batch",
-        ratios(ours_large, ours_small),
-        f"{seconds(median(ours_large))} vs {seconds(median(ours_small))}",
-        note=f"{large // small}x the batch; the floor's ratio {floor_flat:.3f}",
+        f"{subject.name}: fl.unflaxify / Penzai unflaxify_apply",
+        "conversion_vs_penzai_revised",
+        ratios(ours, theirs),
+        f"{seconds(median(ours))} vs {seconds(median(theirs))}",
+        note=f"Penzai / floor {theirs_over_floor:.3f}",
         analysis=(
-          "conversion traces abstractly (jax.eval_shape), so no step grows with the batch;"
-          f" the floor, an abstract trace of module.apply alone, measured {floor_flat:.3f}"
-          " for the same two batch sizes in the same run, which is the machine's noise"
+          "both converters run the model's Python once under jax.eval_shape; Penzai takes"
+          f" {theirs_over_floor:.2f}x that floor.{share}"
         ),
+        profile=subject.convert,
       )
     )
+  elif subject.framework == "Linen":
+    rows.append(
+      Row(
+        NAME,
+        f"{subject.name}: fl.unflaxify / Penzai unflaxify_apply",
+        "conversion_vs_penzai_revised",
+        status="not installed",
+      )
+    )
+  rows.append(
+    Row(
+      NAME,
+      f"{subject.name}: fl.unflaxify / jax.eval_shape of {floor_name} (the floor)",
+      "conversion_floor",
+      ratios(ours, floor),
+      f"{seconds(median(ours))} vs {seconds(median(floor))}",
+      analysis=(
+        "the floor is one abstract trace of the native call; flaxlens traces the model once"
+        " the same way, recording every call, and builds the tree (a definition and scope"
+        f" data per call).{share}"
+      ),
+      profile=subject.convert,
+    )
+  )
+  return rows
+
+
+def _flat_in_batch(sizes: Sizes) -> Row:
+  small, large = sizes.conversion_batches
+  model, variables = linen_model(sizes, sizes.layers)
+  inputs = {batch: tokens(sizes, batch) for batch in (small, large)}
+  contenders = {}
+  for batch, x in inputs.items():
+    contenders[f"flaxlens@{batch}"] = functools.partial(
+      timed, functools.partial(fl.unflaxify, model, variables, x)
+    )
+    contenders[f"floor@{batch}"] = functools.partial(
+      timed, lambda x=x: jax.eval_shape(lambda v, x: model.apply(v, x), variables, x)
+    )
+  samples = interleaved(contenders, sizes.conversion_reps)
+  ours_small, ours_large = samples[f"flaxlens@{small}"], samples[f"flaxlens@{large}"]
+  floor_flat = np.median(ratios(samples[f"floor@{large}"], samples[f"floor@{small}"]))
+  return Row(
+    NAME,
+    f"Linen, {sizes.layers} layers: fl.unflaxify at batch {large} / at batch {small}",
+    "conversion_flat_in_batch",
+    ratios(ours_large, ours_small),
+    f"{seconds(median(ours_large))} vs {seconds(median(ours_small))}",
+    note=f"{large // small}x the batch; the floor's ratio {floor_flat:.3f}",
+    analysis=(
+      "conversion traces abstractly (jax.eval_shape), so no step grows with the batch;"
+      f" the floor, an abstract trace of module.apply alone, measured {floor_flat:.3f}"
+      " for the same two batch sizes in the same run, which is the machine's noise"
+    ),
+  )
+
+
+def measure(subjects: Subjects, sizes: Sizes, progress: Progress) -> list[Row]:
+  rows = []
+  for subject in subjects.scaled:
+    progress(f"{NAME}, {subject.name}")
+    rows += _against_floor(subject, sizes)
+  progress(f"{NAME}, batch sizes")
+  rows.append(_flat_in_batch(sizes))
   return rows

@@ -1,4 +1,4 @@
-"""Case 4: an un-jitted call of each subject, blocked on its result, against the native call.
+"""Case 4: an un-jitted call, blocked on its result, against the native call, at every depth.
 
 Outputs are compared bit for bit; Penzai's tree call, where installed, is shown for
 context.
@@ -27,8 +27,8 @@ def _measure(subject: Subject, sizes: Sizes) -> list[Row]:
     rows.append(
       Row(
         NAME,
-        f"{subject.framework}: {comparison.label}",
-        "eager_penzai" if comparison.peer else "eager",
+        f"{subject.name}: {comparison.label}",
+        "eager_penzai" if comparison.peer else f"{subject.framework.lower()}_eager",
         ratios(top, bottom),
         f"{seconds(median(top))} vs {seconds(median(bottom))}",
         note=f"output bit-identical: {'yes' if same else 'no'}",
@@ -42,4 +42,4 @@ def _measure(subject: Subject, sizes: Sizes) -> list[Row]:
   return rows
 
 
-measure = per_subject(NAME, _measure)
+measure = per_subject(NAME, _measure, scaled=True)
