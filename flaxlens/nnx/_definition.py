@@ -126,10 +126,9 @@ class NNXModuleDef:
     records, and values that can change in place (NumPy arrays) are copied, so nothing
     is shared with the model the values came from but immutable arrays. Variables no
     node holds belong to calls that were replaced: they stand in as zeros of their
-    shape, so that transforms over the module's state
-    (`nnx.vmap`, `nnx.scan`) still see the shapes they need; their paths are the
-    copy's `orphans`. `created` variables (made by the converted call) are set as
-    attributes of their modules.
+    shape, so that transforms over the module's state (`nnx.vmap`, `nnx.scan`) still
+    see the shapes they need; their paths are the copy's `orphans`. `created`
+    variables (made by the converted call) are set as attributes of their modules.
     """
     leaves = [
       private_value(values[p]) if p in values else jax.tree_util.tree_map(_zeros, a)
@@ -152,8 +151,8 @@ class _Layout:
   `modules` as `nnx.iter_modules` walks them, `variables` as `nnx.state` finds them
   (each once, at its first path), and `nodes`, every graph node whose attributes a run
   could change. `checkable` is False when the copy holds a graph container that can
-  change without an attribute of an NNX object changing (a list or dict attribute, a
-  custom graph node type); such copies are always walked after the run.
+  change without an attribute of an NNX object the merge made changing (a list or dict
+  attribute, a custom graph node type); such copies are always walked after the run.
   """
 
   __slots__ = ("modules", "variables", "nodes", "checkable")
@@ -165,20 +164,22 @@ class _Layout:
       (index.get(id(v)), tuple(p)) for p, v in nnx.to_flat_state(nnx.state(model))
     )
     self.nodes = tuple(i for i, obj in made.items() if isinstance(obj, nnx.Pytree))
-    made_all = all(i is not None for i, _ in self.modules + self.variables)
-    self.checkable = made_all and all(
-      _fixed_unless_set(path, value) for path, value in nnx.graph.iter_graph(model)
+    self.checkable = all(
+      _fixed_unless_set(path, value, index) for path, value in nnx.iter_graph(model)
     )
 
 
-def _fixed_unless_set(path: Path, value: Any) -> bool:
+def _fixed_unless_set(path: Path, value: Any, made: Mapping[int, int]) -> bool:
   """Whether `value`, found at `path` in a copy, changes only by setting an attribute.
 
-  True for NNX objects (their attributes are compared), immutable containers, NNX's
-  own `_pytree__` bookkeeping and values NNX does not traverse; False for a list, a
-  dict or a custom graph node type, which a call could change in place.
+  True for the NNX objects and variables the merge made (`made`: their ids; a run
+  compares their attributes), immutable containers, NNX's own `_pytree__` bookkeeping
+  and values NNX does not traverse; False for a list, a dict or a custom graph node
+  type, which a call could change in place.
   """
-  if isinstance(value, nnx.Pytree | nnx.Variable | tuple | FrozenDict) or value is None:
+  if isinstance(value, nnx.Pytree | nnx.Variable):
+    return id(value) in made
+  if isinstance(value, tuple | FrozenDict) or value is None:
     return True
   if path and isinstance(path[-1], str) and path[-1].startswith("_pytree__"):
     return True
