@@ -13,8 +13,9 @@ a copy of `Module.apply` (`flax.linen.module._get_unbound_fn`, `_context.capture
 (`param_checks_once`). NNX: a `_pytree__`-prefixed instance attribute
 that rides in the `GraphDef` as static data, `nnx.jit`'s wrapper classes
 (`JitWrapped`, `SimpleJitWrapped`), `GraphDef.num_leaves`, the leaf order of
-`nnx.graph.flatten`, and the base classes whose methods are Flax's own (see the NNX
-section below). Methods of Flax and user classes
+`nnx.graph.flatten`, the index map `graphlib.unflatten` fills while merging, and the base
+classes whose methods are Flax's own (see the NNX section below). Methods of Flax and
+user classes
 are wrapped in place only while a run is active (`patched`). JAX: the current trace and
 what a staging trace traces for (`runs_compiled`, jax 0.10.2). A Flax or JAX upgrade
 that changes any of these should break here only.
@@ -633,6 +634,27 @@ def nnx_static_attributes(module: Any) -> dict[str, Any]:
 def nnx_set_static(module: Any, name: str, value: Any) -> None:
   """Sets a static attribute of an NNX module, leaving its data/static record unchanged."""
   object.__setattr__(module, name, value)
+
+
+def nnx_merge_indexed(graphdef: Any, leaves: list[Any]) -> tuple[Any, Mapping[int, Any]]:
+  """`nnx.merge(graphdef, leaves)`, and the objects it made by their `GraphDef` index.
+
+  `nnx.merge` of a list calls `graphlib.unflatten` with a fresh `IndexMap`, into which
+  it puts every graph node (module, `nnx.Rngs`, ...) and variable it creates under the
+  node's index; passing that map in keeps it. Empty for a tree-mode `GraphDef`, which
+  has no indices.
+  """
+  from flax.nnx import graphlib
+
+  made = graphlib.IndexMap()
+  return graphlib.unflatten(graphdef, leaves, index_ref=made), made
+
+
+def nnx_is_graph_container(value: Any) -> bool:
+  """Whether NNX traverses `value` as a node of the graph (module, list, dict, ...)."""
+  from flax.nnx import graphlib
+
+  return graphlib.is_node(value)
 
 
 def nnx_leaf_count(graphdef: Any) -> int:

@@ -184,9 +184,23 @@ class CallInterceptor:
   def run_node(
     self, node: CallNode, module: Any, next_fun: Callable[..., Any], args: Any, kwargs: Any
   ) -> Any:
-    """Runs the call of `node` natively (probed, and recorded if it is the target)."""
+    """Runs the call of `node` natively (probed, and recorded if it is the target).
+
+    A plain call runs here rather than through `_run_node` and `run_frame`: JAX records
+    the Python stack while it traces (Flax traces every parameter initializer at every
+    apply), so each frame a nested call adds costs time.
+    """
     probing = self.probing
     probe = probing.probes.get(id(node)) if probing is not None else None
+    if probe is None and (self.recorder is None or node is not self.recorder.target):
+      frame = Frame(node.path, node=node)
+      self.frames.append(frame)
+      try:
+        result = next_fun(*args, **kwargs)
+      finally:
+        self.frames.pop()
+      self.check_reached(frame)
+      return result
     if probe is None:
       return self._run_node(node, module, next_fun, args, kwargs)
     return probing.run(

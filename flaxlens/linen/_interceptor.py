@@ -46,6 +46,7 @@ class LinenInterceptor(CallInterceptor):
   mutable: tuple[str, ...] = ()
   _not_run: tuple[Any, str] | None = None  # The last call that did not run natively.
   _inlined_body = False  # The next call is the body of an inlined nn.jit call.
+  _capturing = False  # Whether a capture filter made by `capture_only_native` is in use.
 
   def intercept(self, next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
     if current_interceptor() is not self or context.method_name == "setup":
@@ -64,6 +65,8 @@ class LinenInterceptor(CallInterceptor):
       output = self.dispatch(module, path, context.method_name, next_fun, args, kwargs)
       self._not_run = None
       return output
+    if not self._capturing:  # No capture filter asks which calls ran natively.
+      return self.dispatch(module, path, context.method_name, next_fun, args, kwargs)
     ran = []
 
     def native(*a: Any, **k: Any) -> Any:
@@ -80,6 +83,7 @@ class LinenInterceptor(CallInterceptor):
     """`capture` (a `capture_intermediates` filter) minus calls that did not run natively."""
     if capture is None:
       return None
+    self._capturing = True
 
     def only_native(module: Any, method_name: str) -> bool:
       not_run, self._not_run = self._not_run, None

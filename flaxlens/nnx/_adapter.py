@@ -27,6 +27,7 @@ from flaxlens.core._variables import Uninitialized
 from flaxlens.errors import ExportError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.nnx._convert import label_of, unflaxify_nnx
 from flaxlens.nnx._definition import (
+  PrivateCopy,
   apply_static_edits,
   equal,
   navigate,
@@ -78,14 +79,13 @@ class NNXAdapter(FrameworkAdapter):
   def native_run(
     self, root: Any, gathered: Gathered, random_streams: Any, interceptor: Any
   ) -> Callable[[ArgsAndKwargs], tuple[Any, dict[Any, Any]]]:
-    model, orphans = _rebuild(root, gathered)
-    interceptor.instrument(model, root.path)
+    copy = _rebuild(root, gathered)
+    interceptor.instrument(copy.modules, root.path)
+    copy.seal()
 
     def run(argument: ArgsAndKwargs) -> tuple[Any, dict[Any, Any]]:
-      output = call_method(model, root.method_name, argument.args, argument.kwargs)
-      state = nnx.to_flat_state(nnx.state(model))
-      updates = {tuple(p): v.get_raw_value() for p, v in state if tuple(p) not in orphans}
-      return output, updates
+      output = call_method(copy.model, root.method_name, argument.args, argument.kwargs)
+      return output, copy.state()
 
     return run
 
@@ -153,7 +153,7 @@ class NNXAdapter(FrameworkAdapter):
   def export(self, node: Any, into: nnx.Module | None = None) -> nnx.Module:
     node.check_runs_alone("be exported on its own; export the tree it belongs to")
     check_exportable(node)
-    model, _ = _rebuild(node, Gathered(node))
+    model = _rebuild(node, Gathered(node)).model
     if into is None:
       return model
     _update_in_place(node, into, model)
@@ -214,8 +214,8 @@ def _same_kind(a: nnx.Variable, b: nnx.Variable) -> bool:
 _ABSENT = object()
 
 
-def _rebuild(root: Any, gathered: Gathered) -> tuple[Any, set[Path]]:
-  """The root's module rebuilt from the gathered values, and the paths no node holds."""
+def _rebuild(root: Any, gathered: Gathered) -> PrivateCopy:
+  """The root's module rebuilt from the gathered values (see `NNXModuleDef.rebuild`)."""
   values, created = {}, {}
   for path, value in gathered.values.items():
     spec = gathered.info[path]
@@ -223,9 +223,9 @@ def _rebuild(root: Any, gathered: Gathered) -> tuple[Any, set[Path]]:
       values[path] = value
     elif not isinstance(value, Uninitialized):
       created[path] = spec.type.from_metadata(private_value(value), dict(spec.metadata))
-  model, orphans = root.definition.rebuild(values, created)
-  apply_static_edits(model, static_edits(root))
-  return model, orphans
+  copy = root.definition.rebuild(values, created)
+  apply_static_edits(copy.model, static_edits(root))
+  return copy
 
 
 def _refuse_graph_arguments(node: Any, arguments: Any) -> None:

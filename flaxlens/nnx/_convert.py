@@ -74,7 +74,7 @@ def unflaxify_nnx(
   def run(interceptor: NNXInterceptor, inputs: Any) -> None:
     leaves, args, kwargs = inputs
     copy = nnx.merge(graphdef, list(leaves))
-    interceptor.instrument(copy, ())
+    interceptor.instrument(nnx.iter_modules(copy), ())
     statics = {p: fi.nnx_static_attributes(m) for p, m in interceptor.by_path.items()}
     with interceptor.active():
       call_method(copy, method, args, kwargs)

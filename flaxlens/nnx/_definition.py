@@ -1,20 +1,24 @@
 """The static definition of a converted NNX module, and rebuilding the module from it.
 
 A node keeps its module's `GraphDef` and variable shapes (`NNXModuleDef`); a run merges
-it with the tree's current values into a private copy (`rebuild`). Static attributes
-changed on a subtree alone (`node.eval()` grafted back into a tree) are found by
-`static_edits` and set on the rebuilt copy. Flax internals used: see
-`flaxlens._flax_internals`.
+it with the tree's current values into a private copy (`rebuild`). What a run needs to
+find in the copy (its modules, its variables by path) is worked out once per definition
+(`_Layout`) and looked up in the objects the merge made (`PrivateCopy`), instead of
+walking the copy's graph at every call. Static attributes changed on a subtree alone
+(`node.eval()` grafted back into a tree) are found by `static_edits` and set on the
+rebuilt copy. Flax internals used: see `flaxlens._flax_internals`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import FrozenDict
 
 from flaxlens import _flax_internals as fi
 from flaxlens.core._names import Path
@@ -62,7 +66,15 @@ class NNXModuleDef:
   the whole `GraphDef`, as NNX does.
   """
 
-  __slots__ = ("graphdef", "abstract_leaves", "leaf_paths", "family", "_hash", "_statics")
+  __slots__ = (
+    "graphdef",
+    "abstract_leaves",
+    "leaf_paths",
+    "family",
+    "_hash",
+    "_statics",
+    "_layout",
+  )
 
   def __init__(
     self,
@@ -78,6 +90,7 @@ class NNXModuleDef:
     # static attributes) share a family: they agree on every module they both hold.
     self.family = object() if family is None else family
     self._statics: dict[Path, dict[str, Any]] | None = None
+    self._layout: _Layout | None = None
     self._hash = _hash_or(graphdef, lambda: hash(self.leaf_paths))
     self._hash = _hash_or((self._hash, abstract_leaves), lambda: self._hash)
 
@@ -106,25 +119,134 @@ class NNXModuleDef:
       self._statics = {tuple(p): fi.nnx_static_attributes(m) for p, m in nnx.iter_modules(template)}
     return self._statics
 
-  def rebuild(self, values: dict[Path, Any], created: dict[Path, Any]) -> tuple[Any, set[Path]]:
-    """The module rebuilt from `values`, and the paths of its variables no node holds.
+  def rebuild(self, values: dict[Path, Any], created: dict[Path, Any]) -> PrivateCopy:
+    """The module rebuilt from `values`, with its modules and variables at hand.
 
     `nnx.merge` creates fresh `Variable`s of the types and metadata the `GraphDef`
     records, and values that can change in place (NumPy arrays) are copied, so nothing
     is shared with the model the values came from but immutable arrays. Variables no
     node holds belong to calls that were replaced: they stand in as zeros of their
     shape, so that transforms over the module's state (`nnx.vmap`, `nnx.scan`) still
-    see the shapes they need. `created` variables (made by the
-    converted call) are set as attributes of their modules.
+    see the shapes they need; their paths are the copy's `orphans`. `created`
+    variables (made by the converted call) are set as attributes of their modules.
     """
     leaves = [
       private_value(values[p]) if p in values else jax.tree_util.tree_map(_zeros, a)
       for p, a in zip(self.leaf_paths, self.abstract_leaves, strict=True)
     ]
-    model = nnx.merge(self.graphdef, leaves)
+    model, made = fi.nnx_merge_indexed(self.graphdef, leaves)
+    if self._layout is None:
+      self._layout = _Layout(model, made)
     for path, variable in created.items():
       setattr(navigate(model, path[:-1]), path[-1], variable)
-    return model, {p for p in self.leaf_paths if p not in values}
+    orphans = {p for p in self.leaf_paths if p not in values}
+    return PrivateCopy(model, made, self._layout, created, orphans)
+
+
+class _Layout:
+  """Where a definition's modules and variables sit in a copy, by `GraphDef` index.
+
+  Worked out on the first copy merged from the definition, right after the merge
+  (before variables created by the call are added):
+  `modules` as `nnx.iter_modules` walks them, `variables` as `nnx.state` finds them
+  (each once, at its first path), and `nodes`, every graph node whose attributes a run
+  could change. `checkable` is False when the copy holds a graph container that can
+  change without an attribute of an NNX object the merge made changing (a list or dict
+  attribute, a custom graph node type); such copies are always walked after the run.
+  """
+
+  __slots__ = ("modules", "variables", "nodes", "checkable")
+
+  def __init__(self, model: Any, made: Mapping[int, Any]):
+    index = {id(obj): i for i, obj in made.items()}
+    self.modules = tuple((index.get(id(m)), tuple(p)) for p, m in nnx.iter_modules(model))
+    self.variables = tuple(
+      (index.get(id(v)), tuple(p)) for p, v in nnx.to_flat_state(nnx.state(model))
+    )
+    self.nodes = tuple(i for i, obj in made.items() if isinstance(obj, nnx.Pytree))
+    self.checkable = all(
+      _fixed_unless_set(path, value, index) for path, value in nnx.iter_graph(model)
+    )
+
+
+def _fixed_unless_set(path: Path, value: Any, made: Mapping[int, int]) -> bool:
+  """Whether `value`, found at `path` in a copy, changes only by setting an attribute.
+
+  True for the NNX objects and variables the merge made (`made`: their ids; a run
+  compares their attributes), immutable containers, NNX's own `_pytree__` bookkeeping
+  and values NNX does not traverse; False for a list, a dict or a custom graph node
+  type, which a call could change in place.
+  """
+  if isinstance(value, nnx.Pytree | nnx.Variable):
+    return id(value) in made
+  if isinstance(value, tuple | FrozenDict) or value is None:
+    return True
+  if path and isinstance(path[-1], str) and path[-1].startswith("_pytree__"):
+    return True
+  return not fi.nnx_is_graph_container(value)
+
+
+class PrivateCopy:
+  """A module rebuilt for one run, and how to read its variables back after the run.
+
+  Attributes:
+    model: the rebuilt module.
+    modules: `(path, module)` of every module of the copy, as `nnx.iter_modules`
+      yields them.
+    orphans: the paths of the variables no node holds (see `NNXModuleDef.rebuild`).
+  """
+
+  __slots__ = ("model", "modules", "orphans", "_variables", "_nodes", "_attributes")
+
+  def __init__(
+    self,
+    model: Any,
+    made: Mapping[int, Any],
+    layout: _Layout,
+    created: dict[Path, Any],
+    orphans: set[Path],
+  ):
+    self.model = model
+    self.orphans = orphans
+    if layout.checkable:
+      self.modules = tuple((p, made[i]) for i, p in layout.modules)
+      self._variables: tuple[tuple[Path, Any], ...] | None = tuple(
+        (p, made[i]) for i, p in layout.variables
+      ) + tuple(created.items())
+      self._nodes = [made[i] for i in layout.nodes]
+    else:
+      self.modules = tuple((tuple(p), m) for p, m in nnx.iter_modules(model))
+      self._variables = None
+      self._nodes = []
+    self._attributes: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] | None = None
+
+  def seal(self) -> None:
+    """Notes the attributes of every graph node of the copy, before the run changes any."""
+    self._attributes = [
+      (node, tuple(vars(node)), tuple(vars(node).values())) for node in self._nodes
+    ]
+
+  def state(self) -> dict[Path, Any]:
+    """`{path: raw value}` of the copy's variables now, orphans left out.
+
+    Read from the variables the merge made while every graph node holds the very
+    attributes it held at `seal()` (so no variable was added, removed, replaced or
+    moved); otherwise, and for a copy that is not checkable, by walking the copy with
+    `nnx.state`.
+    """
+    if self._variables is not None and self._attributes is not None and self._unchanged():
+      pairs = ((p, v.get_raw_value()) for p, v in self._variables)
+    else:
+      flat = nnx.to_flat_state(nnx.state(self.model))
+      pairs = ((tuple(p), v.get_raw_value()) for p, v in flat)
+    return {p: v for p, v in pairs if p not in self.orphans}
+
+  def _unchanged(self) -> bool:
+    for node, names, values in self._attributes or ():
+      now = vars(node)
+      if tuple(now) != names or not all(map(operator.is_, values, now.values())):
+        return False
+    return True
 
 
 def _hash_or(value: Any, fallback: Callable[[], int]) -> int:

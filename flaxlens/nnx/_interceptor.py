@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -128,9 +128,12 @@ class NNXInterceptor(CallInterceptor):
     self.by_path: dict[Path, Any] = {}
     self.classes: set[type] = set()
 
-  def instrument(self, model: Any, prefix: Path) -> None:
-    """Records its path on every module of `model` (its class is wrapped while active)."""
-    for rel, module in nnx.iter_modules(model):
+  def instrument(self, modules: Iterable[tuple[Path, Any]], prefix: Path) -> None:
+    """Records its path on every module of `(relative path, module)` pairs of a model.
+
+    The modules' classes are wrapped while the interceptor is active.
+    """
+    for rel, module in modules:
       path = prefix + tuple(rel)
       self.by_path[path] = module
       self.classes.add(type(module))

@@ -372,6 +372,18 @@ class Annotated(nnx.Module):
     return self.linear(x) * self.scale[...]
 
 
+class Recounted(nnx.Module):
+  """Replaces its `calls` variable with a new object at every call, and counts in it."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(4, 2, rngs=rngs)
+    self.calls = nnx.BatchStat(jnp.zeros(()))
+
+  def __call__(self, x):
+    self.calls = nnx.BatchStat(self.calls[...] + 1.0)
+    return self.linear(x) * self.calls[...]
+
+
 class TransformerBlock(nnx.Module):
   def __init__(self, rngs: nnx.Rngs):
     self.attention_norm = nnx.LayerNorm(8, rngs=rngs)
@@ -461,6 +473,7 @@ def build() -> dict[str, Case]:
     lambda: Case("branch", Branchy(RNGS()), (X,), {"mode": "a"}),
     lambda: Case("rngs_argument", RngsArgument(RNGS()), (X,), {"rngs": nnx.Rngs(dropout=9)}),
     lambda: Case("variable_metadata", Annotated(RNGS()), (X,)),
+    lambda: Case("variable_replaced_by_the_call", Recounted(RNGS()), (X,)),
   ]
   cases = [b() for b in builders]
   return {c.name: c for c in cases}
@@ -497,6 +510,7 @@ NAMES = [
   "branch",
   "rngs_argument",
   "variable_metadata",
+  "variable_replaced_by_the_call",
 ]
 # Keyword arguments of other calls (another flag value, say), compared as well.
 CALL_KWARGS: dict[str, Sequence[dict[str, Any]]] = {
