@@ -31,11 +31,15 @@ def test_a_parameter_object_swapped_in_after_a_call_is_used_by_the_next_call(cor
   case = corpora[fw]["mlp"]
   tree = fw.convert(case)
   fw.call(tree, case)
-  parameters = fw.parameters(tree.select().at_path(path).get())
-  old = parameters["kernel"]
-  parameters["kernel"] = fl.Parameter(old.value * 2.0, label=old.label)
+  old = fw.parameters(tree.select().at_path(path).get())["kernel"]
+  swapped = (
+    tree.select()
+    .at_path(path)
+    .at(lambda node: fw.parameters(node)["kernel"])
+    .set(fl.Parameter(old.value * 2.0, label=old.label))
+  )
   expected, _ = fw.native(fw.with_variable(case, old.label, old.value * 2.0))
-  assert_trees_equal(fw.call(tree, case), expected)
+  assert_trees_equal(fw.call(swapped, case), expected)
 
 
 @pytest.mark.parametrize("fw, path", [(LINEN, "Dense_1"), (NNX, "out")])
