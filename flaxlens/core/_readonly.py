@@ -16,7 +16,6 @@ internals here.
 
 from __future__ import annotations
 
-import copy
 from typing import Any, NoReturn
 
 import jax
@@ -52,14 +51,8 @@ class ReadOnlyDict(dict):
   __setitem__ = __delitem__ = __ior__ = _refuse
   clear = pop = popitem = setdefault = update = _refuse
 
-  def __reduce__(self) -> tuple[Any, ...]:
+  def __reduce__(self) -> tuple[Any, ...]:  # copy, deepcopy, pickle: built whole, never set
     return type(self), (dict(self),)
-
-  def __copy__(self) -> ReadOnlyDict:
-    return self
-
-  def __deepcopy__(self, memo: dict[int, Any]) -> ReadOnlyDict:
-    return type(self)((copy.deepcopy(k, memo), copy.deepcopy(v, memo)) for k, v in self.items())
 
 
 def _flatten_with_keys(d: ReadOnlyDict) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:

@@ -6,6 +6,7 @@ variables (`Framework.with_variable`); jitted runs against the natively jitted m
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import jax
@@ -252,6 +253,13 @@ def test_variable_jit_uses_a_parameter_object_swapped_in_by_a_selection(corpora,
   expected, _ = fw.native(fw.with_variable(case, old.label, old.value * 2.0))
   assert_trees_equal(run(swapped, *case.args), expected)
   assert_trees_equal(run(tree, *case.args), fw.native(case)[0])
+
+
+@pytest.mark.parametrize("fw", [LINEN, NNX])
+def test_a_deep_copy_of_a_converted_tree_runs_as_the_model(corpora, fw):
+  case = corpora[fw]["mlp"]
+  copied = copy.deepcopy(fw.convert(case))
+  assert_trees_equal(fw.call(copied, case), fw.native(case)[0])
 
 
 _IN_PLACE_EDITS = {
