@@ -13,11 +13,13 @@ a copy of `Module.apply` (`flax.linen.module._get_unbound_fn`, `_context.capture
 (`param_checks_once`). NNX: a `_pytree__`-prefixed instance attribute
 that rides in the `GraphDef` as static data, `nnx.jit`'s wrapper classes
 (`JitWrapped`, `SimpleJitWrapped`), `GraphDef.num_leaves`, the leaf order of
-`nnx.graph.flatten`, the index map `graphlib.unflatten` fills while merging, and the base
-classes whose methods are Flax's own (see the NNX section below). Methods of Flax and
-user classes
-are wrapped in place only while a run is active (`patched`). JAX: the current trace and
-what a staging trace traces for (`runs_compiled`, jax 0.10.2). A Flax or JAX upgrade
+`nnx.graph.flatten`, the index map `graphlib.unflatten` fills while merging, a
+`Variable`'s `_raw_value` and `_var_metadata` slots (refilling a kept private copy), and
+the base classes whose methods are Flax's own (see the NNX section below). Methods of
+Flax and user classes
+are wrapped in place only while a run is active (`patched`). JAX: the current trace,
+whether any trace is active (`at_top_level`), and what a staging trace traces for
+(`runs_compiled`, jax 0.10.2). A Flax or JAX upgrade
 that changes any of these should break here only.
 """
 
@@ -648,6 +650,35 @@ def nnx_merge_indexed(graphdef: Any, leaves: list[Any]) -> tuple[Any, Mapping[in
 
   made = graphlib.IndexMap()
   return graphlib.unflatten(graphdef, leaves, index_ref=made), made
+
+
+def nnx_set_raw_value(variable: Any, value: Any) -> None:
+  """Sets an NNX variable's value without NNX's trace-level check.
+
+  flax 0.12.8 keeps the value in the `Variable` slot `_raw_value`; `set_raw_value`
+  first checks that the current trace is the one the variable was made in (about a
+  microsecond a variable). Only for variables made in the current trace.
+  """
+  object.__setattr__(variable, "_raw_value", value)
+
+
+def nnx_variable_metadata(variable: Any) -> dict[str, Any]:
+  """An NNX variable's own metadata dict (not a copy: `get_metadata` copies it)."""
+  return variable._var_metadata
+
+
+def at_top_level() -> bool:
+  """Whether no JAX transform is tracing now (an eager call: no jit, vmap, grad, ...).
+
+  jax 0.10's `trace_state_clean`; False where it is missing, so that callers fall
+  back to their general path.
+  """
+  try:
+    from jax._src import core
+  except ImportError:  # pragma: no cover - depends on the installed JAX
+    return False
+  clean = getattr(core, "trace_state_clean", None)
+  return bool(clean()) if clean is not None else False
 
 
 def nnx_is_graph_container(value: Any) -> bool:

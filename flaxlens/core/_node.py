@@ -18,6 +18,7 @@ from flaxlens.core._active import current_interceptor
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._layer import Layer
 from flaxlens.core._names import CallKey
+from flaxlens.core._readonly import ReadOnlyDict
 from flaxlens.core._spec import CallSpec
 from flaxlens.errors import ArgumentError, UnsupportedFlaxFeatureError
 
@@ -144,6 +145,34 @@ def own_call_nodes(root: CallNode) -> Iterator[CallNode]:
     for node in _outer_call_nodes(child):
       if node.origin == root.origin and (spec is None or spec.continued_by(node)):
         yield from own_call_nodes(node)
+
+
+def pristine_tree(root: CallNode) -> bool:
+  """`pristine(root)`, worked out once per node object where it cannot change.
+
+  The calls of a converted tree are fixed once it is made (every `submodule_calls`
+  is read-only), so the answer is kept on the node; a hand-built node holding a plain
+  dict anywhere below it is walked again at every call.
+  """
+  known = root.__dict__.get("_flaxlens_pristine")
+  if known is not None:
+    return known
+  answer, fixed = _pristine_and_fixed(root)
+  if fixed:
+    object.__setattr__(root, "_flaxlens_pristine", answer)
+  return answer
+
+
+def _pristine_and_fixed(node: CallNode) -> tuple[bool, bool]:
+  fixed = isinstance(node.submodule_calls, ReadOnlyDict)
+  for child in node.submodule_calls.values():
+    if not (is_call_node(child) and child.origin == node.origin):
+      return False, fixed
+    answer, below = _pristine_and_fixed(child)
+    if not answer:
+      return False, fixed and below
+    fixed = fixed and below
+  return True, fixed
 
 
 def pristine(node: CallNode) -> bool:

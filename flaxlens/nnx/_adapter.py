@@ -21,6 +21,7 @@ from flaxlens.core._adapter import FrameworkAdapter, register_adapter
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._export import check_exportable
 from flaxlens.core._names import join_name
+from flaxlens.core._node import pristine_tree
 from flaxlens.core._recorder import Execution, standalone
 from flaxlens.core._runtime import Gathered, private_value
 from flaxlens.core._variables import Uninitialized
@@ -79,13 +80,21 @@ class NNXAdapter(FrameworkAdapter):
   def native_run(
     self, root: Any, gathered: Gathered, random_streams: Any, interceptor: Any
   ) -> Callable[[ArgsAndKwargs], tuple[Any, dict[Any, Any]]]:
-    copy = _rebuild(root, gathered)
+    copy = _idle_copies(root).take()
+    if copy is None:
+      copy = _rebuild(root, gathered)
+    else:
+      copy.refill(gathered.values)
     interceptor.instrument(copy.modules, root.path)
     copy.seal()
 
     def run(argument: ArgsAndKwargs) -> tuple[Any, dict[Any, Any]]:
       output = call_method(copy.model, root.method_name, argument.args, argument.kwargs)
-      return output, copy.state()
+      state = copy.state()
+      if _may_keep(copy, root, interceptor, output):
+        copy.empty()
+        _idle_copies(root).keep(copy)
+      return output, state
 
     return run
 
@@ -226,6 +235,66 @@ def _rebuild(root: Any, gathered: Gathered) -> PrivateCopy:
   copy = root.definition.rebuild(values, created)
   apply_static_edits(copy.model, static_edits(root))
   return copy
+
+
+class _IdleCopies:
+  """The private copy a root node keeps between eager calls, handed out to one run at a time.
+
+  Rebuilding the copy (`nnx.merge`) is most of what an eager NNX call adds to the
+  model's own call. A run that ends with its copy intact (`_may_keep`) leaves the copy
+  here, emptied; the next eager run of the same node takes it (so two threads, or a
+  call of the tree inside one of its own replacement layers, never share one) and
+  refills it with the tree's values of that call. Copying, deep-copying or pickling a
+  node starts the copy afresh.
+  """
+
+  __slots__ = ("_copies",)
+
+  def __init__(self) -> None:
+    self._copies: list[PrivateCopy] = []
+
+  def __reduce__(self) -> tuple[Any, ...]:
+    return (_IdleCopies, ())
+
+  def take(self) -> PrivateCopy | None:
+    """An idle copy, only outside any JAX trace (the copy's variables were made there)."""
+    if not self._copies or not fi.at_top_level():
+      return None
+    try:
+      return self._copies.pop()  # Atomic: two threads never get the same copy.
+    except IndexError:
+      return None
+
+  def keep(self, copy: PrivateCopy) -> None:
+    if not self._copies:
+      self._copies.append(copy)
+
+
+def _idle_copies(root: Any) -> _IdleCopies:
+  idle = root.__dict__.get("_flaxlens_idle_copies")
+  if idle is None:
+    idle = _IdleCopies()
+    object.__setattr__(root, "_flaxlens_idle_copies", idle)
+  return idle
+
+
+def _may_keep(copy: PrivateCopy, root: Any, interceptor: Any, output: Any) -> bool:
+  """Whether `copy` can serve the next eager call of `root` after this run.
+
+  Only a plain run (no capture, intervention or isolation recording) of a tree whose
+  calls are all its own (`pristine`: no replacement layer saw the copy's modules),
+  whose output holds none of the copy's NNX objects, and whose copy came out intact.
+  """
+  if interceptor.probing is not None or interceptor.recorder is not None:
+    return False
+  if not copy.intact() or not pristine_tree(root):
+    return False
+  leaves = jax.tree_util.tree_leaves(output, is_leaf=_is_graph_object)
+  return not any(map(_is_graph_object, leaves))
+
+
+def _is_graph_object(x: Any) -> bool:
+  return isinstance(x, nnx.Pytree | nnx.Variable)
 
 
 def _refuse_graph_arguments(node: Any, arguments: Any) -> None:

@@ -26,7 +26,7 @@ from flaxlens.core._names import Path, join_name
 from flaxlens.core._scope import ScopeBuilder
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.nnx._definition import NNXModuleDef, abstract, equal
+from flaxlens.nnx._definition import NNXModuleDef, abstract, equal, metadata_changed
 from flaxlens.nnx._interceptor import NNXInterceptor, call_method
 from flaxlens.nnx._node import InterceptedNNXModuleMethod, NNXVariableSpec
 
@@ -73,12 +73,18 @@ def unflaxify_nnx(
 
   def run(interceptor: NNXInterceptor, inputs: Any) -> None:
     leaves, args, kwargs = inputs
-    copy = nnx.merge(graphdef, list(leaves))
+    copy, made = fi.nnx_merge_indexed(graphdef, list(leaves))
     interceptor.instrument(nnx.iter_modules(copy), ())
     statics = {p: fi.nnx_static_attributes(m) for p, m in interceptor.by_path.items()}
+    metadata = [
+      (v, tuple(fi.nnx_variable_metadata(v).items()))
+      for v in made.values()
+      if isinstance(v, nnx.Variable)
+    ]
     with interceptor.active():
       call_method(copy, method, args, kwargs)
     _check_statics(where, interceptor.by_path, statics)
+    _check_metadata(where, copy, metadata)
     created.clear()
     for path, variable in nnx.to_flat_state(nnx.state(copy)):
       path = tuple(path)
@@ -115,6 +121,24 @@ def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict
           " static attributes seen at conversion; keep values that change while"
           " running in an nnx.Variable, or set them before converting."
         )
+
+
+def _check_metadata(where: str, copy: Any, before: list[tuple[Any, tuple]]) -> None:
+  """Refuses calls that change a variable's metadata (`set_metadata` while running).
+
+  Like static attributes, metadata is part of the `GraphDef` every call of the tree
+  starts from, so a change made by one call would be lost at the next.
+  """
+  changed = {id(v) for v, items in before if metadata_changed(items, v)}
+  if not changed:
+    return
+  paths = [join_name(tuple(p)) for p, v in nnx.to_flat_state(nnx.state(copy)) if id(v) in changed]
+  raise UnsupportedFlaxFeatureError(
+    f"{where}: the call changes the metadata of the variable"
+    f" {paths[0] if paths else '<unknown>'!r}. flaxlens replays every call from the"
+    " metadata seen at conversion; keep values that change while running in the"
+    " variable's value, or set the metadata before converting."
+  )
 
 
 def _check_created(where: str, path: Path, variable: Any, modules: dict[Path, Any]) -> None:

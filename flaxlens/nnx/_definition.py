@@ -140,7 +140,17 @@ class NNXModuleDef:
     for path, variable in created.items():
       setattr(navigate(model, path[:-1]), path[-1], variable)
     orphans = {p for p in self.leaf_paths if p not in values}
-    return PrivateCopy(model, made, self._layout, created, orphans)
+    copy = PrivateCopy(model, made, self._layout, created, orphans)
+    # A copy can serve later calls when every variable is one the merge made (none
+    # created, none orphaned) and it was made outside any JAX trace (see `refill`).
+    copy.reusable = (
+      self._layout.checkable
+      and not created
+      and not orphans
+      and len(copy.variables) == len(self.leaf_paths)
+      and fi.at_top_level()
+    )
+    return copy
 
 
 class _Layout:
@@ -187,16 +197,31 @@ def _fixed_unless_set(path: Path, value: Any, made: Mapping[int, int]) -> bool:
 
 
 class PrivateCopy:
-  """A module rebuilt for one run, and how to read its variables back after the run.
+  """A module rebuilt for a run, and how to read its variables back after the run.
 
   Attributes:
     model: the rebuilt module.
     modules: `(path, module)` of every module of the copy, as `nnx.iter_modules`
       yields them.
     orphans: the paths of the variables no node holds (see `NNXModuleDef.rebuild`).
+    variables: `(path, variable)` of the variables the merge made (and those the
+      call created), when the copy is checkable; else empty.
+    reusable: whether the copy may serve another eager call of the same root node
+      (set by `NNXModuleDef.rebuild`; see `refill` and `intact`).
   """
 
-  __slots__ = ("model", "modules", "orphans", "_variables", "_nodes", "_attributes")
+  __slots__ = (
+    "model",
+    "modules",
+    "orphans",
+    "variables",
+    "reusable",
+    "_checkable",
+    "_nodes",
+    "_attributes",
+    "_metadata",
+    "_intact",
+  )
 
   def __init__(
     self,
@@ -208,23 +233,29 @@ class PrivateCopy:
   ):
     self.model = model
     self.orphans = orphans
+    self.reusable = False
+    self._checkable = layout.checkable
     if layout.checkable:
       self.modules = tuple((p, made[i]) for i, p in layout.modules)
-      self._variables: tuple[tuple[Path, Any], ...] | None = tuple(
+      self.variables: tuple[tuple[Path, Any], ...] = tuple(
         (p, made[i]) for i, p in layout.variables
       ) + tuple(created.items())
       self._nodes = [made[i] for i in layout.nodes]
     else:
       self.modules = tuple((tuple(p), m) for p, m in nnx.iter_modules(model))
-      self._variables = None
+      self.variables = ()
       self._nodes = []
     self._attributes: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] | None = None
+    self._metadata: tuple[tuple[tuple[str, Any], ...], ...] | None = None
+    self._intact = False
 
   def seal(self) -> None:
     """Notes the attributes of every graph node of the copy, before the run changes any."""
     self._attributes = [
       (node, tuple(vars(node)), tuple(vars(node).values())) for node in self._nodes
     ]
+    if self.reusable and self._metadata is None:
+      self._metadata = tuple(tuple(fi.nnx_variable_metadata(v).items()) for _, v in self.variables)
 
   def state(self) -> dict[Path, Any]:
     """`{path: raw value}` of the copy's variables now, orphans left out.
@@ -234,12 +265,36 @@ class PrivateCopy:
     moved); otherwise, and for a copy that is not checkable, by walking the copy with
     `nnx.state`.
     """
-    if self._variables is not None and self._attributes is not None and self._unchanged():
-      pairs = ((p, v.get_raw_value()) for p, v in self._variables)
+    self._intact = self._checkable and self._attributes is not None and self._unchanged()
+    if self._intact:
+      pairs = ((p, v.get_raw_value()) for p, v in self.variables)
     else:
       flat = nnx.to_flat_state(nnx.state(self.model))
       pairs = ((tuple(p), v.get_raw_value()) for p, v in flat)
     return {p: v for p, v in pairs if p not in self.orphans}
+
+  def intact(self) -> bool:
+    """Whether a reusable copy is, after its run, as its merge made it but for values.
+
+    Every graph node holds the attributes it held at `seal()` (checked by `state()`)
+    and every variable its metadata (same keys, the very same values).
+    """
+    if not (self.reusable and self._intact and self._metadata is not None):
+      return False
+    return not any(
+      metadata_changed(before, variable)
+      for (_, variable), before in zip(self.variables, self._metadata, strict=True)
+    )
+
+  def refill(self, values: Mapping[Path, Any]) -> None:
+    """Gives an intact, emptied copy the values of another call (see `NNXAdapter`)."""
+    for path, variable in self.variables:
+      fi.nnx_set_raw_value(variable, private_value(values[path]))
+
+  def empty(self) -> None:
+    """Drops the copy's references to the run's arrays (a kept copy holds no memory)."""
+    for _, variable in self.variables:
+      fi.nnx_set_raw_value(variable, None)
 
   def _unchanged(self) -> bool:
     for node, names, values in self._attributes or ():
@@ -247,6 +302,21 @@ class PrivateCopy:
       if tuple(now) != names or not all(map(operator.is_, values, now.values())):
         return False
     return True
+
+
+def metadata_changed(before: tuple[tuple[str, Any], ...], variable: Any) -> bool:
+  """Whether `variable`'s metadata differs from `before` (its items, noted earlier)."""
+  now = fi.nnx_variable_metadata(variable)
+  if len(now) != len(before):
+    return True
+  for name, value in before:
+    current = now.get(name, _GONE)
+    if current is not value and not equal(current, value):
+      return True
+  return False
+
+
+_GONE = object()
 
 
 def _hash_or(value: Any, fallback: Callable[[], int]) -> int:
