@@ -21,6 +21,7 @@ Rules of the dispatch, each enforced here for both frameworks:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -103,6 +104,12 @@ class Pending:
     return (
       node.origin == self.origin and node.path == self.path and node.method_name == self.method_name
     )
+
+
+@functools.lru_cache(maxsize=8192)
+def call_name(frame_path: Path, path: Path, method: str) -> str:
+  """The name of a call of `method` of the module at `path`, made at `frame_path`."""
+  return f"{relative_name(frame_path, path)}.{method}"
 
 
 def relative_name(frame_path: Path, path: Path) -> str:
@@ -238,7 +245,7 @@ class CallInterceptor:
     if frame.absorb is not None and path == frame.path and name == frame.absorb:
       frame.absorb = None
       return next_fun(*args, **kwargs)
-    key, retrace = frame.next_key(f"{relative_name(frame.path, path)}.{name}")
+    key, retrace = frame.next_key(call_name(frame.path, path, name))
     if self.building:
       record = self.new_record(module, path, name)
       if not retrace:

@@ -22,9 +22,10 @@ from flaxlens.core._adapter import adapter_of
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import CallInterceptor, Frame
 from flaxlens.core._inner_jit import RunToken
-from flaxlens.core._node import CallNode, own_call_nodes
+from flaxlens.core._node import CallNode, own_call_nodes, pristine_tree
 from flaxlens.core._probes import Probing, carrying_out
 from flaxlens.core._random import RandomStream
+from flaxlens.core._scope import fixed_scope_data
 from flaxlens.core._variables import (
   AbstractVariable,
   AbstractVariableSlot,
@@ -42,13 +43,34 @@ class Gathered:
       value, or plain value).
     values: `{key: value}`, the entries' current values (`Uninitialized` included).
     info: `{key: what the adapter needs to rebuild the variable}`.
+    entry_ids: the ids of the entries (what a run's `RunToken` leaves out).
+
+  Which entries a run gathers is worked out once per root node where it cannot change
+  (`_fixed_layout`); their values are read at every call.
   """
+
+  def __init__(self, root: CallNode):
+    layout = root.__dict__.get("_flaxlens_gathered")
+    if layout is None:
+      layout = _Layout(root)
+      if _is_fixed(root):
+        object.__setattr__(root, "_flaxlens_gathered", layout)
+    self.entries = layout.entries
+    self.info = layout.info
+    self.entry_ids = layout.entry_ids
+    self.values: dict[Any, Any] = {key: value_of(e, n) for key, e, n in layout.owned}
+
+
+class _Layout:
+  """The entries a run of `root` gathers: `(key, entry, node)` for each, in order."""
+
+  __slots__ = ("entries", "info", "owned", "entry_ids")
 
   def __init__(self, root: CallNode):
     adapter = adapter_of(root)
     self.entries: dict[Any, Any] = {}
-    self.values: dict[Any, Any] = {}
     self.info: dict[Any, Any] = {}
+    owned: list[tuple[Any, Any, CallNode]] = []
     prefix = root.path
     for node in own_call_nodes(root):
       if node.path[: len(prefix)] != prefix:
@@ -68,8 +90,23 @@ class Gathered:
             )
           continue
         self.entries[key] = entry
-        self.values[key] = value_of(entry, node)
         self.info[key] = info
+        owned.append((key, entry, node))
+    self.owned = tuple(owned)
+    self.entry_ids = frozenset(map(id, self.entries.values()))
+
+
+def _is_fixed(root: CallNode) -> bool:
+  """Whether the entries of a run of `root` can never change.
+
+  True for a converted tree whose calls are all its own: every `submodule_calls` and
+  scope data dict below `root` is read-only, so no entry can be added, removed or
+  swapped (values change, and are read at every call). A hand-built node or a
+  replacement layer anywhere below is gathered afresh at every call.
+  """
+  if not pristine_tree(root) or root.__dict__.get("_flaxlens_pristine") is not True:
+    return False
+  return all(fixed_scope_data(node.scope_data) for node in own_call_nodes(root))
 
 
 _ABSENT = object()
@@ -104,7 +141,7 @@ def run_tree(
     interceptor.token = RunToken(
       interceptor,
       (root, side_inputs, probing_key),
-      frozenset(map(id, gathered.entries.values())),
+      gathered.entry_ids,
     )
   run = adapter.native_run(root, gathered, random_streams, interceptor)
   method = root.method_name

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from flaxlens.core._names import join_name
-from flaxlens.core._readonly import read_only
+from flaxlens.core._readonly import ReadOnlyDict, read_only
 from flaxlens.core._struct import Struct
 
 Path = tuple[Any, ...]
@@ -97,6 +97,17 @@ class ScopeBuilder:
       variables=read_only(variables),
       immutable_variables=read_only(immutable),
     )
+
+
+def fixed_scope_data(data: Any) -> bool:
+  """Whether no entry of `data` (an `InterceptedFlaxScopeData`) can be added or swapped:
+  its dicts, and the collection dicts in them, are all read-only."""
+  if not isinstance(data, InterceptedFlaxScopeData):
+    return False
+  groups = (data.parameters, data.variables, data.immutable_variables)
+  return all(type(g) is ReadOnlyDict for g in groups) and all(
+    type(c) is ReadOnlyDict for g in groups[1:] for c in g.values()
+  )
 
 
 def owner_of(path: Path, called: set[Path] | frozenset[Path]) -> Path:

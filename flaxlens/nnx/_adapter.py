@@ -85,7 +85,7 @@ class NNXAdapter(FrameworkAdapter):
       copy = _rebuild(root, gathered)
     else:
       copy.refill(gathered.values)
-    interceptor.instrument(copy.modules, root.path)
+    interceptor.mark(copy.sites(root.path), copy.classes)
     copy.seal()
 
     def run(argument: ArgsAndKwargs) -> tuple[Any, dict[Any, Any]]:

@@ -77,9 +77,7 @@ def unflaxify_nnx(
     interceptor.instrument(nnx.iter_modules(copy), ())
     statics = {p: fi.nnx_static_attributes(m) for p, m in interceptor.by_path.items()}
     metadata = [
-      (v, tuple(fi.nnx_variable_metadata(v).items()))
-      for v in made.values()
-      if isinstance(v, nnx.Variable)
+      (v, dict(fi.nnx_variable_metadata(v))) for v in made.values() if isinstance(v, nnx.Variable)
     ]
     with interceptor.active():
       call_method(copy, method, args, kwargs)
@@ -123,7 +121,7 @@ def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict
         )
 
 
-def _check_metadata(where: str, copy: Any, before: list[tuple[Any, tuple]]) -> None:
+def _check_metadata(where: str, copy: Any, before: list[tuple[Any, dict]]) -> None:
   """Refuses calls that change a variable's metadata (`set_metadata` while running).
 
   Like static attributes, metadata is part of the `GraphDef` every call of the tree

@@ -221,6 +221,8 @@ class PrivateCopy:
     "_attributes",
     "_metadata",
     "_intact",
+    "_sites",
+    "_classes",
   )
 
   def __init__(
@@ -246,8 +248,21 @@ class PrivateCopy:
       self.variables = ()
       self._nodes = []
     self._attributes: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] | None = None
-    self._metadata: tuple[tuple[tuple[str, Any], ...], ...] | None = None
+    self._metadata: tuple[dict[str, Any], ...] | None = None
     self._intact = False
+    self._sites: tuple[Path, tuple[tuple[Path, Any], ...]] | None = None
+    self._classes = frozenset(type(m) for _, m in self.modules)
+
+  def sites(self, prefix: Path) -> tuple[tuple[Path, Any], ...]:
+    """`(path from the tree's root, module)` of every module, for `NNXInterceptor.mark`."""
+    if self._sites is None or self._sites[0] != prefix:
+      self._sites = (prefix, tuple((prefix + tuple(p), m) for p, m in self.modules))
+    return self._sites[1]
+
+  @property
+  def classes(self) -> frozenset[type]:
+    """The classes of the copy's modules."""
+    return self._classes
 
   def seal(self) -> None:
     """Notes the attributes of every graph node of the copy, before the run changes any."""
@@ -255,7 +270,7 @@ class PrivateCopy:
       (node, tuple(vars(node)), tuple(vars(node).values())) for node in self._nodes
     ]
     if self.reusable and self._metadata is None:
-      self._metadata = tuple(tuple(fi.nnx_variable_metadata(v).items()) for _, v in self.variables)
+      self._metadata = tuple(dict(fi.nnx_variable_metadata(v)) for _, v in self.variables)
 
   def state(self) -> dict[Path, Any]:
     """`{path: raw value}` of the copy's variables now, orphans left out.
@@ -304,19 +319,16 @@ class PrivateCopy:
     return True
 
 
-def metadata_changed(before: tuple[tuple[str, Any], ...], variable: Any) -> bool:
-  """Whether `variable`'s metadata differs from `before` (its items, noted earlier)."""
-  now = fi.nnx_variable_metadata(variable)
-  if len(now) != len(before):
+def metadata_changed(before: Mapping[str, Any], variable: Any) -> bool:
+  """Whether `variable`'s metadata differs from `before` (a copy of it, made earlier).
+
+  Values are compared as `dict ==` does (the same object first, then `==`); a
+  comparison that raises (arrays held as metadata) counts as a change.
+  """
+  try:
+    return bool(fi.nnx_variable_metadata(variable) != before)
+  except Exception:
     return True
-  for name, value in before:
-    current = now.get(name, _GONE)
-    if current is not value and not equal(current, value):
-      return True
-  return False
-
-
-_GONE = object()
 
 
 def _hash_or(value: Any, fallback: Callable[[], int]) -> int:

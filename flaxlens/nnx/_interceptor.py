@@ -84,20 +84,37 @@ def _report(definer: type, name: str) -> Callable[[Any], Callable[..., Any]]:
   """Wraps `definer.name` so that a module of an active run reports its calls."""
 
   def wrap(method: Any) -> Callable[..., Any]:
-    def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
-      bound = method.__get__(self, type(self))
-      site = fi.nnx_site(self)
-      if site is None or _definer(type(self), name) is not definer:
-        return bound(*args, **kwargs)  # Not a run's module, or reached through super().
-      interceptor = site.token.interceptor
-      if interceptor is None or not interceptor.frames or not is_active(interceptor):
-        return bound(*args, **kwargs)
-      return interceptor.dispatch(self, site.path, name, bound, args, kwargs)
-
-    functools.update_wrapper(reporting, method, updated=())
-    return reporting
+    try:
+      return _reporting(definer, name, method)
+    except TypeError:  # A method object that cannot be hashed: wrapped afresh.
+      return _reporting.__wrapped__(definer, name, method)
 
   return wrap
+
+
+@functools.lru_cache(maxsize=4096)
+def _reporting(definer: type, name: str, method: Any) -> Callable[..., Any]:
+  """The wrapper of `method` (`definer.name`), made once and installed at every run."""
+  definers: dict[type, type] = {}  # The class each calling type takes `name` from.
+
+  def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
+    cls = type(self)
+    bound = method.__get__(self, cls)
+    site = fi.nnx_site(self)
+    if site is None:
+      return bound(*args, **kwargs)  # Not a run's module.
+    found = definers.get(cls)
+    if found is None:
+      found = definers[cls] = _definer(cls, name)
+    if found is not definer:
+      return bound(*args, **kwargs)  # Reached through super() from an override.
+    interceptor = site.token.interceptor
+    if interceptor is None or not interceptor.frames or not is_active(interceptor):
+      return bound(*args, **kwargs)
+    return interceptor.dispatch(self, site.path, name, bound, args, kwargs)
+
+  functools.update_wrapper(reporting, method, updated=())
+  return reporting
 
 
 def _variable_shapes(module: Any) -> tuple[Any, ...]:
@@ -139,6 +156,14 @@ class NNXInterceptor(CallInterceptor):
       self.classes.add(type(module))
       fi.nnx_set_site(module, _Site(path, self.token))
       self.modules[id(module)] = module
+
+  def mark(self, sites: Iterable[tuple[Path, Any]], classes: frozenset[type]) -> None:
+    """`instrument` for a run (not a conversion): `(full path, module)` pairs, whose
+    classes are `classes`; only the sites are set (`by_path` is for conversions)."""
+    token = self.token
+    for path, module in sites:
+      fi.nnx_set_site(module, _Site(path, token))
+    self.classes |= classes
 
   @contextmanager
   def active(self) -> Iterator[None]:

@@ -7,6 +7,8 @@ compares the next call with the native call on the same edit.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from comparisons import assert_trees_equal
 from frameworks import LINEN, NNX, Wrap
@@ -78,3 +80,22 @@ def test_state_a_call_updates_is_what_the_next_call_starts_from(corpora, fw, nam
   expected, state = fw.native(case, times=3)
   assert_trees_equal(output, expected)
   assert_trees_equal(fw.tree_state(tree), state)
+
+
+@pytest.mark.parametrize("fw, path", [(LINEN, "Dense_1"), (NNX, "out")])
+def test_a_hand_built_plain_dict_edited_in_place_after_a_call_is_seen(corpora, fw, path):
+  """A run works out once which variables it gathers, but only for read-only dicts: a
+  node rebuilt by hand with plain dicts is gathered afresh at every call."""
+  case = corpora[fw]["mlp"]
+  tree = fw.convert(case)
+  node = tree.select().at_path(path).get()
+  plain = dict(node.scope_data.parameters)
+  hand_built = dataclasses.replace(
+    node, scope_data=dataclasses.replace(node.scope_data, parameters=plain)
+  )
+  tree = tree.select().at_path(path).set(hand_built)
+  fw.call(tree, case)
+  old = plain["kernel"]
+  plain["kernel"] = fl.Parameter(old.value * 2.0, label=old.label)
+  expected, _ = fw.native(fw.with_variable(case, old.label, old.value * 2.0))
+  assert_trees_equal(fw.call(tree, case), expected)
