@@ -96,7 +96,7 @@ def unflaxify_nnx(
     run,
     (leaves, example_args, example_kwargs),
   )
-  return _build_tree(model, definition, root, given, created)
+  return _build_tree(definition, root, given, created)
 
 
 def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict]) -> None:
@@ -153,24 +153,14 @@ def _check_created(where: str, path: Path, variable: Any, modules: dict[Path, An
     )
 
 
-def _definition(module: nnx.Module, family: object) -> NNXModuleDef:
-  graphdef, variables = fi.nnx_flatten(module)
-  leaves = tuple(abstract(v.get_raw_value()) for _, v in variables)
-  return NNXModuleDef(graphdef, leaves, tuple(p for p, _ in variables), family)
-
-
 def _build_tree(
-  model: nnx.Module,
   definition: NNXModuleDef,
   root: CallRecord,
   given: dict[Path, Any],
   created: dict[Path, Any],
 ) -> InterceptedNNXModuleMethod:
   called = {r.path for r in root.walk()}
-  modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
-  definitions = {
-    p: definition if p == () else _definition(modules[p], definition.family) for p in called
-  }
+  definitions = {p: definition if p == () else NNXModuleDef.derived(definition, p) for p in called}
   scopes = ScopeBuilder(called)
   specs: dict[Path, list[NNXVariableSpec]] = {p: [] for p in called}
   variables = [(p, v, False) for p, v in given.items()]

@@ -64,16 +64,23 @@ class NNXModuleDef:
   cache by the static fields of a tree on every call. A static attribute NNX cannot hash
   (a dict, a list) leaves the variables' paths as the hash; equality still compares
   the whole `GraphDef`, as NNX does.
+
+  The definitions of a converted model's submodules are `derived` from the root's:
+  their `GraphDef` is worked out when first needed (running, isolating or exporting
+  that call on its own), from a template of the root merged with the abstract leaves.
+  Two derived definitions are equal when they name the same path of equal roots.
   """
 
   __slots__ = (
-    "graphdef",
-    "abstract_leaves",
-    "leaf_paths",
+    "_graphdef",
+    "_abstract_leaves",
+    "_leaf_paths",
     "family",
     "_hash",
     "_statics",
     "_layout",
+    "_source",
+    "_template",
   )
 
   def __init__(
@@ -83,26 +90,79 @@ class NNXModuleDef:
     paths: tuple[Path, ...] | None = None,
     family: object | None = None,
   ):
-    self.graphdef = graphdef
-    self.abstract_leaves = abstract_leaves
-    self.leaf_paths = leaf_paths(graphdef) if paths is None else paths
+    self._graphdef = graphdef
+    self._abstract_leaves = abstract_leaves
+    self._leaf_paths = leaf_paths(graphdef) if paths is None else paths
     # Definitions made together from one model (by conversion, or by one change of
     # static attributes) share a family: they agree on every module they both hold.
     self.family = object() if family is None else family
     self._statics: dict[Path, dict[str, Any]] | None = None
     self._layout: _Layout | None = None
-    self._hash = _hash_or(graphdef, lambda: hash(self.leaf_paths))
+    self._source: tuple[NNXModuleDef, Path] | None = None
+    self._template: Any = None
+    self._hash = _hash_or(graphdef, lambda: hash(self._leaf_paths))
     self._hash = _hash_or((self._hash, abstract_leaves), lambda: self._hash)
+
+  @classmethod
+  def derived(cls, source: NNXModuleDef, path: Path) -> NNXModuleDef:
+    """The definition of the module at `path` (relative) inside `source`'s module."""
+    self = object.__new__(cls)
+    self._graphdef = self._abstract_leaves = self._leaf_paths = None
+    self.family = source.family
+    self._statics = None
+    self._layout = None
+    self._source = (source, path)
+    self._template = None
+    self._hash = hash(("derived", source._hash, path))
+    return self
+
+  @property
+  def graphdef(self) -> Any:
+    if self._graphdef is None:
+      self._resolve()
+    return self._graphdef
+
+  @property
+  def abstract_leaves(self) -> tuple[Any, ...]:
+    if self._abstract_leaves is None:
+      self._resolve()
+    return self._abstract_leaves
+
+  @property
+  def leaf_paths(self) -> tuple[Path, ...]:
+    if self._leaf_paths is None:
+      self._resolve()
+    return self._leaf_paths
+
+  def _resolve(self) -> None:
+    assert self._source is not None
+    source, path = self._source
+    graphdef, variables = fi.nnx_flatten(navigate(source.template(), path))
+    self._abstract_leaves = tuple(abstract(v.get_raw_value()) for _, v in variables)
+    self._leaf_paths = tuple(p for p, _ in variables)
+    self._graphdef = graphdef
+
+  def template(self) -> Any:
+    """The module merged from the definition with its abstract leaves (made once)."""
+    if self._template is None:
+      self._template = nnx.merge(self.graphdef, list(self.abstract_leaves))
+    return self._template
 
   def __hash__(self) -> int:
     return self._hash
 
   def __eq__(self, other: object) -> bool:
-    return self is other or (
-      type(other) is NNXModuleDef
-      and self._hash == other._hash
-      and equal(self.graphdef, other.graphdef)
-      and equal(self.abstract_leaves, other.abstract_leaves)
+    if self is other:
+      return True
+    if type(other) is not NNXModuleDef or self._hash != other._hash:
+      return False
+    if self._source is not None or other._source is not None:
+      mine, theirs = self._source, other._source
+      return (
+        mine is not None and theirs is not None and mine[1] == theirs[1] and mine[0] == theirs[0]
+      )
+    return equal(self.graphdef, other.graphdef) and equal(
+      self.abstract_leaves, other.abstract_leaves
     )
 
   def __repr__(self) -> str:

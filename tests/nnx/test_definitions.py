@@ -1,0 +1,69 @@
+"""The definitions of a converted NNX model's submodules, derived from the root's.
+
+Conversion keeps the root's `GraphDef`; the definition of each called submodule is
+worked out from it when first needed. Each test compares with what NNX itself gives
+for the user's submodule.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from comparisons import assert_trees_equal
+from flax import nnx
+
+import flaxlens as fl
+from flaxlens.nnx._definition import equal
+
+
+class Shared(nnx.Module):
+  """A submodule holding a variable another submodule also holds, and static settings."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(10, 4, rngs=rngs)
+    self.block = nnx.Sequential(nnx.Linear(4, 4, rngs=rngs), nnx.Dropout(0.3, rngs=rngs))
+    self.block.tied = self.embed.embedding  # The same Param, reached from two modules.
+    self.norm = nnx.LayerNorm(4, epsilon=1e-3, rngs=rngs)
+
+  def __call__(self, tokens):
+    return self.norm(self.block(self.embed(tokens)) + self.block.tied[...].sum())
+
+
+def _tree_and_model():
+  model = Shared(nnx.Rngs(0, dropout=1))
+  tokens = jnp.array([[1, 2, 3]])
+  return fl.unflaxify(model, tokens), model, tokens
+
+
+@pytest.mark.parametrize("path", ["embed", "block", "block/layers/0", "norm"])
+def test_a_derived_definition_is_what_nnx_flattens(path):
+  tree, model, _ = _tree_and_model()
+  node = tree.select().at_path(path).get()
+  module = model
+  for key in path.split("/"):
+    module = module[int(key)] if key.isdigit() else getattr(module, key)
+  graphdef, state = nnx.split(module)
+  assert equal(node.definition.graphdef, graphdef)
+  flat = nnx.to_flat_state(state)
+  assert node.definition.leaf_paths == tuple(tuple(p) for p, _ in flat)
+  shapes = tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for _, v in flat)
+  assert node.definition.abstract_leaves == shapes
+
+
+def test_derived_definitions_of_two_conversions_are_equal_and_hash_alike():
+  first, _, _ = _tree_and_model()
+  second, _, _ = _tree_and_model()
+  a = first.select().at_path("block").get().definition
+  b = second.select().at_path("block").get().definition
+  assert a == b and hash(a) == hash(b)
+  assert a != first.select().at_path("norm").get().definition
+
+
+def test_a_subtree_runs_on_its_own_from_its_derived_definition():
+  tree, model, tokens = _tree_and_model()
+  hidden = model.embed(tokens)
+  node = tree.select().at_path("norm").get()
+  assert_trees_equal(node(fl.ArgsAndKwargs.capture(hidden)), model.norm(hidden))
+  exported = tree.select().at_path("block").get().export()
+  assert equal(nnx.graphdef(exported), nnx.graphdef(model.block))
