@@ -47,8 +47,8 @@ FULL = Sizes(
   conversion_batches=(4, 64),
   forward_reps=31,
   compile_reps=7,
-  conversion_reps=4,
-  eager_reps=7,
+  conversion_reps=6,
+  eager_reps=21,
 )
 QUICK = Sizes(
   layers=1,
