@@ -367,9 +367,13 @@ class PrivateCopy:
       fi.nnx_set_raw_value(variable, private_value(values[path]))
 
   def empty(self) -> None:
-    """Drops the copy's references to the run's arrays (a kept copy holds no memory)."""
+    """Drops the copy's references to the run: its arrays, and the sites of its modules
+    (whose token holds the run's side inputs), so a kept copy holds no memory."""
     for _, variable in self.variables:
       fi.nnx_set_raw_value(variable, None)
+    for _, module in self.modules:
+      fi.nnx_set_site(module, None)
+    self._attributes = None
 
   def _unchanged(self) -> bool:
     for node, names, values in self._attributes or ():

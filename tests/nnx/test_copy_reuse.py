@@ -104,6 +104,18 @@ def test_a_kept_copy_holds_no_arrays():
   assert gone() is None  # Nothing but the tree held it: the idle copy was emptied.
 
 
+def test_a_kept_copy_holds_no_side_inputs():
+  model, _ = _pair()
+  tree = fl.unflaxify(model, _x(0))
+  side = jnp.arange(7.0)
+  gone = weakref.ref(side)
+  tree(fl.ArgsAndKwargs.capture(_x(0)), extra=side)
+  assert _kept(tree) == 1
+  del side
+  gc.collect()
+  assert gone() is None
+
+
 def test_edits_between_reused_calls_are_seen():
   model, native = _pair()
   tree = fl.unflaxify(model, _x(0))
