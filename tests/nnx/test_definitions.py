@@ -67,3 +67,23 @@ def test_a_subtree_runs_on_its_own_from_its_derived_definition():
   assert_trees_equal(node(fl.ArgsAndKwargs.capture(hidden)), model.norm(hidden))
   exported = tree.select().at_path("block").get().export()
   assert equal(nnx.graphdef(exported), nnx.graphdef(model.block))
+
+
+class Appends(nnx.Module):
+  """A call that adds a variable to a plain data list in place (no attribute changes)."""
+
+  def __init__(self):
+    self.linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    self.log = nnx.data([])
+
+  def __call__(self, x):
+    y = self.linear(x)
+    self.log.append(nnx.BatchStat(y.sum()))
+    return y
+
+
+def test_a_variable_a_call_adds_to_a_plain_list_is_refused_at_conversion():
+  model = Appends()
+  with pytest.raises(fl.UnsupportedFlaxFeatureError, match="'log/0' inside a new container"):
+    fl.unflaxify(model, jnp.ones((1, 2)))
+  assert model.log == []
