@@ -135,30 +135,15 @@ def check(first: str, second: str) -> int:
 
 
 def _load_target(target: str) -> tuple[object, tuple]:
-  """`(model, inputs)` from a TARGET; a Linen model is the pair `(module, variables)`."""
-  import importlib
-  import importlib.util
-  import os
+  """`(model, inputs)` from a TARGET; a Linen model is the pair `(module, variables)`.
 
-  source, sep, name = target.rpartition(":")
-  if not sep or not source or not name:
-    raise ValueError(
-      f"{target!r} is not a TARGET; write path/to/file.py:factory or package.module:factory."
-    )
-  if source.endswith(".py") or os.path.sep in source:
-    spec = importlib.util.spec_from_file_location(
-      os.path.splitext(os.path.basename(source))[0], source
-    )
-    if spec is None or spec.loader is None or not os.path.isfile(source):
-      raise ValueError(f"{source}: no such Python file.")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-  else:
-    module = importlib.import_module(source)
-  factory = getattr(module, name, None)
-  if not callable(factory):
-    raise ValueError(f"{target}: {source} has no function {name!r}.")
-  made = factory()
+  The file or module is loaded as `inspect` loads it (`_target.load_factory`: the
+  file's folder on `sys.path`, errors that name the fix); the factory's result follows
+  `check`'s own protocol, where `inputs` may also be a single argument.
+  """
+  from flaxlens._target import load_factory
+
+  made = load_factory(target)()
   if not isinstance(made, tuple) or len(made) not in (2, 3):
     raise ValueError(
       f"{target}: the factory must return (nnx_model, inputs) or (linen_module,"

@@ -173,7 +173,7 @@ def test_check_of_a_model_against_its_saved_export(target, tmp_path, capsys):
 @pytest.mark.parametrize(
   "first, message",
   [
-    ("nowhere.py:f", "no such Python file"),
+    ("nowhere.py:f", "There is no file 'nowhere.py'"),
     ("linen", "is not a TARGET"),
     (":not_a_model", "must return (nnx_model, inputs)"),
   ],
