@@ -25,20 +25,24 @@ params = jax.jit(module.init)(jax.random.key(0), ids, mask, positions)["params"]
 tree = fl.unflaxify(module, {"params": params}, ids, mask, positions)
 v = jax.random.normal(jax.random.key(1), (32,))  # a steering direction
 
+# The model's arguments go to every flaxlens call as one value: a tuple of positional
+# arguments here (fl.ArgsAndKwargs.capture(...) for keyword arguments too).
+inputs = (ids, mask, positions)
+
 # 1. Cache the residual stream: every block's output (GPT-2 blocks return tuples).
-out, cache = fl.capture(tree, ids, mask, positions, at="transformer/h/*")
+out, cache = fl.capture(tree, inputs, at="transformer/h/*")
 resid = {site: hidden for site, (hidden, *_) in cache.items()}
 print("residual stream:", {site: x.shape for site, x in resid.items()})
 
 # 2. Ablate head 1 of block 0. GPT-2 merges its 2 heads of 16 features before the output
 #    projection c_proj, so head 1 is features 16:32 of c_proj's input.
 head_1 = fl.ablate("transformer/h/0/attn/c_proj", on="input", where=jnp.s_[..., 16:32])
-ablated = fl.run(tree, ids, mask, positions, interventions=[head_1])
+ablated = fl.run(tree, inputs, interventions=[head_1])
 print("ablating head 1 moves the logits by", float(jnp.abs(ablated.logits - out.logits).max()))
 
 # 3. Steer: add 4 * v to block 1's hidden state (part 0 of its output).
 steer = fl.steer("transformer/h/1", v, alpha=4.0, part=0)
-steered = fl.run(tree, ids, mask, positions, interventions=[steer])
+steered = fl.run(tree, inputs, interventions=[steer])
 print("steered next token:", int(steered.logits[0, -1].argmax()))
 
 # 4. Steer a cached generation. GPT-2's key/value cache is its "cache" collection: convert
@@ -52,7 +56,7 @@ decoder = fl.unflaxify(
 )
 tokens, step_ids, step_positions = ids[0].tolist(), ids, positions
 while len(tokens) < max_length:
-  logits = fl.run(decoder, step_ids, full_mask, step_positions, interventions=[steer]).logits
+  logits = fl.run(decoder, (step_ids, full_mask, step_positions), interventions=[steer]).logits
   step_ids, step_positions = logits[:, -1:].argmax(-1), step_positions[:, -1:] + 1
   tokens.append(int(step_ids[0, 0]))
 print("steered generation:", tokens)
@@ -62,7 +66,7 @@ print("steered generation:", tokens)
 corrupted, answer = ids.at[0, 2].set(9), int(out.logits[0, -1].argmax())
 sweep = fl.sweep(
   tree,
-  (ids, mask, positions),
+  inputs,
   (corrupted, mask, positions),
   "transformer/h/*",
   lambda o: o.logits[0, -1, answer],
@@ -75,7 +79,7 @@ print("patching sweep (blocks x positions):\n", sweep.values)
 # 6. Attribution patching: the same grid from one forward and one backward pass.
 estimate = fl.attribute(
   tree,
-  (ids, mask, positions),
+  inputs,
   (corrupted, mask, positions),
   "transformer/h/*",
   lambda o: o.logits[0, -1, answer],

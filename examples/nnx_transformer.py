@@ -51,18 +51,22 @@ positions = jnp.arange(6)[None]
 tree = fl.unflaxify(model, ids, positions)  # one node per module call; `model` is untouched
 v = jax.random.normal(jax.random.key(1), (32,))  # a steering direction
 
+# The model's arguments go to every flaxlens call as one value: a tuple of positional
+# arguments here (fl.ArgsAndKwargs.capture(...) for keyword arguments too).
+inputs = (ids, positions)
+
 # 1. Cache the residual stream: every block's output.
-logits, cache = fl.capture(tree, ids, positions, at="blocks/*")
+logits, cache = fl.capture(tree, inputs, at="blocks/*")
 print("residual stream:", {site: x.shape for site, x in cache.items()})
 
 # 2. Ablate head 2 of block 0: zero its part of the attention output projection's input,
 #    which has shape (batch, length, heads, head_dim).
 head_2 = fl.ablate("blocks/0/attn/out", on="input", where=jnp.s_[..., 2, :])
-ablated = fl.run(tree, ids, positions, interventions=[head_2])
+ablated = fl.run(tree, inputs, interventions=[head_2])
 print("ablating head 2 moves the logits by", float(jnp.abs(ablated - logits).max()))
 
 # 3. Steer: add 4 * v to block 1's output (new vectors or strengths never recompile).
-steered = fl.run(tree, ids, positions, interventions=[fl.steer("blocks/1", v, alpha=4.0)])
+steered = fl.run(tree, inputs, interventions=[fl.steer("blocks/1", v, alpha=4.0)])
 print(
   "steered next token:", int(steered[0, -1].argmax()), "unsteered:", int(logits[0, -1].argmax())
 )
@@ -77,7 +81,7 @@ decoder = fl.unflaxify(decoding, ids[:, :1], positions[:, :1])
 steering = [fl.steer("blocks/1", v, alpha=4.0)]
 tokens = ids[0].tolist()
 for t in range(12):  # reads the prompt token by token, then appends its greedy choices
-  step = fl.run(decoder, jnp.array([[tokens[t]]]), jnp.array([[t]]), interventions=steering)
+  step = fl.run(decoder, (jnp.array([[tokens[t]]]), jnp.array([[t]])), interventions=steering)
   if t + 1 == len(tokens):
     tokens.append(int(step[0, -1].argmax()))
 print("steered generation:", tokens)
@@ -89,7 +93,7 @@ assert model.blocks[0].attn.cached_key is None  # the model itself was not chang
 corrupted, answer = ids.at[0, 2].set(9), int(logits[0, -1].argmax())
 sweep = fl.sweep(
   tree,
-  (ids, positions),
+  inputs,
   (corrupted, positions),
   "blocks/*",
   lambda out: out[0, -1, answer],
@@ -101,7 +105,7 @@ print("patching sweep (blocks x positions):\n", sweep.values)
 # 6. Attribution patching: the same grid estimated from one forward and one backward pass.
 estimate = fl.attribute(
   tree,
-  (ids, positions),
+  inputs,
   (corrupted, positions),
   "blocks/*",
   lambda out: out[0, -1, answer],

@@ -126,7 +126,7 @@ def check(first: str, second: str) -> int:
       other = (model[0], restored) if isinstance(model, tuple) else restored
     else:
       other, _ = _load_target(second)
-    report = fl.check_equivalence(model, other, *inputs)
+    report = fl.check_equivalence(model, other, tuple(inputs))
   except Exception as e:
     print(f"flaxlens check: {type(e).__name__}: {e}", file=sys.stderr)
     return 2

@@ -17,10 +17,14 @@ the class subclasses that built-in too, so older `except` clauses keep working.
 - `ReplacementError`: a replacement in `submodule_calls` is not callable, was removed,
   or returned output of another structure, dtype or shape than the call it replaces.
   Fix: replace the call with an `fl.Layer` that returns what the call returns.
-- `ArgumentError` (also `TypeError` and `ValueError`): a tree, a call or a struct was
-  given arguments of the wrong kind: a call not given `fl.ArgsAndKwargs`, a bad random
-  stream, `Struct.from_attributes` with missing or unknown fields. Fix: as the message
-  says.
+- `ArgumentError` (also `TypeError` and `ValueError`): a tree, a call, a tool or a struct
+  was given arguments of the wrong kind: a call not given `fl.ArgsAndKwargs`, a bad
+  random stream, `Struct.from_attributes` with missing or unknown fields, `None` or a
+  non-tree where a tool takes a tree, interventions or a metric, or a tool (`fl.run`,
+  `fl.capture`, `fl.sweep`, `fl.attribute`, `fl.grad_at`, `fl.fold`,
+  `fl.check_equivalence`) called with the model's arguments spread over its own. Fix: as
+  the message says; the model's arguments are one value after the tree (one argument, a
+  tuple, or `fl.ArgsAndKwargs.capture(*args, **kwargs)`).
 - `VariableError` (also `ValueError`): a variable, slot or label was used inconsistently
   (two variables with one label, an unfilled slot), or a traced value would outlive its
   trace in a variable. Fix: relabel (`fl.relabel_variables`), pass the missing values,

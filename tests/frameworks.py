@@ -111,8 +111,8 @@ class Framework(abc.ABC):
     """The case's model as `fl.check_equivalence` takes it (Linen: `(module, variables)`)."""
 
   @abc.abstractmethod
-  def equivalence_call(self, case) -> tuple[tuple, dict]:
-    """`check_equivalence`'s arguments after the two models, calling as the case calls."""
+  def equivalence_call(self, case) -> tuple[fl.ArgsAndKwargs, dict]:
+    """`check_equivalence`'s model arguments and options, calling as the case calls."""
 
   @abc.abstractmethod
   def module_class(self, node) -> type:
@@ -221,7 +221,7 @@ class _Linen(Framework):
 
   def equivalence_call(self, case):
     options = dict(method=case.method, random_streams=case.rngs, mutable=case.mutable)
-    return case.args, {**options, **case.kwargs}
+    return fl.ArgsAndKwargs(args=tuple(case.args), kwargs=dict(case.kwargs)), options
 
   def module_class(self, node):
     return type(node.module)
@@ -395,7 +395,8 @@ class _NNX(Framework):
     return case.model
 
   def equivalence_call(self, case):
-    return case.args, {"method": case.method, **case.kwargs}
+    argument = fl.ArgsAndKwargs(args=tuple(case.args), kwargs=dict(case.kwargs))
+    return argument, {"method": case.method}
 
   def module_class(self, node):
     return node.module_type

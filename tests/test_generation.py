@@ -104,7 +104,7 @@ def test_steered_cached_decode_equals_native_nnx_edit():
   tree = fl.unflaxify(model, *FIRST)
   steering = [fl.steer("blocks/0", VECTOR, alpha=0.5)]
   tokens, logits = _greedy(
-    lambda ids, pos: fl.run(tree, ids, pos, interventions=steering), *FIRST, STEPS
+    lambda ids, pos: fl.run(tree, (ids, pos), interventions=steering), *FIRST, STEPS
   )
 
   native_tokens, native_logits, native = _native_nnx_decode(model, 0.5)
@@ -127,7 +127,7 @@ def test_steered_decode_compiled_as_one_scan_equals_native_step_by_step():
       values, ids = carry
       tree = fl.bind_variables(skeleton, values)
       steering = [fl.steer("blocks/0", vector, alpha)]
-      logits = fl.run(tree, ids, jnp.full_like(ids, position), interventions=steering, jit=False)
+      logits = fl.run(tree, (ids, jnp.full_like(ids, position)), interventions=steering, jit=False)
       ids = logits[:, -1].argmax(-1)[:, None]
       return (fl.unbind_variables(tree, freeze=True)[1], ids), (ids, logits)
 
@@ -216,7 +216,9 @@ def test_steered_cached_decode_equals_intercepted_hf_gpt2():
   )
   steering = [fl.steer("transformer/h/0", vector, alpha=0.5, part=0)]  # blocks return tuples
   tokens, logits = _greedy(
-    lambda ids, pos: fl.run(tree, ids, mask, pos, return_dict=False, interventions=steering)[0],
+    lambda ids, pos: fl.run(
+      tree, fl.ArgsAndKwargs.capture(ids, mask, pos, return_dict=False), interventions=steering
+    )[0],
     prompt,
     positions,
     STEPS,

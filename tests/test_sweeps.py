@@ -87,11 +87,11 @@ def test_sweep_in_chunks_of_one_equals_single_patches_bit_for_bit(framework, cor
   result = fl.sweep(
     tree, clean.args, corrupted.args, sites, metric, positions=range(4), chunk_size=1
   )
-  _, cache = fl.capture(tree, *clean.args, at=sites)
+  _, cache = fl.capture(tree, clean.args, at=sites)
   single = [
     [
       metric(
-        fl.run(tree, *corrupted.args, interventions=[fl.patch(s, cache[s], where=jnp.s_[:, p])])
+        fl.run(tree, corrupted.args, interventions=[fl.patch(s, cache[s], where=jnp.s_[:, p])])
       )
       for p in range(4)
     ]
@@ -306,7 +306,7 @@ def test_grad_at_equals_linen_perturb(corpora):
   case = corpora[LINEN]["perturb"]
   tree = LINEN.convert(case)
   loss = lambda out: (out**2).sum()
-  value, grads = fl.grad_at(tree, loss, *case.args, at="Dense_0")
+  value, grads = fl.grad_at(tree, case.args, "Dense_0", loss)
 
   def native(perturbations, x):
     variables = {**case.variables, "perturbations": perturbations}
@@ -325,7 +325,7 @@ def test_grad_at_equals_nnx_perturb_under_nnx_capture(corpora):
   x = corpora[NNX]["capture_sow_perturb"].args[0]
   tree = fl.unflaxify(model, x)
   loss = lambda out: (out**2).sum()
-  value, grads = fl.grad_at(tree, loss, x, at="first")
+  value, grads = fl.grad_at(tree, x, "first", loss)
 
   _, perturbations = nnx.capture(model, nnx.Perturbation)(x)
 
@@ -344,7 +344,7 @@ def test_grad_at_stacks_the_gradients_of_a_scanned_call(name, corpora):
   framework, case, site, layers, unrolled = _scan_setting(name, corpora)
   tree = framework.convert(case)
   x = case.args[0]
-  _, grads = fl.grad_at(tree, lambda out: (out**2).sum(), x, at=site)
+  _, grads = fl.grad_at(tree, x, site, lambda out: (out**2).sum())
   expected = []
   for layer in range(layers):
     shape = []

@@ -24,6 +24,7 @@ from flaxlens.core._node import CallNode
 from flaxlens.core._recorder import is_key
 from flaxlens.core._variables import Parameter, Uninitialized, variables_in
 from flaxlens.errors import ArgumentError
+from flaxlens.tools._calling import model_arguments, takes_model_arguments
 from flaxlens.tools._replay import _bits
 
 
@@ -132,20 +133,24 @@ class EquivalenceReport:
     return "\n".join(lines)
 
 
+@takes_model_arguments(
+  "fl.check_equivalence(model, tree, fl.ArgsAndKwargs.capture(x, train=False))"
+)
 def check_equivalence(
   a: Any,
   b: Any,
-  *args: Any,
+  args: Any,
+  /,
+  *,
   method: Any = None,
   random_streams: Any = None,
   mutable: Any = False,
-  **kwargs: Any,
 ) -> EquivalenceReport:
   """Calls two models on the same inputs and compares their outputs and states.
 
   Each of `a` and `b` is a converted tree (any node), a Linen model as the pair
   `(module, variables)` (an exported tree's `(tree.module, tree.export())` included),
-  or an NNX module (an exported tree included). Both run once on `*args, **kwargs`,
+  or an NNX module (an exported tree included). Both run once on `args`,
   and nothing is modified: a tree runs through `stateless_call`, an NNX module as a
   copy, a Linen model through `module.apply`, and each gets its own copy of stateful
   arguments (an `nnx.Rngs`).
@@ -153,16 +158,17 @@ def check_equivalence(
   Args:
     a: the first model.
     b: the second model.
-    *args: the call's positional arguments.
+    args: the model's arguments, as `fl.run` takes them: one value, a tuple of
+      positional arguments, or `fl.ArgsAndKwargs` (keyword arguments too).
     method: the method plain models call (Linen: as `module.apply`'s `method`; NNX: a
       name or a function taking the module first; default `__call__`). A tree calls the
       method it was converted from.
     random_streams: Linen rng keys, as a tree call takes them (and `module.apply` as
-      `rngs`). NNX models keep theirs in the model (an `rngs=` keyword goes to the call).
+      `rngs`). NNX models keep theirs in the model (an `rngs` argument of the call goes
+      in `args`).
     mutable: the collections a Linen `module.apply` may update (as `module.apply`
       takes them); a Linen tree updates the collections it was converted with. Give the
       same ones, so that both sides report the same state.
-    **kwargs: the call's keyword arguments (all but the three names above).
 
   Returns:
     An `EquivalenceReport`; truthy when every leaf is bitwise equal.
@@ -182,8 +188,9 @@ def check_equivalence(
     >>> bool(fl.check_equivalence(tree.export(), tree, x))
     True
   """
-  out_a, state_a = _run(a, "a", _fresh(args, kwargs), method, random_streams, mutable)
-  out_b, state_b = _run(b, "b", _fresh(args, kwargs), method, random_streams, mutable)
+  argument = model_arguments(args)
+  out_a, state_a = _run(a, "a", _fresh(argument), method, random_streams, mutable)
+  out_b, state_b = _run(b, "b", _fresh(argument), method, random_streams, mutable)
   outputs = _compare_trees(out_a, out_b)
   state = tuple(
     row
@@ -198,14 +205,13 @@ def check_equivalence(
 _MISSING = object()
 
 
-def _fresh(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ArgsAndKwargs:
+def _fresh(argument: ArgsAndKwargs) -> ArgsAndKwargs:
   """The call's arguments, stateful pytree nodes in them (an `nnx.Rngs`) rebuilt.
 
   Each side gets its own, so neither sees what the other's call consumed, and the
   caller's arguments are left as they were.
   """
-  args, kwargs = jax.tree_util.tree_map(lambda x: x, (args, kwargs))
-  return ArgsAndKwargs.capture(*args, **kwargs)
+  return jax.tree_util.tree_map(lambda x: x, argument)
 
 
 def _describe(model: Any) -> str:

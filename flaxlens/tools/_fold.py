@@ -24,12 +24,14 @@ from flaxlens.core._node import CallNode
 from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._selectors import select
 from flaxlens.core._variables import Parameter, bind_variables, unbind_variables, variables_in
-from flaxlens.errors import ArgumentError, ExportError
+from flaxlens.errors import ExportError
+from flaxlens.tools._calling import model_arguments, takes_model_arguments
 from flaxlens.tools._equivalence import EquivalenceReport, _compare_trees
 from flaxlens.tools._interventions import (
   Intervention,
   Site,
   _check_tree,
+  _checked_interventions,
   _get_part,
   _nodes_by_name,
   run,
@@ -67,14 +69,16 @@ class _Tolerance:
     )
 
 
+@takes_model_arguments("fl.fold(tree, x, [fl.steer('Block_1', vector, alpha=4.0)])")
 def fold(
   tree: CallNode,
+  args: Any,
+  /,
   interventions: Sequence[Intervention],
-  *example_args: Any,
+  *,
   atol: float = 1e-5,
   rtol: float = 1e-5,
   random_streams: Any = None,
-  **example_kwargs: Any,
 ) -> CallNode:
   """A copy of `tree` whose parameters compute what `tree` computes with `interventions`.
 
@@ -98,19 +102,19 @@ def fold(
   kept only if the call, cut out on the example inputs, reproduces the intervened call.
 
   After folding, the folded tree is run on the example inputs and compared with
-  `fl.run(tree, *example_args, interventions=...)`: every output leaf must agree within
+  `fl.run(tree, args, interventions=...)`: every output leaf must agree within
   `atol` absolutely or `rtol` relatively (as `fl.EquivalenceReport.close` reads them).
   Folding changes the order of floating-point operations, so the results are close, not
   bitwise equal; raise the tolerance for low-precision models (bfloat16: about 1e-2).
 
   Args:
     tree: a converted tree (`fl.unflaxify`); it is not modified.
+    args: the model's arguments to check the folding on, as `fl.run` takes them: one
+      value, a tuple of positional arguments, or `fl.ArgsAndKwargs`.
     interventions: `fl.steer`, `fl.scale` and zero `fl.ablate` results, folded in order.
-    *example_args: inputs to check the folding on (the model's positional arguments).
     atol: the largest absolute difference the check accepts per output leaf.
     rtol: the largest relative difference it accepts per output leaf.
     random_streams: as for `fl.run` (Linen rng keys).
-    **example_kwargs: the model's keyword arguments for the check.
 
   Returns:
     The folded tree: a copy of `tree` with edited parameters.
@@ -129,22 +133,17 @@ def fold(
     >>> variables = model.init(jax.random.key(0), x)
     >>> tree = fl.unflaxify(model, variables, x)
     >>> steer = fl.steer("layers_0", jnp.array([1.0, 0.0, -1.0]), alpha=2.0)
-    >>> folded = fl.fold(tree, [steer], x)
+    >>> folded = fl.fold(tree, x, [steer])
     >>> steered = fl.run(tree, x, interventions=[steer])
     >>> bool(jnp.allclose(model.apply(folded.export(), x), steered, atol=1e-6))
     True
   """
-  _check_tree(tree)
-  interventions = tuple(interventions)
-  for intervention in interventions:
-    if not isinstance(intervention, Intervention):
-      raise ArgumentError(
-        f"fl.fold takes a list of fl.steer/scale/ablate results, got {type(intervention).__name__}."
-      )
+  _check_tree(tree, "fold")
+  interventions = _checked_interventions(interventions, "fold")
   interventions, _ = _nodes_by_name(tree, interventions, None)
   tolerance = _Tolerance(atol, rtol)
   streams = resolve_random_streams(random_streams, tree.where())
-  argument = ArgsAndKwargs(args=tuple(example_args), kwargs=dict(example_kwargs))
+  argument = model_arguments(args)
   folded = _copy(tree)
   parameters = {v.label: v for v in variables_in(folded) if isinstance(v, Parameter)}
   refused = []
@@ -203,13 +202,11 @@ def _verify(
   Both run on copies: a run writes the state it updates (batch statistics, NNX rng
   counts, a decoding cache) into its tree, and neither tree may change."""
 
-  def fresh() -> tuple[tuple[Any, ...], dict[str, Any]]:  # an nnx.Rngs argument advances
-    return jax.tree_util.tree_map(lambda x: x, (argument.args, argument.kwargs))
+  def fresh() -> ArgsAndKwargs:  # an nnx.Rngs argument advances
+    return jax.tree_util.tree_map(lambda x: x, argument)
 
-  args, kwargs = fresh()
-  expected = run(_copy(tree), *args, interventions=interventions, random_streams=streams, **kwargs)
-  args, kwargs = fresh()
-  actual = run(_copy(folded), *args, random_streams=streams, **kwargs)
+  expected = run(_copy(tree), fresh(), interventions=interventions, random_streams=streams)
+  actual = run(_copy(folded), fresh(), random_streams=streams)
   report = tolerance.report(expected, actual, "the tree with the interventions", "folded tree")
   if not report.close(tolerance.atol, tolerance.rtol):
     raise ExportError(

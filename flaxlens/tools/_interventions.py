@@ -29,6 +29,7 @@ from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._selectors import path_matches
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.errors import ArgumentError, SelectionError
+from flaxlens.tools._calling import model_arguments, takes_model_arguments
 
 # --- sites --------------------------------------------------------------------------------
 
@@ -572,11 +573,39 @@ def modify(
 # --- running ------------------------------------------------------------------------------
 
 
-def _check_tree(tree: Any) -> None:
+def _check_tree(tree: Any, tool: str) -> None:
   if not isinstance(tree, CallNode):
     raise ArgumentError(
-      f"fl.run and fl.capture take a converted tree (fl.unflaxify(...)), got {type(tree).__name__}."
+      f"fl.{tool} takes a converted tree first, got {_described(tree)}. Convert the"
+      " model with fl.unflaxify(module, variables, x) (Linen) or fl.unflaxify(model, x)"
+      " (NNX)."
     )
+
+
+def _described(value: Any) -> str:
+  return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _checked_interventions(interventions: Any, tool: str) -> tuple[Intervention, ...]:
+  """`interventions` as a tuple, each element an `Intervention`; anything else refused."""
+  if isinstance(interventions, Intervention):
+    interventions = (interventions,)
+  if interventions is None or isinstance(interventions, str | Mapping):
+    bad = _described(interventions)
+  else:
+    try:
+      interventions = tuple(interventions)
+    except TypeError:
+      bad = _described(interventions)
+    else:
+      odd = [x for x in interventions if not isinstance(x, Intervention)]
+      if not odd:
+        return interventions
+      bad = f"a list holding {_described(odd[0])}"
+  raise ArgumentError(
+    f"fl.{tool}: interventions= takes a list of fl.ablate, fl.patch, fl.steer, fl.scale or"
+    f" fl.modify results (or fl.load_interventions(path)), got {bad}. Pass [] for none."
+  )
 
 
 def _probes_for(
@@ -596,11 +625,6 @@ def _probes_for(
     return found
 
   for intervention in interventions:
-    if not isinstance(intervention, Intervention):
-      raise ArgumentError(
-        "interventions= takes fl.ablate/patch/steer/scale/modify results, got"
-        f" {type(intervention).__name__}."
-      )
     for site in select_sites(tree, intervention.at, sites):
       _check_part(site, intervention)
       p = probe(site)
@@ -687,9 +711,12 @@ def _run_compiled(tree, argument, interventions, capture, inputs, index, dtype, 
   return _run_once(tree, argument, interventions, capture, inputs, index, dtype, random_streams)
 
 
+@takes_model_arguments("fl.run(tree, fl.ArgsAndKwargs.capture(x, train=False), capture='**')")
 def run(
   tree: CallNode,
-  *args: Any,
+  args: Any,
+  /,
+  *,
   interventions: Sequence[Intervention] = (),
   capture: Any = None,
   inputs: bool = False,
@@ -697,9 +724,8 @@ def run(
   dtype: Any = None,
   random_streams: Any = None,
   jit: bool = True,
-  **kwargs: Any,
 ) -> Any:
-  """Runs a converted tree on `*args, **kwargs` with interventions, capturing calls.
+  """Runs a converted tree on `args` with interventions, capturing calls.
 
   The tree runs once, natively (every call not intervened on is Flax's own), compiled
   with `jax.jit` by default: the tree's variables, the arguments' arrays and the
@@ -719,7 +745,10 @@ def run(
 
   Args:
     tree: a converted tree (`fl.unflaxify`).
-    *args: the call's positional arguments.
+    args: the model's arguments: one value (its only positional argument), a tuple of
+      positional arguments, or `fl.ArgsAndKwargs.capture(*args, **kwargs)` for keyword
+      arguments too. Every other parameter is an option of `fl.run`, keyword-only, so
+      none can be mistaken for an argument of the model.
     interventions: `fl.ablate`, `fl.patch`, `fl.steer`, `fl.scale`, `fl.modify` results,
       applied in order (input edits before the call, output edits after it).
     capture: the sites whose outputs to return, or None.
@@ -729,14 +758,14 @@ def run(
     dtype: cast every captured array to this dtype.
     random_streams: as for a tree call (Linen: `{"dropout": key}`).
     jit: compile the run (default) or run it eagerly.
-    **kwargs: the call's keyword arguments.
 
   Returns:
     The output, or `(output, {site: value})` when `capture` is given.
 
   Raises:
     SelectionError: a site matches no call (the closest names are listed).
-    ArgumentError: a value cannot apply to its site (the site and shapes are named).
+    ArgumentError: a value cannot apply to its site (the site and shapes are named), or
+      the call spreads the model's arguments over `fl.run`'s own.
     UnsupportedFlaxFeatureError: a captured site runs where values cannot leave.
 
   Example:
@@ -748,13 +777,13 @@ def run(
     >>> sorted(cache), bool((out == model.apply(variables, x)).all())
     (['layers_0', 'layers_2'], True)
   """
-  _check_tree(tree)
-  interventions = tuple(interventions)
+  _check_tree(tree, "run")
+  interventions = _checked_interventions(interventions, "run")
   capture = _static_at(capture)
   if isinstance(capture, str) and capture == "all":
     capture = True
   interventions, capture = _nodes_by_name(tree, interventions, capture)
-  argument = ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs))
+  argument = model_arguments(args)
   random_streams = resolve_random_streams(random_streams, tree.where())
   if index is not None:
     index = _split_index(index if isinstance(index, tuple) else (index,))
@@ -793,22 +822,25 @@ def _nodes_by_name(
   return tuple(edited), by_name(capture)
 
 
+@takes_model_arguments("fl.capture(tree, fl.ArgsAndKwargs.capture(x, train=False), 'Block_*')")
 def capture(
   tree: CallNode,
-  *args: Any,
+  args: Any,
+  /,
   at: Any = True,
+  *,
   inputs: bool = False,
   index: Any = None,
   dtype: Any = None,
   interventions: Sequence[Intervention] = (),
   random_streams: Any = None,
   jit: bool = True,
-  **kwargs: Any,
 ) -> tuple[Any, dict[str, Any]]:
   """Runs a tree and returns `(output, {site: value})`: every call's output by default.
 
-  `fl.capture(tree, x, at="**/mlp")` is `fl.run(tree, x, capture="**/mlp")`; see
-  `fl.run` for sites, options and compilation.
+  `fl.capture(tree, x, "**/mlp")` is `fl.run(tree, x, capture="**/mlp")`; see
+  `fl.run` for the model's arguments (one value: `x`, a tuple, or `fl.ArgsAndKwargs`),
+  sites, options and compilation.
 
   Example:
     >>> import flaxlens as fl
@@ -820,15 +852,15 @@ def capture(
     >>> sorted(cache)
     ['Sequential.__call__', 'layers/0']
   """
+  _check_tree(tree, "capture")
   return run(
     tree,
-    *args,
-    interventions=interventions,
+    args,
+    interventions=_checked_interventions(interventions, "capture"),
     capture=at,
     inputs=inputs,
     index=index,
     dtype=dtype,
     random_streams=random_streams,
     jit=jit,
-    **kwargs,
   )

@@ -38,6 +38,7 @@ from flaxlens.core._probes import Probing, scan_iterations
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._variables import bind_variables, unbind_variables
 from flaxlens.errors import ArgumentError, UnsupportedFlaxFeatureError
+from flaxlens.tools._calling import check_callable, model_arguments, takes_model_arguments
 from flaxlens.tools._interventions import (
   Intervention,
   Site,
@@ -123,14 +124,6 @@ class SweepResult:
 
 
 # --- shared machinery ---------------------------------------------------------------------
-
-
-def _argument(value: Any, kwargs: dict[str, Any]) -> ArgsAndKwargs:
-  """A run's argument: an `ArgsAndKwargs`, a tuple of positional arguments, or one."""
-  if isinstance(value, ArgsAndKwargs):
-    return ArgsAndKwargs(args=tuple(value.args), kwargs={**kwargs, **value.kwargs})
-  args = value if isinstance(value, tuple) else (value,)
-  return ArgsAndKwargs(args=args, kwargs=dict(kwargs))
 
 
 def _chosen(tree: CallNode, at: Any, part: Any) -> tuple[int, ...]:
@@ -345,10 +338,12 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
 _sweep_compiled = variable_jit(_sweep)
 
 
+@takes_model_arguments("fl.sweep(tree, clean, corrupted, 'Block_*', metric, positions=range(8))")
 def sweep(
   tree: CallNode,
   clean: Any,
   corrupted: Any,
+  /,
   at: Any,
   metric: Callable[[Any], Any],
   *,
@@ -358,7 +353,6 @@ def sweep(
   chunk_size: int | None = None,
   random_streams: Any = None,
   jit: bool = True,
-  **kwargs: Any,
 ) -> SweepResult:
   """Activation patching over many sites in one compiled call: a metric per site.
 
@@ -369,7 +363,7 @@ def sweep(
   compiled once per shape, sites and metric. A call inside an `nn.scan`/`nnx.scan`
   body is swept one iteration at a time (`"layers/mlp[3]"`: iteration 3).
 
-  Each result equals the single patch `fl.run(tree, *corrupted, interventions=
+  Each result equals the single patch `fl.run(tree, corrupted, interventions=
   [fl.patch(site, clean_value, where=...)])` followed by `metric`; batching can change
   how XLA orders a reduction (a matmul over a larger batch), so the two agree to
   rounding, and bit for bit with `chunk_size=1` on the same program. Every forward
@@ -377,8 +371,8 @@ def sweep(
 
   Args:
     tree: a converted tree (`fl.unflaxify`).
-    clean: the clean run's positional arguments: one value, a tuple, or an
-      `fl.ArgsAndKwargs`.
+    clean: the clean run's model arguments, as `fl.run` takes them: one value, a tuple
+      of positional arguments, or `fl.ArgsAndKwargs` (keyword arguments too).
     corrupted: the corrupted run's arguments, alike.
     at: the sites, as `fl.run` takes them (`"h/*"`, `"**/mlp"`, a module class, ...).
     metric: a function of the model's output returning an array (a scalar, say: the
@@ -392,7 +386,6 @@ def sweep(
     chunk_size: run the patched forwards in batches of this many (None: all at once).
     random_streams: as for a tree call, used by every run.
     jit: compile (default); pass False inside your own `jax.jit`.
-    **kwargs: keyword arguments of both runs (`deterministic=True`, say).
 
   Returns:
     A `SweepResult`: `values` of shape `(sites, [positions,] *metric shape)`, `sites`
@@ -415,7 +408,8 @@ def sweep(
     >>> bool(result.values[-1] == model.apply(tree.export(), clean)[0, 0])
     True
   """
-  _check_tree(tree)
+  _check_tree(tree, "sweep")
+  check_callable(metric, "metric", "sweep", "a scalar, say")
   positions = _checked_positions(positions)
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ArgumentError(f"chunk_size= is a positive integer or None, got {chunk_size!r}.")
@@ -424,8 +418,8 @@ def sweep(
   run = _sweep_compiled if jit else _sweep
   values, rows = run(
     tree,
-    _argument(clean, kwargs),
-    _argument(corrupted, kwargs),
+    model_arguments(clean),
+    model_arguments(corrupted),
     chosen,
     metric,
     positions,
@@ -513,10 +507,12 @@ def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, st
 _attribute_compiled = variable_jit(_attribute)
 
 
+@takes_model_arguments("fl.attribute(tree, clean, corrupted, 'Block_*', metric)")
 def attribute(
   tree: CallNode,
   clean: Any,
   corrupted: Any,
+  /,
   at: Any,
   metric: Callable[[Any], Any],
   *,
@@ -525,7 +521,6 @@ def attribute(
   part: Any = None,
   random_streams: Any = None,
   jit: bool = True,
-  **kwargs: Any,
 ) -> SweepResult:
   """Attribution patching: the linear estimate of `fl.sweep`'s patches from gradients.
 
@@ -548,15 +543,16 @@ def attribute(
     >>> bool(jnp.allclose(result.values, exact.values - baseline, atol=1e-6))  # linear site
     True
   """
-  _check_tree(tree)
+  _check_tree(tree, "attribute")
+  check_callable(metric, "metric", "attribute", "a scalar")
   positions = _checked_positions(positions)
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
   run = _attribute_compiled if jit else _attribute
   values, rows = run(
     tree,
-    _argument(clean, kwargs),
-    _argument(corrupted, kwargs),
+    model_arguments(clean),
+    model_arguments(corrupted),
     chosen,
     metric,
     positions,
@@ -592,48 +588,50 @@ def _grad_at(tree, argument, chosen, loss, part, streams):
 _grad_at_compiled = variable_jit(_grad_at)
 
 
+@takes_model_arguments("fl.grad_at(tree, x, 'Block_*', lambda out: out.sum())")
 def grad_at(
   tree: CallNode,
-  loss: Callable[[Any], Any],
-  *args: Any,
+  args: Any,
+  /,
   at: Any,
+  metric: Callable[[Any], Any],
+  *,
   part: Any = None,
   random_streams: Any = None,
   jit: bool = True,
-  **kwargs: Any,
 ) -> tuple[Any, dict[str, Any]]:
-  """The gradient of `loss(output)` with respect to the outputs of chosen calls.
+  """The gradient of `metric(output)` with respect to the outputs of chosen calls.
 
-  Runs the tree on `*args, **kwargs` with a zero delta added to each site's output and
+  Runs the tree on `args` with a zero delta added to each site's output and
   differentiates with respect to the deltas, as Flax's `perturb` does, without editing
   the model. A call inside an `nn.scan`/`nnx.scan` body gets its gradient stacked along
   the scan axis.
 
   Args:
     tree: a converted tree (`fl.unflaxify`).
-    loss: a function of the model's output returning a scalar.
-    *args: the call's positional arguments.
+    args: the model's arguments, as `fl.run` takes them: one value, a tuple of
+      positional arguments, or `fl.ArgsAndKwargs` (keyword arguments too).
     at: the sites, as `fl.run` takes them.
-    part: for sites returning a tuple, dict or dataclass, which part to differentiate by.
+    metric: a function of the model's output returning a scalar (a loss, say).
+    part: for sites returning a tuple, dict or dataclass, which part to differentiate
+      by (Hugging Face blocks return tuples: `part=0`).
     random_streams: as for a tree call.
     jit: compile (default); pass False inside your own `jax.jit`.
-    **kwargs: the call's keyword arguments.
 
   Returns:
-    `(loss value, {site: gradient})`, each gradient shaped as the site's output.
+    `(metric value, {site: gradient})`, each gradient shaped as the site's output.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
     >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
     >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
-    >>> loss, grads = fl.grad_at(tree, lambda out: out.sum(), x, at="layers_2")
+    >>> loss, grads = fl.grad_at(tree, x, "layers_2", lambda out: out.sum())
     >>> grads["layers_2"].tolist()  # d sum(out) / d out
     [[1.0, 1.0]]
   """
-  _check_tree(tree)
+  _check_tree(tree, "grad_at")
+  check_callable(metric, "metric", "grad_at", "a scalar")
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
   run = _grad_at_compiled if jit else _grad_at
-  return run(
-    tree, ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs)), chosen, loss, part, streams
-  )
+  return run(tree, model_arguments(args), chosen, metric, part, streams)

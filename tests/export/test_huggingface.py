@@ -79,10 +79,10 @@ def test_interventions_folded_into_gpt2_save_and_load_computing_the_intervened_t
     fl.steer("transformer/h/0/mlp/c_proj", jax.random.normal(jax.random.key(3), (32,)), 4.0),
     fl.ablate("transformer/h/1/attn/c_proj", on="input", where=jnp.s_[..., 16:]),  # head 1
   ]
-  intervened = fl.run(tree, ids, mask, positions, interventions=edits).logits
+  intervened = fl.run(tree, (ids, mask, positions), interventions=edits).logits
   original = np.asarray(model(ids, attention_mask=mask).logits)
   assert np.max(np.abs(np.asarray(intervened) - original)) > 0.1
 
-  model.params = fl.fold(tree, edits, ids, mask, positions).export()["params"]
+  model.params = fl.fold(tree, (ids, mask, positions), edits).export()["params"]
   report = _reload(tmp_path, model, ids, intervened)
   assert float(report.split("max abs:")[1]) <= 1e-5, report

@@ -27,7 +27,7 @@ def _native_key(site, root) -> tuple:
 def _compare(fw, case, jit: bool) -> int:
   tree = fw.convert(case)
   argument = fw.argument(case)
-  out, cache = fl.capture(tree, *argument.args, jit=jit, **fw.side_inputs(case), **argument.kwargs)
+  out, cache = fl.capture(tree, argument, jit=jit, **fw.side_inputs(case))
   try:
     native_out, native = fw.native_captures(case, jit=jit)
   except ValueError as e:  # nnx.capture cannot run models holding nnx.bridge modules.

@@ -28,8 +28,8 @@ KERNEL = {LINEN: "params:Dense_0/kernel", NNX: "Param:hidden/kernel"}
 
 
 def _check(fw, case, a, b):
-  args, kwargs = fw.equivalence_call(case)
-  return fl.check_equivalence(a, b, *args, **kwargs)
+  argument, options = fw.equivalence_call(case)
+  return fl.check_equivalence(a, b, argument, **options)
 
 
 def _value(tree, label):
@@ -114,9 +114,9 @@ def test_the_printed_report_has_a_row_per_leaf_and_a_verdict(corpora, fw):
 
 def test_a_state_on_one_side_only_is_reported_missing(corpora):
   case = corpora[LINEN]["batchnorm_eval"]
-  args, kwargs = LINEN.equivalence_call(case)
+  argument, options = LINEN.equivalence_call(case)
   report = fl.check_equivalence(
-    LINEN.plain_model(case), LINEN.convert(case), *args, **{**kwargs, "mutable": False}
+    LINEN.plain_model(case), LINEN.convert(case), argument, **{**options, "mutable": False}
   )
   missing = [r for r in report.state if r.note == "only in b"]
   assert missing and all(r.name.startswith("batch_stats:") for r in missing)
@@ -126,4 +126,4 @@ def test_a_state_on_one_side_only_is_reported_missing(corpora):
 def test_a_linen_module_without_variables_is_refused(corpora):
   case = corpora[LINEN]["mlp"]
   with pytest.raises(fl.ArgumentError, match=r"MLP: .* pass the pair \(module, variables\)"):
-    fl.check_equivalence(case.module, LINEN.convert(case), *case.args)
+    fl.check_equivalence(case.module, LINEN.convert(case), case.args)

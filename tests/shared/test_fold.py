@@ -59,7 +59,7 @@ def _parameter(tree, path, name):
 def _fold(fw, case, interventions):
   """The case's tree, and the case with its model replaced by the folded tree's export."""
   tree = fw.convert(case)
-  folded = fl.fold(tree, interventions, *case.args)
+  folded = fl.fold(tree, case.args, interventions)
   return tree, fw.with_exported(case, fw.export(folded))
 
 
@@ -101,7 +101,7 @@ def test_a_zero_ablated_head_folds_into_the_output_projection_rows_of_that_head(
   changed = _changed(fw, case, exported)
   assert list(changed) == [kernel.label]
   np.testing.assert_array_equal(changed[kernel.label][1], kernel.value.at[1].set(0.0))
-  _assert_close(fw.native(exported)[0], fl.run(tree, *case.args, interventions=[ablate]))
+  _assert_close(fw.native(exported)[0], fl.run(tree, case.args, interventions=[ablate]))
 
 
 @pytest.mark.parametrize("fw", BOTH)
@@ -139,7 +139,7 @@ def test_several_interventions_fold_together_in_order(corpora, fw):
     fl.ablate(sites["attention_out"], on="input", where=jnp.s_[..., 0, :]),
   ]
   tree, exported = _fold(fw, case, edits)
-  _assert_close(fw.native(exported)[0], fl.run(tree, *case.args, interventions=edits))
+  _assert_close(fw.native(exported)[0], fl.run(tree, case.args, interventions=edits))
 
 
 @pytest.mark.parametrize("fw", BOTH)
@@ -156,7 +156,7 @@ def test_fold_refuses_unfoldable_interventions_listing_each_with_its_reason(corp
     fl.steer(sites["embed"], VECTOR),  # no bias
   ]
   with pytest.raises(fl.ExportError) as raised:
-    fl.fold(fw.convert(case), edits, *case.args)
+    fl.fold(fw.convert(case), case.args, edits)
   message = str(raised.value)
   assert "6 of 7 interventions cannot be folded" in message
   assert "[0]" not in message
@@ -176,9 +176,9 @@ def test_fold_leaves_the_tree_unmodified_also_when_it_refuses(corpora, fw):
   case = _transformer(corpora, fw)
   tree = fw.convert(case)
   before = {v.label: v.value for v in fl.variables_in(tree)}
-  fl.fold(tree, [fl.steer(SITES[fw]["down"], VECTOR)], *case.args)
+  fl.fold(tree, case.args, [fl.steer(SITES[fw]["down"], VECTOR)])
   with pytest.raises(fl.ExportError):
-    fl.fold(tree, [fl.steer(SITES[fw]["down"], VECTOR), fl.patch("**", 0.0)], *case.args)
+    fl.fold(tree, case.args, [fl.steer(SITES[fw]["down"], VECTOR), fl.patch("**", 0.0)])
   assert_trees_equal({v.label: v.value for v in fl.variables_in(tree)}, before)
 
 
@@ -188,7 +188,7 @@ def test_fold_checks_a_model_with_dropout_under_the_same_random_streams(corpora,
   case = corpora[fw][name]
   tree = fw.convert(case)
   edits = [fl.steer(path, 0.5)]
-  folded = fl.fold(tree, edits, *case.args, **fw.side_inputs(case), **case.kwargs)
+  folded = fl.fold(tree, fw.argument(case), edits, **fw.side_inputs(case))
   steered, _ = fw.native(case, wrap=Wrap(path, lambda out, *args: out + 0.5))
   _assert_close(fw.native(fw.with_exported(case, fw.export(folded)))[0], steered)
 
@@ -200,7 +200,7 @@ def test_fold_leaves_the_state_of_the_tree_and_of_its_copy_as_it_was(corpora, fw
   tree = fw.convert(case)
   labels = [v.label for v in fl.variables_in(tree) if isinstance(v, fl.StateVariable)]
   before = {v.label: v.value for v in fl.variables_in(tree)}
-  folded = fl.fold(tree, [fl.steer(path, 0.5)], *case.args, **fw.side_inputs(case), **case.kwargs)
+  folded = fl.fold(tree, fw.argument(case), [fl.steer(path, 0.5)], **fw.side_inputs(case))
   assert_trees_equal({v.label: v.value for v in fl.variables_in(tree)}, before)
   folded_state = {v.label: v.value for v in fl.variables_in(folded) if v.label in labels}
   assert_trees_equal(folded_state, {label: before[label] for label in labels})
@@ -211,7 +211,7 @@ def test_fold_refuses_a_result_outside_the_tolerance_giving_the_difference(corpo
   case = _transformer(corpora, fw)
   edits = [fl.scale(SITES[fw]["up"], 1 / 3), fl.steer(SITES[fw]["down"], VECTOR / 3)]
   with pytest.raises(fl.ExportError, match=r"max abs difference \d"):
-    fl.fold(fw.convert(case), edits, *case.args, atol=0.0, rtol=0.0)
+    fl.fold(fw.convert(case), case.args, edits, atol=0.0, rtol=0.0)
 
 
 @pytest.mark.parametrize("fw", BOTH)
@@ -219,7 +219,7 @@ def test_fold_refuses_calls_inside_scan_whose_parameters_are_stacked(corpora, fw
   case = corpora[fw]["scan"]
   tree = fw.convert(case)
   with pytest.raises(fl.ExportError, match="stacked per iteration"):
-    fl.fold(tree, [fl.steer(lambda node: node.sliced, 1.0)], *case.args)
+    fl.fold(tree, case.args, [fl.steer(lambda node: node.sliced, 1.0)])
 
 
 @pytest.mark.parametrize("fw", BOTH)
@@ -227,7 +227,7 @@ def test_fold_refuses_one_call_of_a_module_whose_weights_another_call_uses(corpo
   name, path = TIED[fw]
   case = corpora[fw][name]
   with pytest.raises(fl.ExportError, match=f"{path}.__call__ also uses"):
-    fl.fold(fw.convert(case), [fl.steer(f"{path}#1", 1.0)], *case.args)
+    fl.fold(fw.convert(case), case.args, [fl.steer(f"{path}#1", 1.0)])
 
 
 @pytest.mark.parametrize("fw", BOTH)

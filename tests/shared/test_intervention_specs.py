@@ -31,7 +31,7 @@ def _model(fw, corpora):
   case = corpora[fw][name]
   tree = fw.convert(case)
   args = fw.argument(case).args
-  _, cache = fl.capture(tree, *args, at=[first, second])
+  _, cache = fl.capture(tree, args, at=[first, second])
   return tree, args, first, second, layer, cache
 
 
@@ -86,9 +86,9 @@ def test_a_loaded_set_runs_bit_for_bit_like_the_original(fw, corpora, tmp_path, 
   tree, args, interventions = _every_kind(fw, corpora)
   fl.save_interventions(interventions, tmp_path / "set")
   loaded = fl.load_interventions(tmp_path / "set", allow=ALLOW)
-  expected = fl.run(tree, *args, interventions=interventions, jit=jit)
-  assert not np.array_equal(expected, fl.run(tree, *args, jit=jit))
-  np.testing.assert_array_equal(fl.run(tree, *args, interventions=loaded, jit=jit), expected)
+  expected = fl.run(tree, args, interventions=interventions, jit=jit)
+  assert not np.array_equal(expected, fl.run(tree, args, jit=jit))
+  np.testing.assert_array_equal(fl.run(tree, args, interventions=loaded, jit=jit), expected)
 
 
 @pytest.mark.parametrize("fw", [LINEN, NNX])
@@ -96,7 +96,7 @@ def test_a_loaded_set_reuses_the_program_compiled_for_the_original(fw, corpora, 
   tree, args, interventions = _every_kind(fw, corpora)
   fl.save_interventions(interventions, tmp_path / "set")
   loaded = fl.load_interventions(tmp_path / "set", allow=ALLOW)
-  fl.run(tree, *args, interventions=interventions)
+  fl.run(tree, args, interventions=interventions)
   compiled = []
 
   def listen(event, duration, **kwargs):
@@ -105,7 +105,7 @@ def test_a_loaded_set_reuses_the_program_compiled_for_the_original(fw, corpora, 
 
   jax.monitoring.register_event_duration_secs_listener(listen)
   try:
-    fl.run(tree, *args, interventions=loaded)
+    fl.run(tree, args, interventions=loaded)
   finally:
     jax.monitoring.unregister_event_duration_listener(listen)
   assert compiled == []

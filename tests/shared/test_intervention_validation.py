@@ -30,7 +30,7 @@ def _model(fw, corpora):
   case = corpora[fw][name]
   tree = fw.convert(case)
   args = fw.argument(case).args
-  _, cache = fl.capture(tree, *args, at=first)
+  _, cache = fl.capture(tree, args, at=first)
   return case, tree, args, first, second, absent, cache[first].shape
 
 
@@ -100,21 +100,21 @@ def _compilations():
 def test_a_site_that_matches_nothing_lists_the_closest_names(fw, corpora):
   _, tree, args, first, *_ = _model(fw, corpora)
   with pytest.raises(fl.SelectionError, match=rf"'{first[:-1]}'\. Closest: \[.*'{first}'"):
-    fl.run(tree, *args, interventions=[fl.ablate(first[:-1])])
+    fl.run(tree, args, interventions=[fl.ablate(first[:-1])])
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_one_site_of_a_list_that_matches_nothing_is_refused(fw, corpora):
   _, tree, args, first, second, *_ = _model(fw, corpora)
   with pytest.raises(fl.SelectionError, match=f"'{second}x'"):
-    fl.run(tree, *args, interventions=[fl.ablate([first, f"{second}x"])])
+    fl.run(tree, args, interventions=[fl.ablate([first, f"{second}x"])])
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_a_capture_site_that_matches_nothing_is_refused(fw, corpora):
   _, tree, args, first, *_ = _model(fw, corpora)
   with pytest.raises(fl.SelectionError, match=f"Closest: .*'{first}'"):
-    fl.capture(tree, *args, at=f"{first}x")
+    fl.capture(tree, args, at=f"{first}x")
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -122,14 +122,14 @@ def test_a_module_class_the_model_never_calls_is_refused_with_the_classes_it_cal
   _, tree, args, first, _, absent, _ = _model(fw, corpora)
   called = tree.select().at_path(first).get().module_type.__name__
   with pytest.raises(fl.SelectionError, match=rf"a {absent.__name__} .*'{called}'"):
-    fl.run(tree, *args, interventions=[fl.ablate(absent)])
+    fl.run(tree, args, interventions=[fl.ablate(absent)])
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_a_predicate_that_matches_nothing_is_refused(fw, corpora):
   _, tree, args, *_ = _model(fw, corpora)
   with pytest.raises(fl.SelectionError, match="matches no call"):
-    fl.run(tree, *args, interventions=[fl.ablate(lambda node: False)])
+    fl.run(tree, args, interventions=[fl.ablate(lambda node: False)])
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -137,7 +137,7 @@ def test_a_call_node_of_another_tree_is_refused(fw, corpora):
   _, tree, args, first, *_ = _model(fw, corpora)
   other, x, twin, _ = _structured(fw)
   with pytest.raises(fl.SelectionError, match="is not a call of"):
-    fl.run(tree, *args, interventions=[fl.ablate(other.select().at_path(twin).get())])
+    fl.run(tree, args, interventions=[fl.ablate(other.select().at_path(twin).get())])
 
 
 @pytest.mark.parametrize("jit", [True, False])
@@ -145,7 +145,7 @@ def test_a_call_node_of_another_tree_is_refused(fw, corpora):
 def test_a_call_node_given_as_the_site_is_edited_like_the_native_call(fw, corpora, jit):
   case, tree, args, first, *_ = _model(fw, corpora)
   node = tree.select().at_path(first).get()
-  out = fl.run(tree, *args, interventions=[fl.ablate(node)], jit=jit)
+  out = fl.run(tree, args, interventions=[fl.ablate(node)], jit=jit)
   expected, _ = fw.native(case, wrap=Wrap(first, lambda output, *a: jnp.zeros_like(output)))
   np.testing.assert_array_equal(out, expected)
 
@@ -173,7 +173,7 @@ def test_a_value_that_does_not_broadcast_names_the_site_and_its_shape(fw, corpor
   _, tree, args, first, _, _, shape = _model(fw, corpora)
   expected = re.escape(f"{first}: {what} has shape") + ".*" + re.escape(f"output's shape {shape}")
   with pytest.raises(fl.ArgumentError, match=expected):
-    fl.run(tree, *args, interventions=[make(first, shape)])
+    fl.run(tree, args, interventions=[make(first, shape)])
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -181,7 +181,7 @@ def test_a_value_whose_dtype_does_not_cast_to_the_site_is_refused(fw, corpora):
   _, tree, args, first, _, _, shape = _model(fw, corpora)
   vector = jnp.ones(shape[-1], jnp.complex64)
   with pytest.raises(fl.ArgumentError, match=f"{first}: .*complex64.*dtype float32"):
-    fl.run(tree, *args, interventions=[fl.steer(first, vector)])
+    fl.run(tree, args, interventions=[fl.steer(first, vector)])
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -190,10 +190,10 @@ def test_a_value_that_cannot_apply_is_refused_before_anything_compiles(fw, corpo
   wrong, right = jnp.ones(shape[-1] + 1), jnp.ones(shape[-1])
   with _compilations() as compiled:
     with pytest.raises(fl.ArgumentError, match=first):
-      fl.run(tree, *args, interventions=[fl.steer(f"{first}*", wrong)])
+      fl.run(tree, args, interventions=[fl.steer(f"{first}*", wrong)])
   assert compiled == []
   with _compilations() as compiled:  # a run that can apply is compiled, and seen compiling
-    fl.run(tree, *args, interventions=[fl.steer(f"{first}*", right)])
+    fl.run(tree, args, interventions=[fl.steer(f"{first}*", right)])
   assert compiled
 
 
@@ -202,7 +202,7 @@ def test_a_mask_of_higher_rank_than_the_site_is_refused(fw, corpora):
   _, tree, args, first, _, _, shape = _model(fw, corpora)
   mask = jnp.ones((1, *shape), bool)
   with pytest.raises(fl.ArgumentError, match=rf"{first}: the mask .* rank 3 .* rank 2"):
-    fl.run(tree, *args, interventions=[fl.ablate(first, where=mask)])
+    fl.run(tree, args, interventions=[fl.ablate(first, where=mask)])
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -210,14 +210,14 @@ def test_a_mask_that_does_not_broadcast_is_refused(fw, corpora):
   _, tree, args, first, _, _, shape = _model(fw, corpora)
   mask = jnp.ones(shape[-1] + 1, bool)
   with pytest.raises(fl.ArgumentError, match=rf"{first}: the mask of where= has shape"):
-    fl.run(tree, *args, interventions=[fl.ablate(first, where=mask)])
+    fl.run(tree, args, interventions=[fl.ablate(first, where=mask)])
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_an_index_with_more_axes_than_the_site_is_refused(fw, corpora):
   _, tree, args, first, *_ = _model(fw, corpora)
   with pytest.raises(fl.ArgumentError, match=f"{first}: where=.*at most 2 axes"):
-    fl.run(tree, *args, interventions=[fl.ablate(first, where=jnp.s_[:, :, 0])])
+    fl.run(tree, args, interventions=[fl.ablate(first, where=jnp.s_[:, :, 0])])
 
 
 # --- parts and inputs ---------------------------------------------------------------------
@@ -227,7 +227,7 @@ def test_an_index_with_more_axes_than_the_site_is_refused(fw, corpora):
 def test_a_part_of_an_array_output_is_refused(fw, corpora):
   _, tree, args, first, *_ = _model(fw, corpora)
   with pytest.raises(fl.ArgumentError, match=f"{first}: part=0, but the output is one array"):
-    fl.run(tree, *args, interventions=[fl.ablate(first, part=0)])
+    fl.run(tree, args, interventions=[fl.ablate(first, part=0)])
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)

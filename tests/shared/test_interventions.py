@@ -58,11 +58,10 @@ def test_steering_a_call_equals_the_native_edit(corpora, fw, name):
   argument = fw.argument(case)
   ours = fl.run(
     tree,
-    *argument.args,
+    argument,
     interventions=[fl.steer(f"{path}.__call__", vector, alpha=0.5)],
     jit=False,
     **fw.side_inputs(case),
-    **argument.kwargs,
   )
   alpha = jnp.asarray(0.5, jnp.float32)
   native = fw.native(
@@ -84,11 +83,10 @@ def test_a_position_restricted_scale_equals_the_native_edit(corpora, fw, name):
   where = (Ellipsis, 0)
   ours = fl.run(
     tree,
-    *argument.args,
+    argument,
     interventions=[fl.scale(f"{path}.__call__", 3.0, where=where)],
     jit=True,
     **fw.side_inputs(case),
-    **argument.kwargs,
   )
 
   def edit(out, *args):  # the edit written by hand, with the same operations

@@ -53,7 +53,7 @@ def test_a_hundred_steering_values_trace_once(corpora, fw, name, path, features,
   argument = fw.argument(case)
   for alpha in _alphas(kind):
     steering = fl.steer(path, vector, alpha)
-    output = fl.run(tree, *argument.args, interventions=[steering, counter], **argument.kwargs)
+    output = fl.run(tree, argument, interventions=[steering, counter])
 
   assert len(traces) == 1
   expected, _ = fw.native(
@@ -77,7 +77,7 @@ def test_a_hundred_steering_vectors_trace_once(corpora, fw, name, path, features
   for seed in range(VALUES):
     vector = jax.random.normal(jax.random.key(seed), (features,))
     steering = fl.steer(path, vector)
-    output = fl.run(tree, *argument.args, interventions=[steering, counter], **argument.kwargs)
+    output = fl.run(tree, argument, interventions=[steering, counter])
 
   assert len(traces) == 1
   expected, _ = fw.native(

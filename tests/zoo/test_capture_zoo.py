@@ -17,7 +17,9 @@ pytestmark = pytest.mark.slow
 def test_captured_calls_equal_capture_intermediates_under_jit(request, name):
   zoo = request.getfixturevalue(name)
   tree = zoo.convert()
-  out, cache = fl.capture(tree, *zoo.args, random_streams=zoo.rngs, **zoo.kwargs)
+  out, cache = fl.capture(
+    tree, fl.ArgsAndKwargs(args=tuple(zoo.args), kwargs=dict(zoo.kwargs)), random_streams=zoo.rngs
+  )
   mutable = ["intermediates", *(zoo.mutable or [])]
   native_out, state = jax.jit(
     lambda v: zoo.module.apply(
@@ -41,7 +43,7 @@ def test_captured_calls_equal_capture_intermediates_under_jit(request, name):
 def test_gpt2_block_outputs_equal_its_hidden_states(gpt2):
   tree = gpt2.convert()
   kwargs = {"deterministic": True}
-  _, cache = fl.capture(tree, *gpt2.args, at="transformer/h/*", **kwargs)
+  _, cache = fl.capture(tree, fl.ArgsAndKwargs.capture(*gpt2.args, **kwargs), at="transformer/h/*")
   native = jax.jit(lambda v: gpt2.module.apply(v, *gpt2.args, output_hidden_states=True, **kwargs))(
     gpt2.variables
   )
@@ -57,7 +59,9 @@ def test_steering_a_gpt2_block_equals_intercepting_it(gpt2):
   vector = jnp.linspace(-1.0, 1.0, 32)
   kwargs = {"deterministic": True}
   ours = fl.run(
-    tree, *gpt2.args, interventions=[fl.steer("transformer/h/0", vector, 2.0, part=0)], **kwargs
+    tree,
+    fl.ArgsAndKwargs.capture(*gpt2.args, **kwargs),
+    interventions=[fl.steer("transformer/h/0", vector, 2.0, part=0)],
   )
 
   def steer(next_fun, args, kwargs, context):

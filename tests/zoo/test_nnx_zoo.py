@@ -109,4 +109,4 @@ def test_llama3_edited_and_exported_computes_as_the_tree(llama):
   for p in fl.variables_in(tree):
     if isinstance(p, fl.Parameter):
       p.value = p.value * 1.25
-  assert fl.check_equivalence(tree, tree.export(), *args)
+  assert fl.check_equivalence(tree, tree.export(), tuple(args))
