@@ -364,10 +364,11 @@ def sweep(
   body is swept one iteration at a time (`"layers/mlp[3]"`: iteration 3).
 
   Each result equals the single patch `fl.run(tree, corrupted, interventions=
-  [fl.patch(site, clean_value, where=...)])` followed by `metric`; batching can change
-  how XLA orders a reduction (a matmul over a larger batch), so the two agree to
-  rounding, and bit for bit with `chunk_size=1` on the same program. Every forward
-  starts from the tree's state, which the sweep leaves unchanged.
+  [fl.patch(site, clean_value, where=...)])` followed by `metric`, up to rounding: the
+  same operations on the same values, but in one program where each single patch is its
+  own, and XLA may round two programs differently (a float32 ulp or two; bit for bit
+  where the arithmetic is exact). Every forward starts from the tree's state, which the
+  sweep leaves unchanged.
 
   Args:
     tree: a converted tree (`fl.unflaxify`).
