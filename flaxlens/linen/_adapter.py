@@ -144,8 +144,8 @@ class LinenAdapter(FrameworkAdapter):
         f"{node.where()}: {name}.{node.method_name} is not a method of {name} but the"
         " body of a Flax lifted transform applied to a plain function"
         " (nn.map_variables(fn, ...)(module), as nn.WeightNorm and nn.SpectralNorm call"
-        " their layer; nn.vmap(fn), ...). The function takes its inputs from its closure"
-        " and the transform's variables from the caller, so it cannot run on its own."
+        " their layer; nn.vmap(fn), nn.cond, ...). The function is not part of the"
+        " module (it may take its inputs from a closure), so it cannot run on its own."
         f" Isolate a call inside it ({inside or 'none was made'}) or the call that"
         " applies the transform."
       )
