@@ -170,6 +170,37 @@ def test_a_module_handed_down_at_any_depth_draws_the_keys_it_drew_in_the_model(m
   assert isolated.replay()
 
 
+class Sowing(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    y = nn.Dense(8)(x)
+    self.sow("intermediates", "y", y)
+    return y
+
+
+class HandedSower(nn.Module):
+  """A module that sows, bound here and called here and by a child."""
+
+  def setup(self):
+    self.sowing = Sowing()
+    self.child = Holder(self.sowing)
+
+  def __call__(self, x):
+    return self.child(self.sowing(x))
+
+
+def test_what_a_handed_module_sows_is_in_the_isolated_state_as_the_model_leaves_it():
+  model, x = HandedSower(), jnp.ones((4, 8))
+  variables = {"params": model.init(jax.random.key(0), x)["params"]}
+  rngs = {"dropout": jax.random.key(2)}
+  _, sown = model.apply(variables, x, rngs=rngs, mutable=["intermediates"])
+  isolated = fl.isolate(model, variables, x, at="child", rngs=rngs, mutable=["intermediates"])
+  final = {v.label: v.value for v in isolated.final_var_values}
+  assert len(sown["intermediates"]["sowing"]["y"]) == 2
+  assert_trees_equal(final["intermediates:inner/y"], sown["intermediates"]["sowing"]["y"])
+  assert isolated.replay()
+
+
 class NormedInSetup(nn.Module):
   """The wrapped layers are bound here (named "dense_*"), not in the wrappers."""
 
