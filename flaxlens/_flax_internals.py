@@ -3,7 +3,11 @@
 Checked against flax 0.12.8 (jax 0.10.2). Linen: the method-interceptor hook
 (`flax.linen.module.intercept_methods`, public but thin), module paths
 (`Module.scope.path`), unbound clones (`Module.clone(_deep_clone=..., _reset_names=...)`)
-and where they adopt modules held in attributes (`Module.bind`),
+and where they adopt modules held in attributes (`Module.bind`); binding the held
+modules a model had bound elsewhere as they were there (`Module.clone(_deep_clone=cache)`
+with a pre-filled cache, `Scope.push` and a pushed scope's `rngs` and `rng_counters`);
+a module's compact-method state (`Module._state`: `in_compact_method`,
+`autoname_cursor`); the function bodies of lifted transforms (`lift_direct_transform`);
 the per-scope rng counters
 (`Scope.rng_counters`), the `TestScope` that Flax's setup check runs lifted modules on,
 a copy of `Module.apply` (`flax.linen.module._get_unbound_fn`, `_context.capture_stack`),
@@ -44,7 +48,7 @@ from flax.core import scope as flax_scope
 from flax.linen import module as linen_module
 from flax.linen import transforms as linen_transforms
 
-from flaxlens.errors import ArgumentError
+from flaxlens.errors import ArgumentError, FlaxlensError
 
 
 def module_path(module: nn.Module) -> tuple[str, ...]:
@@ -128,6 +132,35 @@ def rng_snapshot(module: nn.Module) -> tuple[dict[str, Any], dict[str, tuple], d
   return keys, suffixes, _copy_counters(module.scope.rng_counters)
 
 
+def compact_state(module: nn.Module, method_name: Any) -> tuple[tuple[str, int], ...] | None:
+  """The autoname counters of a bound module called inside its own compact method.
+
+  A method called from the module's compact method (a helper such as
+  `nn.WeightNorm._l2_normalize`) runs in that method's state (`Module._state`): it may
+  make parameters and submodules, named on from the counters. None when the module is
+  not inside a compact method, or when the call is a compact method's own start (Flax
+  has set the flag for it, and no name is taken yet).
+  """
+  state = module._state
+  if not state.in_compact_method:
+    return None
+  method = getattr(type(module), method_name, None) if isinstance(method_name, str) else None
+  if not state.autoname_cursor and hasattr(method, "compact"):
+    return None
+  return tuple(sorted(state.autoname_cursor.items()))
+
+
+def lifted_function_body(module: nn.Module, method_name: Any) -> bool:
+  """Whether a call named `method_name` is not a method of the module's class.
+
+  Flax's lifted transforms applied to a plain function (`nn.map_variables(fn, ...)
+  (module)`, as `nn.WeightNorm` and `nn.SpectralNorm` do; `nn.vmap(fn)`, ...) call the
+  function as a method of `module` (`lift_direct_transform`, `wrap_method_once`), named
+  after the function.
+  """
+  return isinstance(method_name, str) and not callable(getattr(type(module), method_name, None))
+
+
 def module_variables(module: nn.Module) -> dict[str, Any]:
   """A snapshot of the variables a bound module sees (its own and its children's).
 
@@ -138,19 +171,21 @@ def module_variables(module: nn.Module) -> dict[str, Any]:
   return unfreeze(module.variables)
 
 
-def call_variables(module: nn.Module) -> dict[str, Any]:
-  """The variables a bound module's call uses, keyed as in its `unbound_clone`.
+def held_elsewhere(module: nn.Module) -> list[tuple[tuple[str, ...], nn.Module]]:
+  """The modules a bound module holds in attributes but Flax bound outside of it.
 
-  `module_variables` holds what lives under the module's own scope. A module passed in
-  as an attribute but bound elsewhere (the cell of `nn.RNN(nn.LSTMCell(4))` written in a
-  parent's compact method lives in that parent) keeps its variables where it is bound;
-  the unbound clone adopts it under the attribute's name instead (Flax's
-  `Module._register_submodules`), so its variables are added under that name. The
-  names are read from the clone bound to an empty scope, so Flax's adoption rules
-  (container suffixes, shared instances, `preserve_adopted_names`) apply as they are.
+  A module passed in as an attribute but bound elsewhere (the cell of
+  `nn.RNN(nn.LSTMCell(4))` written in a parent's compact method lives in that parent; a
+  module made in a parent's `setup` and handed to a sibling) keeps its scope where it is
+  bound. The module's unbound clone adopts it under the attribute's name instead
+  (Flax's `Module._register_submodules`); each is returned with that path in the clone
+  (at any depth: a module held by an adopted one). The paths are read from the clone
+  bound to an empty scope, so Flax's adoption rules (container suffixes, shared
+  instances, `preserve_adopted_names`) apply as they are. A held module whose scope
+  lies where the clone adopts it anyway (under an ancestor placed so) is left out.
   """
-  variables = module_variables(module)
   placed = [(module_path(module), ())]  # (where bound, where in the clone) of each root
+  found: list[tuple[tuple[str, ...], nn.Module]] = []
   seen: set[int] = set()
 
   def walk(original: nn.Module, clone: nn.Module) -> None:
@@ -161,15 +196,89 @@ def call_variables(module: nn.Module) -> dict[str, Any]:
       path, where = module_path(held), module_path(adopted)
       if not any(path[: len(p)] == p and where == w + path[len(p) :] for p, w in placed):
         placed.append((path, where))
-        for collection, tree in module_variables(held).items():
-          target = variables.setdefault(collection, {})
-          for name in where[:-1]:
-            target = target.setdefault(name, {})
-          target[where[-1]] = tree
+        found.append((where, held))
       walk(held, adopted)
 
   walk(module, unbound_clone(module).bind({}))
+  return found
+
+
+def call_variables(
+  module: nn.Module, held: list[tuple[tuple[str, ...], nn.Module]] | None = None
+) -> dict[str, Any]:
+  """The variables a bound module's call uses, keyed as in its `unbound_clone`.
+
+  `module_variables` holds what lives under the module's own scope; the variables of
+  the modules it holds but Flax bound elsewhere (`held_elsewhere`, computed unless
+  given) are added under the paths its clone adopts them at.
+  """
+  variables = module_variables(module)
+  for where, other in held_elsewhere(module) if held is None else held:
+    for collection, tree in module_variables(other).items():
+      target = variables.setdefault(collection, {})
+      for name in where[:-1]:
+        target = target.setdefault(name, {})
+      target[where[-1]] = tree
   return variables
+
+
+def _adoption_paths(module: nn.Module) -> dict[tuple[str, ...], nn.Module]:
+  """`{path in the clone: held module}` for the modules an unbound module holds.
+
+  The modules are `module`'s own attribute values (at any depth), which
+  `Module.clone(_deep_clone=...)` looks up by their `_id`; the paths are where Flax
+  adopts them when `module` is bound (as in `held_elsewhere`).
+  """
+  paths: dict[tuple[str, ...], nn.Module] = {}
+  seen: set[int] = set()
+
+  def walk(unbound: nn.Module, bound: nn.Module) -> None:
+    for held, adopted in zip(_attribute_modules(unbound), _attribute_modules(bound), strict=True):
+      if id(held) not in seen:
+        seen.add(id(held))
+        paths.setdefault(module_path(adopted), held)
+        walk(held, adopted)
+
+  walk(module, module.bind({}))
+  return paths
+
+
+def _bound_adopted(module: nn.Module, root: Any, adopted: Any) -> dict[Any, nn.Module]:
+  """Binds the held modules of `adopted` as they were bound in the model; a clone cache.
+
+  `adopted` holds `(path, name, rng)` per module the call held but Flax had bound
+  elsewhere: `path` where `module`'s clone adopts it, `name` its own name, `rng` its
+  scope's `(keys, suffixes, counters)` when the call started (None: derive as Flax
+  does). Each is bound, under that name, to a scope pushed from `root` at `path` (the
+  modules on the way there too, under the names Flax gives them), whose rng state is
+  set to `rng`: so the module names what it makes as it did (`nn.WeightNorm` names its
+  scales after its layer) and draws the keys it drew. Returned as the cache that
+  `Module.clone(_deep_clone=cache)` uses for the held modules (keyed by `_id`).
+  """
+  targets = {tuple(path): (name, rng) for path, name, rng in adopted}
+  held = _adoption_paths(module)
+  chain = sorted({p[:end] for p in targets for end in range(1, len(p) + 1)}, key=len)
+  scopes = {(): root}
+  for path in chain:
+    if path not in held:
+      raise FlaxlensError(
+        f"{type(module).__name__}: the call held a module bound elsewhere in its model,"
+        f" adopted at {'/'.join(path)!r}, but this module holds none there. Keep the"
+        " modules a call holds as they were isolated (edit settings only)."
+      )
+    parent = scopes[path[:-1]]
+    scope = scopes[path] = parent.push(path[-1])
+    rng = targets.get(path, (None, None))[1]
+    if rng is not None:
+      keys, suffixes, counters = rng
+      scope.rngs = {n: flax_scope.LazyRng(keys[n], tuple(suffixes[n])) for n in keys}
+      scope.rng_counters = _copy_counters(counters)
+      parent.rng_counters[(flax_scope.child_rng_token, path[-1])] = scope.rng_counters
+  cache: dict[Any, nn.Module] = {}
+  for path in reversed(chain):  # Innermost first: a module binds what it holds at once.
+    name = targets[path][0] if path in targets else path[-1]
+    cache[held[path]._id] = held[path].clone(parent=scopes[path], name=name, _deep_clone=cache)
+  return cache
 
 
 def _attribute_modules(module: nn.Module) -> list[nn.Module]:
@@ -267,13 +376,18 @@ def apply_fresh(
   mutable: Any = False,
   capture_intermediates: bool | Callable[..., bool] = False,
   rng_snapshot: tuple[dict[str, Any], dict[str, tuple], dict] | None = None,
+  adopted: tuple[tuple[tuple[str, ...], str, Any], ...] = (),
+  compact_cursor: tuple[tuple[str, int], ...] | None = None,
   **kwargs: Any,
 ) -> Any:
   """`module.apply(...)` whose lifted-transform caches cannot skip the interceptor.
 
   With `rng_snapshot` (from `rng_snapshot()` of a module inside a larger apply), the
   root scope starts from that rng state instead of `rngs`, so the module draws exactly
-  the keys it drew inside the larger model.
+  the keys it drew inside the larger model. With `adopted` (see `_bound_adopted`), the
+  modules it held but Flax had bound elsewhere are bound as they were there, with
+  their own names and rng states. With `compact_cursor` (see `compact_state`), the
+  method runs as inside a compact method of the module, with those autoname counters.
 
   Inside a flaxlens run, `nn.jit` keys its traces on the run (see `linen_jit_keys`),
   not on a per-apply flag, so unchanged trees reuse their traces. Everything else
@@ -310,7 +424,12 @@ def apply_fresh(
       scope.rng_counters = _copy_counters(counters)
     linen_module._context.capture_stack.append(capture_intermediates)
     try:
-      return method(module.clone(parent=scope, _deep_clone=True), *a, **k)
+      deep = _bound_adopted(module, scope, adopted) if adopted else True
+      bound = module.clone(parent=scope, _deep_clone=deep)
+      if compact_cursor is not None:
+        bound._state.in_compact_method = True
+        bound._state.autoname_cursor = dict(compact_cursor)
+      return method(bound, *a, **k)
     finally:
       linen_module._context.capture_stack.pop()
 

@@ -99,6 +99,10 @@ class FrameworkAdapter(abc.ABC):
     """`(static, arrays)`: what the execution of `node` left in its module."""
 
   @abc.abstractmethod
+  def check_isolatable(self, node: CallNode) -> None:
+    """Raises `UnsupportedFlaxFeatureError` if an execution of `node` cannot stand alone."""
+
+  @abc.abstractmethod
   def isolated_call(self, execution: Any) -> tuple[CallNode, tuple[Any, ...], dict[str, Any]]:
     """`(submodel, initial state, final values by label)` of one recorded `Execution`.
 

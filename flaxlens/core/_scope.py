@@ -45,8 +45,9 @@ class InterceptedFlaxScopeData(Struct):
       collections the apply does not treat as mutable; always empty for NNX).
     rngs: None when the call takes its keys from the enclosing call (as every call of a
       converted tree does); for a Linen call cut out of a larger model, an `RngSnapshot`
-      so that on its own it draws the keys it drew there. (NNX keeps its rng state in
-      `RngKey`/`RngCount` variables.)
+      so that on its own it draws the keys it drew there (and binds the modules it held
+      but the model had bound elsewhere as they were bound there). (NNX keeps its rng
+      state in `RngKey`/`RngCount` variables.)
 
   Example:
     >>> import flaxlens as fl, jax.numpy as jnp

@@ -24,11 +24,11 @@ from flaxlens.core._node import own_call_nodes
 from flaxlens.core._recorder import Execution, standalone
 from flaxlens.core._runtime import Gathered, private_value, resolve_random_streams
 from flaxlens.core._variables import StateVariable, Uninitialized
-from flaxlens.errors import ArgumentError, ExportError
+from flaxlens.errors import ArgumentError, ExportError, UnsupportedFlaxFeatureError
 from flaxlens.linen._collections import flatten_collections, nest_collections
 from flaxlens.linen._convert import unflaxify_linen
 from flaxlens.linen._interceptor import LinenInterceptor
-from flaxlens.linen._node import InterceptedFlaxModuleMethod, RngSnapshot
+from flaxlens.linen._node import AdoptedModule, InterceptedFlaxModuleMethod, RngSnapshot
 
 
 class LinenAdapter(FrameworkAdapter):
@@ -78,7 +78,9 @@ class LinenAdapter(FrameworkAdapter):
     mutable = tuple(sorted(held.union(root.mutable)))
     interceptor.mutable = mutable
     rngs = resolve_random_streams(random_streams, root.where())
-    snapshot = root.scope_data.rngs if random_streams is None else None
+    start = root.scope_data.rngs  # An isolated call's start: rng state, adopted modules.
+    snapshot = start if random_streams is None else None
+    adopted = start.adopted_as_flax(rngs=snapshot is not None) if start is not None else ()
     capture = interceptor.capture_only_native(fi.capture_filter(root.capture_intermediates))
 
     def run(argument: ArgsAndKwargs) -> tuple[Any, dict[Any, Any]]:
@@ -91,6 +93,8 @@ class LinenAdapter(FrameworkAdapter):
         mutable=list(mutable) if mutable else False,
         capture_intermediates=capture,
         rng_snapshot=snapshot.as_flax() if snapshot is not None else None,
+        adopted=adopted,
+        compact_cursor=start.compact_cursor if start is not None else None,
         **argument.kwargs,
       )
       if not mutable:
@@ -104,6 +108,13 @@ class LinenAdapter(FrameworkAdapter):
     self, interceptor: Any, node: Any, module: Any, args: Any, kwargs: Any
   ) -> tuple[Any, Any]:
     keys, suffixes, counters = fi.rng_snapshot(module)
+    held = fi.held_elsewhere(module)
+    adopted_static, adopted_keys = [], []
+    for where, other in held:  # They draw from their own scopes: keep those states too.
+      other_keys, other_suffixes, other_counters = fi.rng_snapshot(other)
+      other_suffixes = tuple(sorted(other_suffixes.items()))
+      adopted_static.append((where, other.name, other_suffixes, other_counters))
+      adopted_keys.append(other_keys)
     static = (
       fi.unbound_clone(module),  # With any settings edited in the node applied.
       node.method_name,
@@ -111,8 +122,10 @@ class LinenAdapter(FrameworkAdapter):
       counters,
       interceptor.mutable,
       node.capture_intermediates,
+      tuple(adopted_static),
+      fi.compact_state(module, node.method_name),
     )
-    return static, (fi.call_variables(module), keys)
+    return static, (fi.call_variables(module, held), keys, tuple(adopted_keys))
 
   def record_after(self, node: Any, module: Any, output: Any) -> tuple[Any, Any]:
     after = fi.call_variables(module)
@@ -123,11 +136,34 @@ class LinenAdapter(FrameworkAdapter):
       sown[node.method_name] = tuple(sown.get(node.method_name, ())) + (output,)
     return None, after
 
+  def check_isolatable(self, node: Any) -> None:
+    if fi.lifted_function_body(node.module, node.method_name):
+      name = type(node.module).__name__
+      inside = ", ".join(c.where() for c in node.submodule_calls.values() if hasattr(c, "where"))
+      raise UnsupportedFlaxFeatureError(
+        f"{node.where()}: {name}.{node.method_name} is not a method of {name} but the"
+        " body of a Flax lifted transform applied to a plain function"
+        " (nn.map_variables(fn, ...)(module), as nn.WeightNorm and nn.SpectralNorm call"
+        " their layer; nn.vmap(fn), nn.cond, ...). The function is not part of the"
+        " module (it may take its inputs from a closure), so it cannot run on its own."
+        f" Isolate a call inside it ({inside or 'none was made'}) or the call that"
+        " applies the transform."
+      )
+
   def isolated_call(self, execution: Execution) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
-    module, method, suffixes, counters, mutable, capture = execution.static_before
-    variables, keys = execution.before
+    module, method, suffixes, counters, mutable, capture, adopted, compact = execution.static_before
+    variables, keys, adopted_keys = execution.before
     after = execution.after
-    snapshot = RngSnapshot(keys=keys, suffixes=suffixes, counters=counters)
+    snapshot = RngSnapshot(
+      keys=keys,
+      suffixes=suffixes,
+      counters=counters,
+      adopted=tuple(
+        AdoptedModule(path=where, name=name, rngs=RngSnapshot(keys=k, suffixes=s, counters=c))
+        for (where, name, s, c), k in zip(adopted, adopted_keys, strict=True)
+      ),
+      compact_cursor=compact,
+    )
     argument = execution.argument
     tree = unflaxify_linen(
       module,
@@ -149,13 +185,7 @@ class LinenAdapter(FrameworkAdapter):
       "module": encode(submodel.module, "module"),
       "method": encode(submodel.method_name, "method"),
       "variables": encode(_variables(Gathered(submodel)), "variables"),
-      "rngs": None
-      if snapshot is None
-      else {
-        "keys": encode(dict(snapshot.keys), "rng keys"),
-        "suffixes": encode(dict(snapshot.suffixes), "rng suffixes"),
-        "counters": fi.counters_to_data(snapshot.counters),
-      },
+      "rngs": None if snapshot is None else _describe_rngs(snapshot, encode),
       "mutable": list(submodel.mutable),
       "capture_intermediates": encode(submodel.capture_intermediates, "capture"),
     }
@@ -174,11 +204,7 @@ class LinenAdapter(FrameworkAdapter):
     if rngs is None:
       rngs = side_inputs.get("random_streams")
     else:
-      rngs = RngSnapshot(
-        keys=decode(rngs["keys"], "recipe.rngs.keys"),
-        suffixes=tuple(sorted(decode(rngs["suffixes"], "recipe.rngs.suffixes").items())),
-        counters=fi.counters_from_data(rngs["counters"]),
-      )
+      rngs = _rebuild_rngs(rngs, decode, "recipe.rngs")
     tree = unflaxify_linen(
       module,
       decode(recipe["variables"], "recipe.variables"),
@@ -242,6 +268,44 @@ class LinenAdapter(FrameworkAdapter):
 
   def with_exported_variables(self, like: Any, variables: Any) -> Any:
     return variables
+
+
+def _describe_rngs(snapshot: RngSnapshot, encode: Callable[[Any, str], Any]) -> dict[str, Any]:
+  """An `RngSnapshot` as recipe data; `adopted` and `compact` only where the call has them."""
+  data = {
+    "keys": encode(dict(snapshot.keys), "rng keys"),
+    "suffixes": encode(dict(snapshot.suffixes), "rng suffixes"),
+    "counters": fi.counters_to_data(snapshot.counters),
+  }
+  if snapshot.adopted:
+    data["adopted"] = [
+      {"path": list(a.path), "name": a.name, **_describe_rngs(a.rngs, encode)}
+      for a in snapshot.adopted
+    ]
+  if snapshot.compact_cursor is not None:
+    data["compact"] = [[prefix, count] for prefix, count in snapshot.compact_cursor]
+  return data
+
+
+def _rebuild_rngs(
+  data: dict[str, Any], decode: Callable[[Any, str], Any], where: str
+) -> RngSnapshot:
+  """Inverse of `_describe_rngs`."""
+  compact = data.get("compact")
+  return RngSnapshot(
+    keys=decode(data["keys"], f"{where}.keys"),
+    suffixes=tuple(sorted(decode(data["suffixes"], f"{where}.suffixes").items())),
+    counters=fi.counters_from_data(data["counters"]),
+    adopted=tuple(
+      AdoptedModule(
+        path=tuple(a["path"]),
+        name=a["name"],
+        rngs=_rebuild_rngs(a, decode, f"{where}.adopted[{i}]"),
+      )
+      for i, a in enumerate(data.get("adopted", ()))
+    ),
+    compact_cursor=None if compact is None else tuple((p, c) for p, c in compact),
+  )
 
 
 def _variables(gathered: Gathered) -> dict[str, dict[str, Any]]:

@@ -61,6 +61,8 @@ def unflaxify_linen(
   def run(interceptor: LinenInterceptor, inputs: Any) -> Any:
     vs, args, kwargs, keys = inputs
     snapshot = keys.as_flax() if isinstance(keys, RngSnapshot) else None
+    adopted = keys.adopted_as_flax() if isinstance(keys, RngSnapshot) else ()
+    cursor = keys.compact_cursor if isinstance(keys, RngSnapshot) else None
     keys = None if snapshot is not None else keys
     with interceptor.active(), fi.param_checks_once():
       result = fi.apply_fresh(
@@ -70,6 +72,8 @@ def unflaxify_linen(
         method=method,
         rngs=keys,
         rng_snapshot=snapshot,
+        adopted=adopted,
+        compact_cursor=cursor,
         mutable=mutable,
         capture_intermediates=capture_intermediates,
         **kwargs,

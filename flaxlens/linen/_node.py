@@ -31,14 +31,43 @@ class RngSnapshot(Struct):
     keys: the stream keys, `{stream: key}`.
     suffixes: per stream, the names Flax folds into its key lazily.
     counters: the scope's draw counters, including those of child scopes.
+    adopted: the modules the call held but Flax had bound elsewhere (`AdoptedModule`s),
+      with their own rng states.
+    compact_cursor: for a call made inside a compact method of its module (a helper
+      method such as `nn.WeightNorm._l2_normalize`, which may make parameters), the
+      module's autoname counters then; None otherwise.
   """
 
   keys: dict[str, Any]
   suffixes: tuple[tuple[str, tuple[Any, ...]], ...] = static_field()
   counters: Any = static_field()
+  adopted: tuple[AdoptedModule, ...] = ()
+  compact_cursor: tuple[tuple[str, int], ...] | None = static_field(default=None)
 
   def as_flax(self) -> tuple[dict[str, Any], dict[str, tuple], dict]:
     return dict(self.keys), dict(self.suffixes), self.counters
+
+  def adopted_as_flax(self, rngs: bool = True) -> tuple[tuple[tuple[str, ...], str, Any], ...]:
+    """`(path, name, rng state or None)` per adopted module, as `apply_fresh` takes them."""
+    return tuple((a.path, a.name, a.rngs.as_flax() if rngs else None) for a in self.adopted)
+
+
+class AdoptedModule(Struct):
+  """A module a call held in an attribute but Flax had bound elsewhere in its model.
+
+  Cut out of the model, the call's module adopts it (Flax binds it under the attribute's
+  name). So that it behaves as it did there, a replay binds it at that place under its
+  own name, and its scope starts from the rng state it had when the call started.
+
+  Attributes:
+    path: where the call's module adopts it (`("inner",)`).
+    name: its own name in the model (`"Dropout_0"`).
+    rngs: its scope's rng state when the call started.
+  """
+
+  path: tuple[str, ...] = static_field()
+  name: str = static_field()
+  rngs: RngSnapshot
 
 
 class InterceptedFlaxModuleMethod(CallNode):

@@ -108,6 +108,9 @@ class NNXAdapter(FrameworkAdapter):
   def record_after(self, node: Any, module: Any, output: Any) -> tuple[Any, Any]:
     return split_leaves(module)
 
+  def check_isolatable(self, node: Any) -> None:
+    return None  # A call that receives NNX objects is refused as it is recorded.
+
   def isolated_call(self, execution: Execution) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     graphdef, method = execution.static_before
     argument = execution.argument

@@ -95,6 +95,7 @@ def isolate_calls(
     raise UnsupportedFlaxFeatureError(
       f"{node.where()}: calls inside it are replaced; isolate it before patching it."
     )
+  adapter.check_isolatable(node)
   random_streams = resolve_random_streams(
     side_inputs.pop("random_streams", None), "isolate_submodel"
   )

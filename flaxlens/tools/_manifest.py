@@ -178,6 +178,13 @@ def _counters(value: Any, where: str, found: Found) -> None:
       raise _fail(f"{where}[{i}]", "must be [stream, count] or ['child', name, counters]")
 
 
+def _cursor(value: Any, where: str, found: Found) -> None:
+  """One Linen autoname counter: `[prefix, count]`."""
+  if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)):
+    raise _fail(where, "must be [prefix, count]")
+  _natural(value[1], f"{where}[1]", found)
+
+
 def _state(value: Any, where: str, found: Found) -> None:
   """State values: `[[label, value], ...]`."""
   _is(list, "a list")(value, where, found)
@@ -186,6 +193,24 @@ def _state(value: Any, where: str, found: Found) -> None:
       raise _fail(f"{where}[{i}]", "must be [label, value]")
     validate(entry[1], f"{where}[{entry[0]!r}]", found)
 
+
+_RNG_FIELDS = {"keys": _named_dict, "suffixes": _named_dict, "counters": _counters}
+# A module the call held but Flax had bound elsewhere: where it is bound, its own name.
+_ADOPTED = _object(
+  {
+    "path": _list_of(_is(str, "a module name")),
+    "name": _either(_const(None), _is(str, "a module name")),
+    **_RNG_FIELDS,
+  }
+)
+# `compact`: the autoname counters of a call made inside its module's compact method.
+_rngs = _object(
+  _RNG_FIELDS,
+  optional={
+    "adopted": _list_of(_ADOPTED),
+    "compact": _list_of(_cursor),
+  },
+)
 
 _ARRAY = _object(
   {
@@ -200,10 +225,7 @@ _LINEN = _object(
     "module": _tagged("object"),
     "method": _method,
     "variables": _tagged("dict"),
-    "rngs": _either(
-      _const(None),
-      _object({"keys": _named_dict, "suffixes": _named_dict, "counters": _counters}),
-    ),
+    "rngs": _either(_const(None), _rngs),
     "mutable": _either(_is(bool, "a boolean"), _list_of(_is(str, "a collection name"))),
     "capture_intermediates": _value,
   }

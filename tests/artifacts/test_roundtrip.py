@@ -28,6 +28,9 @@ SAVED = [
   ("dropout", None),
   ("spectral_norm_train", None),
   ("weight_norm", None),
+  ("handed_modules", "second"),
+  ("weight_norm", "WeightNorm_1.__call__"),
+  ("spectral_norm_train", "SpectralNorm_0.__call__"),
 ]
 
 
@@ -123,3 +126,24 @@ def test_replay_runs_in_a_fresh_process(artifact):
   )
   assert result.returncode == 0, result.stderr
   assert "exact replay" in result.stdout
+
+
+class Helped(nn.Module):
+  """A helper method, called from the compact `__call__`, makes a parameter and a Dense."""
+
+  @nn.compact
+  def __call__(self, x):
+    return self.helper(nn.Dense(3)(x))
+
+  def helper(self, x):
+    return nn.Dense(3)(x) * self.param("scale", nn.initializers.ones, (3,))
+
+
+def test_a_loaded_helper_call_makes_its_variables_as_inside_its_compact_method(tmp_path):
+  model, x = Helped(), jnp.ones((2, 3))
+  variables = model.init(jax.random.key(0), x)
+  isolated = fl.isolate(model, variables, x, at=".helper")
+  fl.save_isolated(isolated, tmp_path / "helper")
+  loaded = fl.load_isolated(tmp_path / "helper", allow=[Helped.__module__.split(".")[0]])
+  assert_trees_equal(loaded.saved_output, isolated.saved_output)
+  assert loaded.replay()

@@ -98,6 +98,30 @@ class PassedAttribute(nn.Module):
     return Holder(shared)(x) + Holder(shared)(x)
 
 
+class DropNormHolder(nn.Module):
+  """Calls a Dropout and a BatchNorm it is handed, after a Dense of its own."""
+
+  drop: nn.Module
+  norm: nn.Module
+
+  @nn.compact
+  def __call__(self, x):
+    return self.drop(self.norm(nn.Dense(8)(x), use_running_average=False), deterministic=False)
+
+
+class HandedModules(nn.Module):
+  """A Dropout and a BatchNorm made in setup, handed to two children: they stay bound here."""
+
+  def setup(self):
+    self.drop = nn.Dropout(0.5)
+    self.norm = nn.BatchNorm(momentum=0.9)
+    self.first = DropNormHolder(self.drop, self.norm)
+    self.second = DropNormHolder(self.drop, self.norm)
+
+  def __call__(self, x):
+    return self.second(self.first(x))
+
+
 class Counter(nn.Module):
   @nn.compact
   def __call__(self, x):
@@ -342,6 +366,13 @@ def build() -> dict[str, Case]:
     lambda: _case("setup_mlp", SetupMLP(), X),
     lambda: _case("shared_child_called_twice", SharedParent(), X),
     lambda: _case("passed_attribute", PassedAttribute(), X),
+    lambda: _case(
+      "handed_modules",
+      HandedModules(),
+      X,
+      rngs={"dropout": jax.random.key(7)},
+      mutable=["batch_stats"],
+    ),
     lambda: _case("collections", Counter(), X, mutable=["counter"]),
     lambda: _case(
       "batchnorm_train",
@@ -408,6 +439,7 @@ NAMES = [
   "setup_mlp",
   "shared_child_called_twice",
   "passed_attribute",
+  "handed_modules",
   "collections",
   "batchnorm_train",
   "batchnorm_eval",

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from comparisons import assert_trees_equal
 from frameworks import LINEN
 
@@ -120,3 +121,180 @@ def test_isolate_takes_capture_intermediates_as_a_conversion_option():
   _, state = model.apply(variables, x, capture_intermediates=True)
   assert (isolated.saved_output == state["intermediates"]["layers_2"]["__call__"][0]).all()
   assert isolated.replay()
+
+
+class DropoutCaller(nn.Module):
+  inner: nn.Module
+
+  def __call__(self, x):
+    return self.inner(x, deterministic=False)
+
+
+class HandedInSequential(nn.Module):
+  """The Dropout bound here is held by an nn.Sequential that the child adopts."""
+
+  def setup(self):
+    self.drop = nn.Dropout(0.5)
+    self.child = DropoutCaller(nn.Sequential([self.drop]))
+
+  def __call__(self, x):
+    return self.child(self.drop(x, deterministic=False))
+
+
+class HandedThroughAHandedModule(nn.Module):
+  """The child holds a caller bound here, which holds the Dropout bound here."""
+
+  def setup(self):
+    self.drop = nn.Dropout(0.5)
+    self.caller = DropoutCaller(self.drop)
+    self.child = Holder(self.caller)
+
+  def __call__(self, x):
+    return self.child(x) + self.caller(x)
+
+
+class Holder(nn.Module):
+  inner: nn.Module
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dropout(0.2, deterministic=False)(self.inner(x))
+
+
+@pytest.mark.parametrize("model", [HandedInSequential(), HandedThroughAHandedModule()])
+def test_a_module_handed_down_at_any_depth_draws_the_keys_it_drew_in_the_model(model):
+  x, rngs = jnp.ones((4, 8)), {"dropout": jax.random.key(3)}
+  _, state = model.apply({}, x, rngs=rngs, capture_intermediates=True)
+  isolated = fl.isolate(model, {}, x, at="child", rngs=rngs)
+  assert_trees_equal(isolated.saved_output, state["intermediates"]["child"]["__call__"][0])
+  assert isolated.replay()
+
+
+class Sowing(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    y = nn.Dense(8)(x)
+    self.sow("intermediates", "y", y)
+    return y
+
+
+class HandedSower(nn.Module):
+  """A module that sows, bound here and called here and by a child."""
+
+  def setup(self):
+    self.sowing = Sowing()
+    self.child = Holder(self.sowing)
+
+  def __call__(self, x):
+    return self.child(self.sowing(x))
+
+
+def test_what_a_handed_module_sows_is_in_the_isolated_state_as_the_model_leaves_it():
+  model, x = HandedSower(), jnp.ones((4, 8))
+  variables = {"params": model.init(jax.random.key(0), x)["params"]}
+  rngs = {"dropout": jax.random.key(2)}
+  _, sown = model.apply(variables, x, rngs=rngs, mutable=["intermediates"])
+  isolated = fl.isolate(model, variables, x, at="child", rngs=rngs, mutable=["intermediates"])
+  final = {v.label: v.value for v in isolated.final_var_values}
+  assert len(sown["intermediates"]["sowing"]["y"]) == 2
+  assert_trees_equal(final["intermediates:inner/y"], sown["intermediates"]["sowing"]["y"])
+  assert isolated.replay()
+
+
+class NormedInSetup(nn.Module):
+  """The wrapped layers are bound here (named "dense_*"), not in the wrappers."""
+
+  def setup(self):
+    self.dense_a = nn.Dense(4)
+    self.dense_b = nn.Dense(4)
+    self.weight_norm = nn.WeightNorm(self.dense_a)
+    self.spectral_norm = nn.SpectralNorm(self.dense_b)
+
+  def __call__(self, x, train: bool):
+    return self.spectral_norm(self.weight_norm(x), update_stats=train)
+
+
+def _normed_in_setup():
+  model, x = NormedInSetup(), jax.random.normal(jax.random.key(0), (2, 3))
+  return model, model.init(jax.random.key(1), x, train=False), x
+
+
+@pytest.mark.parametrize("path", ["weight_norm", "spectral_norm"])
+def test_a_norm_wrapper_of_a_layer_bound_in_its_parent_replays_exactly(path):
+  model, variables, x = _normed_in_setup()
+  _, state = model.apply(
+    variables, x, train=True, mutable=["batch_stats"], capture_intermediates=True
+  )
+  isolated = fl.isolate(model, variables, x, at=path, train=True, mutable=["batch_stats"])
+  assert_trees_equal(isolated.saved_output, state["intermediates"][path]["__call__"][0])
+  assert isolated.replay()
+
+
+def test_spectral_norm_updating_its_stats_leaves_them_as_the_model_does(cases):
+  case = cases["spectral_norm_train"]
+  _, updates = case.apply()
+  isolated = LINEN.isolate(case, "SpectralNorm_1.__call__")
+  final = {v.label: v.value for v in isolated.final_var_values}
+  native = updates["batch_stats"]["SpectralNorm_1"]
+  assert_trees_equal(final["batch_stats:Dense_1~1kernel~1u"], native["Dense_1/kernel/u"])
+  assert_trees_equal(final["batch_stats:Dense_1~1kernel~1sigma"], native["Dense_1/kernel/sigma"])
+  before = case.variables["batch_stats"]["SpectralNorm_1"]["Dense_1/kernel/u"]
+  assert not np.array_equal(native["Dense_1/kernel/u"], before)
+  assert isolated.replay()
+
+
+class FreshSpectralNorm(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.SpectralNorm(nn.Dense(4))(x, update_stats=True)
+
+
+def test_a_spectral_norm_whose_stats_the_call_creates_draws_them_as_the_model_does():
+  model, x = FreshSpectralNorm(), jnp.ones((2, 3))
+  params = {"params": model.init(jax.random.key(0), x)["params"]}
+  rngs = {"params": jax.random.key(5)}
+  _, created = model.apply(params, x, rngs=rngs, mutable=["batch_stats"])
+  isolated = fl.isolate(model, params, x, at="SpectralNorm_0", rngs=rngs, mutable=["batch_stats"])
+  final = {v.label: v.value for v in isolated.final_var_values}
+  native_u = created["batch_stats"]["SpectralNorm_0"]["Dense_0/kernel/u"]
+  assert_trees_equal(final["batch_stats:Dense_0~1kernel~1u"], native_u)
+  assert isolated.replay()
+
+
+@pytest.mark.parametrize(
+  "name, wrapper, method",
+  [
+    ("weight_norm", "WeightNorm_0", "_l2_normalize"),
+    ("spectral_norm_train", "SpectralNorm_0", "_spectral_normalize"),
+  ],
+)
+def test_the_helper_calls_inside_a_norm_wrapper_replay_as_they_ran(cases, name, wrapper, method):
+  case = cases[name]
+  seen = []
+
+  def record(next_fun, args, kwargs, context):
+    output = next_fun(*args, **kwargs)
+    if context.method_name == method and context.module.path == (wrapper,):
+      seen.append(output)
+    return output
+
+  with nn.intercept_methods(record):
+    case.apply()
+  found = fl.isolate_calls(
+    LINEN.convert(case).select().at_path(f"{wrapper}.{method}"),
+    LINEN.argument(case),
+    **LINEN.side_inputs(case),
+  )
+  assert len(found) == len(seen) > 0
+  for isolated, output in zip(found, seen, strict=True):
+    assert_trees_equal(isolated.saved_output, output)
+    assert isolated.replay()
+
+
+def test_the_body_of_a_transform_applied_to_a_function_is_refused_with_the_reason(cases):
+  case = cases["weight_norm"]
+  with pytest.raises(
+    fl.UnsupportedFlaxFeatureError,
+    match=r"Dense_0.layer_forward: Dense.layer_forward is not a method.*Dense_0.__call__",
+  ):
+    LINEN.isolate(case, "Dense_0.layer_forward")

@@ -103,6 +103,29 @@ class SharedChild(nnx.Module):
     return self.second(nnx.relu(self.first(x)))
 
 
+class DropNormHolder(nnx.Module):
+  def __init__(self, drop: nnx.Module, norm: nnx.Module, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(4, 4, rngs=rngs)
+    self.drop = drop
+    self.norm = norm
+
+  def __call__(self, x):
+    return self.drop(self.norm(self.linear(x)))
+
+
+class HandedModules(nnx.Module):
+  """A Dropout with its own `nnx.Rngs` and a BatchNorm, held by two parents."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=11))
+    norm = nnx.BatchNorm(4, momentum=0.9, rngs=rngs)
+    self.first = DropNormHolder(drop, norm, rngs)
+    self.second = DropNormHolder(drop, norm, rngs)
+
+  def __call__(self, x):
+    return self.second(self.first(x))
+
+
 class CalledTwice(nnx.Module):
   def __init__(self, rngs: nnx.Rngs):
     self.linear = nnx.Linear(4, 4, rngs=rngs)
@@ -440,6 +463,7 @@ def build() -> dict[str, Case]:
     lambda: Case("convnet_eval", _eval(ConvNet(RNGS())), (IMG,)),
     lambda: Case("call_time_flags", FlagNet(RNGS()), (X,), {"train": True}),
     lambda: Case("shared_submodule", SharedChild(RNGS()), (X,)),
+    lambda: Case("handed_modules", HandedModules(RNGS()), (X,)),
     lambda: Case("called_twice", CalledTwice(RNGS()), (X,)),
     lambda: Case("list", Stack(RNGS()), (X,)),
     lambda: Case(
@@ -485,6 +509,7 @@ NAMES = [
   "convnet_eval",
   "call_time_flags",
   "shared_submodule",
+  "handed_modules",
   "called_twice",
   "list",
   "sequential",

@@ -30,6 +30,9 @@ SINGLE = [
     ("self_method_calls", "embed.attend"),
     ("weight_norm", "Dense_1.__call__"),
     ("spectral_norm_train", "Dense_1.__call__"),
+    ("weight_norm", "WeightNorm_1.__call__"),
+    ("spectral_norm_train", "SpectralNorm_1.__call__"),
+    ("handed_modules", "second"),
   ]
 ] + [
   (NNX, name, path)
@@ -49,6 +52,7 @@ SINGLE = [
     ("unhashable_static_attributes", None),
     ("linen_bridge_batch_stats", "net"),
     ("linen_bridge_weight_norm", None),
+    ("handed_modules", "second"),
   ]
 ]
 
@@ -67,7 +71,13 @@ def test_stateless_call_of_the_isolated_call_reproduces_output_and_state(corpora
 
 
 @pytest.mark.parametrize(
-  "fw, name, path", [(LINEN, "dropout", "Dropout_1"), (NNX, "convnet_train", "drop")]
+  "fw, name, path",
+  [
+    (LINEN, "dropout", "Dropout_1"),
+    (NNX, "convnet_train", "drop"),
+    (LINEN, "handed_modules", "second"),
+    (NNX, "handed_modules", "second"),
+  ],
 )
 def test_the_saved_argument_and_output_are_what_the_call_had_in_the_model(corpora, fw, name, path):
   case = corpora[fw][name]
@@ -201,3 +211,37 @@ def test_a_replay_report_names_the_leaf_that_differs(corpora, fw, path):
   assert not report
   assert report.max_abs_diff["['output']"] == pytest.approx(0.5)
   assert "MISMATCH" in str(report)
+
+
+@pytest.mark.parametrize(
+  "fw, mean, native_mean",
+  [
+    (LINEN, "batch_stats:norm/mean", "batch_stats:norm/mean"),
+    (NNX, "BatchStat:norm/mean", "BatchStat:first/norm/mean"),
+  ],
+)
+def test_a_call_of_modules_its_parent_shares_leaves_their_state_as_the_model_does(
+  corpora, fw, mean, native_mean
+):
+  case = corpora[fw]["handed_modules"]
+  _, native_state = fw.native(case)  # `second` makes the last update of the shared BatchNorm.
+  isolated = fw.isolate(case, "second")
+  final = {v.label: v.value for v in isolated.final_var_values}
+  assert_trees_equal(final[mean], native_state[native_mean])
+  assert isolated.replay()
+
+
+@pytest.mark.parametrize(
+  "fw, drop", [(LINEN, ("drop", "__call__")), (NNX, ("first", "drop", "__call__"))]
+)
+def test_a_shared_dropout_called_from_its_second_parent_replays_its_second_mask(corpora, fw, drop):
+  case = corpora[fw]["handed_modules"]
+  _, captured = fw.native_captures(case)
+  tree = fw.convert(case)
+  second = next(k for k in tree.submodule_calls if k[1].startswith("second."))
+  call = next(k for k in tree.submodule_calls[second].submodule_calls if "drop." in k[1])
+  selection = tree.select().at(lambda t: t.submodule_calls[second].submodule_calls[call])
+  isolated = fl.isolate_submodel(selection, fw.argument(case), **fw.side_inputs(case))
+  assert_trees_equal(isolated.saved_output, captured[drop][1])
+  assert not np.array_equal(captured[drop][0], captured[drop][1])
+  assert isolated.replay()
