@@ -6,6 +6,8 @@ Checked against flax 0.12.8 (jax 0.10.2). Linen: the method-interceptor hook
 and where they adopt modules held in attributes (`Module.bind`),
 the per-scope rng counters
 (`Scope.rng_counters`), the `TestScope` that Flax's setup check runs lifted modules on,
+where a lifted call starts (`flax.core.lift._partial_pack`), the name a root method
+given as a function is intercepted under (`method_handler_wrapped`, `_get_fn_name`),
 a copy of `Module.apply` (`flax.linen.module._get_unbound_fn`, `_context.capture_stack`),
 `nn.jit`'s cache key (`flax.linen.transforms._HashableProxy`,
 `flax.core.lift._restore_rng_counters`), and the parameter shape check of

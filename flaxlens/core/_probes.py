@@ -15,6 +15,8 @@ while a capturing run is active those entry points are wrapped (in place, restor
 beside its own output; `scan` and `vmap` stack it along a new leading axis. A value
 captured in a trace no channel stands for (a body staged by a transform flaxlens does
 not wrap) is not returned: the run raises `UnsupportedFlaxFeatureError` naming the site.
+A probe whose call the run never made (another branch than conversion took) would drop
+its edits and captures: unless the run allows it, it raises `CallStructureError`.
 A probing made `indexed` also wraps scans when it captures nothing, and gives each scan
 body its iteration number, which edits read with `scan_iterations()` (to patch one
 iteration of a call inside `nn.scan`/`nnx.scan`, say). No Flax internals here.
