@@ -13,7 +13,12 @@ Rules of the dispatch, each enforced here for both frameworks:
   and stands for the same module path and method; any other node (of another tree, or
   another call of this one) called inside a replacement runs as a tree of its own.
 - A replaced call must be reached: a frame that ends without making a call whose entry
-  was replaced raises `CallStructureError` (unreplaced calls may be skipped freely).
+  was replaced raises `CallStructureError` (unreplaced calls may be skipped freely;
+  probed ones are checked by the probing, `_probes`).
+- A call a lifted transform's body makes in its caller is one call, however often the
+  transform traces the body, nested lifted transforms included (`Frame.lifted_call`).
+- The root method's own report (a method given by name, or as a function the framework
+  intercepts, `reported_name`) is the root call, not a call inside it.
 - An entry cannot be removed (None, or deleted from `submodule_calls`); a replacement
   must be callable, and its output must have the structure, dtype and shape the
   replaced call had at conversion for the same kind of arguments (`CallSpec.check`).
