@@ -10,6 +10,8 @@ a module's compact-method state (`Module._state`: `in_compact_method`,
 `autoname_cursor`); the function bodies of lifted transforms (`lift_direct_transform`);
 the per-scope rng counters
 (`Scope.rng_counters`), the `TestScope` that Flax's setup check runs lifted modules on,
+where a lifted call starts (`flax.core.lift._partial_pack`), the name a root method
+given as a function is intercepted under (`method_handler_wrapped`, `_get_fn_name`),
 a copy of `Module.apply` (`flax.linen.module._get_unbound_fn`, `_context.capture_stack`),
 `nn.jit`'s cache key (`flax.linen.transforms._HashableProxy`,
 `flax.core.lift._restore_rng_counters`), and the parameter shape check of
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -367,6 +370,23 @@ def is_setup_check(module: nn.Module) -> bool:
   return isinstance(module.scope, linen_module.TestScope)
 
 
+def reported_method_name(method: Any) -> str | None:
+  """The method name Linen's interceptor reports when `apply` calls `method`, or None.
+
+  `apply(method="decode")` and `apply(method=Model.decode)` both report the call as
+  `decode`: Flax wraps every module method (`wrap_method_once`, which marks the wrapper
+  `method_handler_wrapped`) and names it by the wrapped function. A lambda or a plain
+  function taking the module is not intercepted; only the calls it makes are.
+  """
+  if isinstance(method, str):
+    return method
+  if inspect.ismethod(method):
+    method = method.__func__
+  if not getattr(method, "method_handler_wrapped", False):
+    return None
+  return linen_module._get_fn_name(getattr(method, "__wrapped__", method))
+
+
 def apply_fresh(
   module: nn.Module,
   variables: Mapping[str, Any],
@@ -617,6 +637,39 @@ def linen_jit_keys(start: Callable[[], Any], finish: Callable[[], None]) -> Iter
       yield
   finally:
     _linen_local.handlers.pop()
+
+
+# --- Linen: where a lifted call starts ----------------------------------------------------
+#
+# Every Linen lifted transform (`nn.scan`, `nn.vmap`, `nn.remat`, `nn.jit`, ..., applied to
+# a class, as a method decorator or to a function) runs through a wrapper made by
+# `flax.core.lift.pack` (flax 0.12.8), which calls `_partial_pack` once per invocation,
+# before the transform traces its body (once, or twice for `nn.scan`: a shape pass and the
+# loop). `_partial_pack` is a module global looked up at call time; while a Linen run is
+# active in this thread it first calls the run's `announce()`.
+
+
+def _announcing(original: Callable[..., Any]) -> Callable[..., Any]:
+  def partial_pack(*args: Any, **kwargs: Any) -> Any:
+    handlers = getattr(_linen_local, "lifted", None)
+    if handlers:
+      handlers[-1]()
+    return original(*args, **kwargs)
+
+  return partial_pack
+
+
+@contextmanager
+def linen_lifted_calls(announce: Callable[[], None]) -> Iterator[None]:
+  """While active in this thread, `announce()` runs as each Linen lifted call starts."""
+  if not hasattr(_linen_local, "lifted"):
+    _linen_local.lifted = []
+  _linen_local.lifted.append(announce)
+  try:
+    with patched({(core_lift, "_partial_pack"): _announcing}):
+      yield
+  finally:
+    _linen_local.lifted.pop()
 
 
 # --- NNX -------------------------------------------------------------------------------

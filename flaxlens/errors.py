@@ -11,9 +11,11 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   Fix: the message names the construct and what to do instead (initialize first, call
   the enclosing tree, ...).
 - `CallStructureError`: a run of the tree made other submodule calls than conversion
-  saw where that matters: a replaced call was not made, calls no longer line up with
-  replaced ones, or the run created variables that did not exist at conversion. Fix:
-  convert with example arguments that take the same branches.
+  saw where that matters: a replaced call was not made, a call that an intervention or
+  capture names was not made (`fl.run`, `fl.capture`, sweeps), calls no longer line up
+  with replaced ones, or the run created variables that did not exist at conversion.
+  Fix: convert with example arguments that take the same branches; for interventions
+  and captures of optional calls, `fl.run(..., unreached="ignore")`.
 - `ReplacementError`: a replacement in `submodule_calls` is not callable, was removed,
   or returned output of another structure, dtype or shape than the call it replaces.
   Fix: replace the call with an `fl.Layer` that returns what the call returns.

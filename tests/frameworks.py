@@ -135,10 +135,13 @@ class Framework(abc.ABC):
     """
 
   @abc.abstractmethod
-  def native_captures(self, case, *, jit=False) -> tuple[Any, dict[tuple, tuple]]:
+  def native_captures(
+    self, case, *, jit=False, every_method=False
+  ) -> tuple[Any, dict[tuple, tuple]]:
     """The native call with Flax's own capture of every method output.
 
-    Linen: `capture_intermediates=True` (calls of `__call__`); NNX:
+    Linen: `capture_intermediates=True` (calls of `__call__`), or with `every_method`
+    a filter taking every method but `setup`; NNX:
     `nnx.capture(..., method_outputs=nnx.Intermediate)` (every method). Returns the
     output and `{(module path..., method): (output of each call, in order)}`.
     """
@@ -263,7 +266,7 @@ class _Linen(Framework):
           output = result
     return output, flat_collections(updates)
 
-  def native_captures(self, case, *, jit=False):
+  def native_captures(self, case, *, jit=False, every_method=False):
     mutable = case.mutable
     if mutable is False:
       mutable = ["intermediates"]
@@ -277,7 +280,7 @@ class _Linen(Framework):
         method=case.method,
         rngs=case.rngs,
         mutable=mutable,
-        capture_intermediates=True,
+        capture_intermediates=(lambda m, name: name != "setup") if every_method else True,
         **case.kwargs,
       )
 
@@ -423,7 +426,7 @@ class _NNX(Framework):
       outputs = [case.native(model, **kwargs) for _ in range(times)]
     return outputs[-1], model_state(model)
 
-  def native_captures(self, case, *, jit=False):
+  def native_captures(self, case, *, jit=False, every_method=False):
     def call(model, args, kwargs):
       if isinstance(case.method, str):
         return getattr(model, case.method)(*args, **kwargs)

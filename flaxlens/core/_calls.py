@@ -13,7 +13,12 @@ Rules of the dispatch, each enforced here for both frameworks:
   and stands for the same module path and method; any other node (of another tree, or
   another call of this one) called inside a replacement runs as a tree of its own.
 - A replaced call must be reached: a frame that ends without making a call whose entry
-  was replaced raises `CallStructureError` (unreplaced calls may be skipped freely).
+  was replaced raises `CallStructureError` (unreplaced calls may be skipped freely;
+  probed ones are checked by the probing, `_probes`).
+- A call a lifted transform's body makes in its caller is one call, however often the
+  transform traces the body, nested lifted transforms included (`Frame.lifted_call`).
+- The root method's own report (a method given by name, or as a function the framework
+  intercepts, `reported_name`) is the root call, not a call inside it.
 - An entry cannot be removed (None, or deleted from `submodule_calls`); a replacement
   must be callable, and its output must have the structure, dtype and shape the
   replaced call had at conversion for the same kind of arguments (`CallSpec.check`).
@@ -59,13 +64,26 @@ class Frame:
     self.counter = 0
     self.reached: set[CallKey] = set()  # The keys of `node` the call has made.
     self.absorb = absorb  # The root method, whose own interception is not a child call.
-    # After a transform announces a lifted call: [call name, index], so that a body the
-    # transform traces twice (nn.scan does) maps both traces to one call and one node.
+    # After a transform announces a lifted call (`lifted_call`): [call name, index, the
+    # JAX trace it was announced in], so that a body the transform traces twice (nn.scan
+    # does) maps both traces to one call and one node.
     self.lifted: list[Any] | None = None
     # While an inner jit runs: the names of the calls reported here (see `_inner_jit`).
     self.log: list[str] | None = None
     self.jit_trace: Any = None
     self.last: CallKey | None = None  # The key of the latest call made here.
+
+  def lifted_call(self, trace: Any) -> None:
+    """A lifted transform starts a call here, in the JAX trace `trace`.
+
+    The call its body makes here is one call, however often the transform traces the
+    body. A lifted transform started inside that body (in another trace: `nn.remat`
+    inside `nn.scan`) is part of the same call, traced again with it.
+    """
+    lifted = self.lifted
+    if lifted is not None and lifted[2] != trace:
+      return
+    self.lifted = [None, None, trace]
 
   def next_key(self, name: str) -> tuple[CallKey, bool]:
     """The key of the next call named `name`, and whether it re-traces the last one."""
@@ -143,10 +161,16 @@ class CallInterceptor:
     with activated(self):
       yield
 
+  def reported_name(self, method: Any) -> str | None:
+    """The name the framework reports a call of the root `method` under, or None if
+    calling it reports nothing: that report is the root call itself (`Frame.absorb`)."""
+    return method if isinstance(method, str) else None
+
   def inner_jit(self, trace: Any) -> Any:
     """Context of one call of a framework's jit in the current frame; see `_inner_jit`."""
     call_path = tuple(f.last for f in self.frames[:-1])
-    return inner_jit(self.frames[-1], call_path, self.token, trace)
+    reached = self.probing.reached if self.probing is not None else None
+    return inner_jit(self.frames[-1], call_path, self.token, trace, reached)
 
   def run_frame(self, frame: Frame, fun: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     self.frames.append(frame)

@@ -39,9 +39,7 @@ def record_calls(
   def trace(arrays: list[Any]) -> Any:
     interceptor = new_interceptor()
     root.children.clear()
-    interceptor.frames[:] = [
-      Frame((), record=root, absorb=method if isinstance(method, str) else None)
-    ]
+    interceptor.frames[:] = [Frame((), record=root, absorb=interceptor.reported_name(method))]
     return run(interceptor, rebuild(arrays))
 
   with converting(root):

@@ -37,8 +37,9 @@ _lock = threading.Lock()
 _MAX_TOKENS = 64
 # (treedef, leaf keys) -> (token, leaves kept alive); least recently used first.
 _by_key: OrderedDict[Any, tuple[int, list[Any]]] = OrderedDict()
-# token -> {position: names of the calls the traced body reported in its caller's frame}
-_effects: dict[int, dict[Any, tuple[str, ...]]] = {}
+# token -> {position: (names of the calls the traced body reported in its caller's frame,
+#                      names of the probed calls it reached)}
+_effects: dict[int, dict[Any, tuple[tuple[str, ...], tuple[str, ...]]]] = {}
 _VALUES = (int, float, complex, bool, str, bytes, type(None))
 
 
@@ -101,7 +102,7 @@ class RunToken:
     self._run = run
     self._traced = traced
     self._value: int | None = None
-    self._own: dict[Any, tuple[str, ...]] | None = None
+    self._own: dict[Any, tuple[tuple[str, ...], tuple[str, ...]]] | None = None
 
   @classmethod
   def unique(cls, interceptor: Any) -> RunToken:
@@ -130,7 +131,7 @@ class RunToken:
     return f"RunToken({self.value})"
 
 
-def _recorded(token: RunToken) -> dict[Any, tuple[str, ...]]:
+def _recorded(token: RunToken) -> dict[Any, tuple[tuple[str, ...], tuple[str, ...]]]:
   if token._own is not None:
     return token._own
   value = token.value
@@ -139,32 +140,43 @@ def _recorded(token: RunToken) -> dict[Any, tuple[str, ...]]:
 
 
 @contextmanager
-def inner_jit(frame: Any, call_path: tuple[Any, ...], token: RunToken, trace: Any) -> Iterator[Any]:
+def inner_jit(
+  frame: Any,
+  call_path: tuple[Any, ...],
+  token: RunToken,
+  trace: Any,
+  reached: set[str] | None = None,
+) -> Iterator[Any]:
   """Around one call of a framework's jit made in `frame`; yields the key to add.
 
   `trace` identifies the JAX trace the jitted call is made in: a second jitted call
   made in the same trace is a new call, not a transform's retrace of the last one.
   The key is `(token, call_path, position in the frame)`; if the framework replays a
   trace instead of tracing, the calls the body reported in `frame` when it was traced
-  are numbered again, so later calls keep their keys.
+  are numbered again, so later calls keep their keys, and the probed calls it reached
+  (names added to `reached`, a run's `Probing.reached`) are reached again.
   """
   lifted = frame.lifted
   if lifted is not None and lifted[0] is not None and frame.jit_trace == trace:
     frame.lifted = None
   frame.jit_trace = trace
-  position = (call_path, frame.counter, tuple(frame.lifted) if frame.lifted else None)
+  position = (call_path, frame.counter, tuple(frame.lifted[:2]) if frame.lifted else None)
   outer_log, frame.log = frame.log, []
+  before = set(reached) if reached is not None else set()
   try:
     yield (token, position)
   finally:
     reported, frame.log = tuple(frame.log), outer_log
   recorded = _recorded(token)
   if reported:
-    recorded[position] = reported
+    probed = tuple(sorted(reached - before)) if reached is not None else ()
+    recorded[position] = (reported, probed)
   else:
-    reported = recorded.get(position, ())
+    reported, probed = recorded.get(position, ((), ()))
     for name in reported:
       key, _ = frame.next_key(name)
       frame.reached.add(key)
+    if reached is not None:
+      reached.update(probed)
   if outer_log is not None:
     outer_log.extend(reported)

@@ -15,6 +15,8 @@ while a capturing run is active those entry points are wrapped (in place, restor
 beside its own output; `scan` and `vmap` stack it along a new leading axis. A value
 captured in a trace no channel stands for (a body staged by a transform flaxlens does
 not wrap) is not returned: the run raises `UnsupportedFlaxFeatureError` naming the site.
+A probe whose call the run never made (another branch than conversion took) would drop
+its edits and captures: unless the run allows it, it raises `CallStructureError`.
 A probing made `indexed` also wraps scans when it captures nothing, and gives each scan
 body its iteration number, which edits read with `scan_iterations()` (to patch one
 iteration of a call inside `nn.scan`/`nnx.scan`, say). No Flax internals here.
@@ -32,7 +34,7 @@ import jax
 
 from flaxlens import _flax_internals as fi
 from flaxlens.core._active import current_interceptor
-from flaxlens.errors import UnsupportedFlaxFeatureError
+from flaxlens.errors import CallStructureError, UnsupportedFlaxFeatureError
 
 
 class Probe:
@@ -46,9 +48,11 @@ class Probe:
     output: whether to capture the output (after `after`).
     input: whether to capture the positional arguments (after `before`).
     shape: a function applied to every captured array (slicing, dtype), or None.
+    required: whether the run must make the call (else the edits and captures that
+      asked for it would be dropped unseen); see `Probing.results`.
   """
 
-  __slots__ = ("name", "before", "after", "output", "input", "shape")
+  __slots__ = ("name", "before", "after", "output", "input", "shape", "required")
 
   def __init__(self, name: str):
     self.name = name
@@ -57,6 +61,7 @@ class Probe:
     self.output = False
     self.input = False
     self.shape: Callable[[Any], Any] | None = None
+    self.required = False
 
 
 class Channel:
@@ -80,21 +85,33 @@ class Probing:
       (None for a vmap body).
     channels: the open channels, the run's own first.
     stray: `{site: where}` for values captured in a trace no channel carries out.
+    reached: the names of the probes whose calls the run made (traced, that is: a call
+      in a scan body that runs no iteration, or in either branch of a `lax.cond`, counts).
+    unreached_fix: what the error for a required probe the run did not reach tells the
+      user to do.
   """
 
-  def __init__(self, probes: dict[int, Probe], indexed: bool = False):
+  def __init__(
+    self,
+    probes: dict[int, Probe],
+    indexed: bool = False,
+    unreached_fix: str = "Choose calls this run makes.",
+  ):
     self.probes = probes
     self.capturing = any(p.output or p.input for p in probes.values())
     self.indexed = indexed
     self.iterations: list[Any] = []
     self.channels: list[Channel] = []
     self.stray: dict[str, str] = {}
+    self.reached: set[str] = set()
+    self.unreached_fix = unreached_fix
     self.captured: dict[str, Any] = {}  # What the run captured, once it ran.
 
   def run(self, node: Any, probe: Probe, run: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """Runs one probed call: interventions on its input, the call, on its output."""
     from flaxlens.core._args import ArgsAndKwargs
 
+    self.reached.add(probe.name)
     if probe.before:
       if not args:
         raise UnsupportedFlaxFeatureError(
@@ -148,7 +165,20 @@ class Probing:
         self.stray[name] = "a body compiled separately"
 
   def results(self) -> dict[str, Any]:
-    """What the run captured, by site; raises for values that could not leave."""
+    """What the run captured, by site.
+
+    Raises:
+      CallStructureError: for a required probe whose call the run did not make (it took
+        another branch than conversion): its edits and captures would be dropped.
+      UnsupportedFlaxFeatureError: for values captured where they could not leave.
+    """
+    missed = [p.name for p in self.probes.values() if p.required and p.name not in self.reached]
+    if missed:
+      raise CallStructureError(
+        f"This run did not make the call(s) {missed[:6]} that interventions or captures"
+        " name (it took another branch than the example arguments at conversion), so"
+        f" their edits and captures would be dropped. {self.unreached_fix}"
+      )
     if self.stray:
       sites = sorted(self.stray)
       raise UnsupportedFlaxFeatureError(

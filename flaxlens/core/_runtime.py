@@ -145,7 +145,7 @@ def run_tree(
     )
   run = adapter.native_run(root, gathered, random_streams, interceptor)
   method = root.method_name
-  frame = Frame(root.path, node=root, absorb=method if isinstance(method, str) else None)
+  frame = Frame(root.path, node=root, absorb=interceptor.reported_name(method))
   interceptor.frames.append(frame)
   if probing is None:
     with interceptor.active():

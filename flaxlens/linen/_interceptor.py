@@ -53,7 +53,6 @@ class LinenInterceptor(CallInterceptor):
       return next_fun(*args, **kwargs)
     module = context.module
     if fi.is_setup_check(module):
-      self.frames[-1].lifted = [None, None]
       return next_fun(*args, **kwargs)
     if self._inlined_body:
       # The body of an nn.jit this run inlines (see `active`): jits inside it compile.
@@ -127,6 +126,7 @@ class LinenInterceptor(CallInterceptor):
         super().active(),
         fi.intercept_methods(self.intercept),
         fi.linen_jit_keys(start, finish),
+        fi.linen_lifted_calls(self._lifted_call),
       ):
         yield
     finally:
@@ -135,6 +135,14 @@ class LinenInterceptor(CallInterceptor):
         if inline is not None:
           inline.__exit__(None, None, None)
       self._inlined_body = False
+
+  def reported_name(self, method: Any) -> str | None:
+    return fi.reported_method_name(method)
+
+  def _lifted_call(self) -> None:
+    """A lifted transform starts a call: its body's traces are one call of this frame."""
+    if current_interceptor() is self and self.frames:
+      self.frames[-1].lifted_call(fi.current_trace())
 
   def new_record(self, module: Any, path: Path, name: str) -> CallRecord:
     record = CallRecord(fi.unbound_clone(module), path, name)

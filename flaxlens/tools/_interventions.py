@@ -614,7 +614,10 @@ def _probes_for(
   capture: Any,
   inputs: bool,
   shape: Callable[[Any], Any] | None,
+  unreached: str = "raise",
 ) -> dict[int, Probe]:
+  """One probe per probed call; `unreached="raise"` requires the run to make every call
+  a site names, save where the site is every call (`capture=True`, `"all"`, `"**"`)."""
   sites = sites_of(tree)
   probes: dict[int, Probe] = {}
 
@@ -625,19 +628,28 @@ def _probes_for(
     return found
 
   for intervention in interventions:
+    required = unreached == "raise" and not _every_call(intervention.at)
     for site in select_sites(tree, intervention.at, sites):
       _check_part(site, intervention)
       p = probe(site)
       edit = _bound_edit(intervention, site.name)
       (p.before if intervention.on == "input" else p.after).append(edit)
+      p.required = p.required or required
   if capture is not None and capture is not False:
     chosen = sites if capture is True else select_sites(tree, capture, sites)
+    required = unreached == "raise" and not _every_call(capture)
     for site in chosen:
       p = probe(site)
       p.output = True
       p.input = inputs
       p.shape = shape
+      p.required = p.required or required
   return probes
+
+
+def _every_call(at: Any) -> bool:
+  """Whether a site is every call (what the run calls, then, not what conversion saw)."""
+  return at is True or (isinstance(at, str) and at in ("all", "**"))
 
 
 def _bound_edit(intervention: Intervention, name: str) -> Callable[[Any, Any], Any]:
@@ -698,17 +710,28 @@ def _run_once(
   index: Any,
   dtype: Any,
   random_streams: Any,
+  unreached: str,
 ) -> Any:
-  probes = _probes_for(tree, interventions, capture, inputs, _shaper(index, dtype))
-  probing = Probing(probes)
+  probes = _probes_for(tree, interventions, capture, inputs, _shaper(index, dtype), unreached)
+  probing = Probing(probes, unreached_fix=_UNREACHED_FIX)
   key = (interventions, capture, inputs, index, dtype)
   output = run_tree(tree, argument, random_streams, {}, probing=probing, probing_key=key)
   return output, probing.captured
 
 
+_UNREACHED_FIX = (
+  "Convert with example arguments that take this branch, or, to edit or capture these"
+  " calls only where a run makes them, pass unreached='ignore' to fl.run or fl.capture."
+)
+
+
 @variable_jit
-def _run_compiled(tree, argument, interventions, capture, inputs, index, dtype, random_streams):
-  return _run_once(tree, argument, interventions, capture, inputs, index, dtype, random_streams)
+def _run_compiled(
+  tree, argument, interventions, capture, inputs, index, dtype, random_streams, unreached
+):
+  return _run_once(
+    tree, argument, interventions, capture, inputs, index, dtype, random_streams, unreached
+  )
 
 
 @takes_model_arguments("fl.run(tree, fl.ArgsAndKwargs.capture(x, train=False), capture='**')")
@@ -724,6 +747,7 @@ def run(
   dtype: Any = None,
   random_streams: Any = None,
   jit: bool = True,
+  unreached: str = "raise",
 ) -> Any:
   """Runs a converted tree on `args` with interventions, capturing calls.
 
@@ -742,6 +766,8 @@ def run(
   site, edited at every iteration and captured stacked along a new leading axis (outer
   transforms first). Sites, parts and values are checked while the run is traced,
   before anything is compiled; `fl.save_interventions` saves a list of interventions.
+  Every call a site names must be made by the run (a run that takes another branch
+  than conversion raises), unless `unreached="ignore"`.
 
   Args:
     tree: a converted tree (`fl.unflaxify`).
@@ -758,6 +784,11 @@ def run(
     dtype: cast every captured array to this dtype.
     random_streams: as for a tree call (Linen: `{"dropout": key}`).
     jit: compile the run (default) or run it eagerly.
+    unreached: "raise" (default): a call that an intervention or capture names and this
+      run does not make (it takes another branch than conversion) is an error;
+      "ignore": such edits are not applied and such captures are left out of the
+      result (for sites that a run may skip). Capturing every call (`capture=True`)
+      captures the calls the run makes.
 
   Returns:
     The output, or `(output, {site: value})` when `capture` is given.
@@ -766,6 +797,7 @@ def run(
     SelectionError: a site matches no call (the closest names are listed).
     ArgumentError: a value cannot apply to its site (the site and shapes are named), or
       the call spreads the model's arguments over `fl.run`'s own.
+    CallStructureError: the run did not make a call a site names (`unreached="raise"`).
     UnsupportedFlaxFeatureError: a captured site runs where values cannot leave.
 
   Example:
@@ -778,6 +810,8 @@ def run(
     (['layers_0', 'layers_2'], True)
   """
   _check_tree(tree, "run")
+  if unreached not in ("raise", "ignore"):
+    raise ArgumentError(f"fl.run: unreached= is 'raise' or 'ignore', got {unreached!r}.")
   interventions = _checked_interventions(interventions, "run")
   capture = _static_at(capture)
   if isinstance(capture, str) and capture == "all":
@@ -791,7 +825,7 @@ def run(
       raise ArgumentError("index= takes an index (ints, slices, arrays), not a boolean mask.")
   runner = _run_compiled if jit else _run_once
   output, captured = runner(
-    tree, argument, interventions, capture, inputs, index, dtype, random_streams
+    tree, argument, interventions, capture, inputs, index, dtype, random_streams, unreached
   )
   return output if capture is None or capture is False else (output, captured)
 
@@ -835,6 +869,7 @@ def capture(
   interventions: Sequence[Intervention] = (),
   random_streams: Any = None,
   jit: bool = True,
+  unreached: str = "raise",
 ) -> tuple[Any, dict[str, Any]]:
   """Runs a tree and returns `(output, {site: value})`: every call's output by default.
 
@@ -863,4 +898,5 @@ def capture(
     dtype=dtype,
     random_streams=random_streams,
     jit=jit,
+    unreached=unreached,
   )

@@ -156,10 +156,18 @@ def _run(
   random_streams: Any,
 ) -> tuple[Any, dict[str, Any]]:
   """Runs `tree` with `edits`, capturing `capture`; edits may read `scan_iterations()`."""
-  probing = Probing(_probes_for(tree, edits, capture, False, None), indexed=True)
+  probing = Probing(
+    _probes_for(tree, edits, capture, False, None), indexed=True, unreached_fix=_UNREACHED_FIX
+  )
   key = (edits, capture)
   output = run_tree(tree, argument, random_streams, {}, probing=probing, probing_key=key)
   return output, probing.captured
+
+
+_UNREACHED_FIX = (
+  "Choose sites that every run makes (the clean and the corrupted one), or convert with"
+  " example arguments that take this branch."
+)
 
 
 def _captured(copies: _Copies, argument: ArgsAndKwargs, part: Any, random_streams: Any) -> list:

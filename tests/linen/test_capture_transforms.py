@@ -10,6 +10,8 @@ also for `reverse=True`).
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -106,3 +108,111 @@ def test_gradients_flow_through_captured_values():
     return state["intermediates"]["cells"]["Dense_0"]["__call__"][0].sum()
 
   assert_trees_equal(jax.grad(ours)(XS), jax.grad(native)(XS))
+
+
+# --- a method decorated with a lifted transform -----------------------------------------
+# As Flax's `examples/sst2` classifier: an LSTM whose `__call__` is decorated with
+# `nn.transforms.scan` (Flax traces the body twice: once for shapes, once in the loop),
+# and a method `initialize_carry` called first. The model is initialized as written;
+# the reference applies the same class with `intermediates` declared.
+
+
+def _lstm_class(intermediates: dict) -> type:
+  class SimpleLSTM(nn.Module):
+    hidden_size: int
+
+    @functools.partial(
+      nn.transforms.scan,
+      variable_broadcast="params",
+      variable_axes=intermediates,
+      in_axes=1,
+      out_axes=1,
+      split_rngs={"params": False},
+    )
+    @nn.compact
+    def __call__(self, carry, x):
+      return nn.OptimizedLSTMCell(self.hidden_size)(carry, x)
+
+    def initialize_carry(self, input_shape):
+      cell = nn.OptimizedLSTMCell(self.hidden_size, parent=None)
+      return cell.initialize_carry(jax.random.key(0), input_shape)
+
+  return SimpleLSTM
+
+
+LSTMS = {False: _lstm_class({}), True: _lstm_class({"intermediates": 0})}
+
+
+class BiLSTM(nn.Module):
+  declare: bool
+
+  def setup(self):
+    self.forward_lstm = LSTMS[self.declare](3)
+    self.backward_lstm = LSTMS[self.declare](3)
+
+  def __call__(self, inputs):
+    carry = self.forward_lstm.initialize_carry(inputs[:, 0].shape)
+    _, forward = self.forward_lstm(carry, inputs)
+    carry = self.backward_lstm.initialize_carry(inputs[:, 0].shape)
+    _, backward = self.backward_lstm(carry, jnp.flip(inputs, 1))
+    return jnp.concatenate([forward, jnp.flip(backward, 1)], -1)
+
+
+class ScannedFunction(nn.Module):
+  """`nn.scan` of a function taking the module, which calls two submodules."""
+
+  declare: bool
+
+  def setup(self):
+    self.a = nn.Dense(4)
+    self.b = nn.Dense(4)
+
+  def __call__(self, xs):
+    def body(module, carry, x):
+      h = jnp.tanh(module.b(module.a(carry)) + x)
+      return h, h
+
+    scan = nn.scan(
+      body,
+      variable_broadcast="params",
+      variable_axes={"intermediates": 0} if self.declare else {},
+      split_rngs={"params": False},
+      in_axes=1,
+      out_axes=1,
+    )
+    return scan(self, xs[:, 0], xs)[0]
+
+
+def _flax_names(intermediates: dict, root: str) -> dict[str, object]:
+  """Flax's captured `__call__` outputs, by the site names flaxlens gives the calls."""
+  found = {}
+
+  def walk(path, tree):
+    for name, child in tree.items():
+      if name == "__call__":
+        found["/".join(path) or root] = child[0]
+      else:
+        walk((*path, name), child)
+
+  walk((), intermediates)
+  return found
+
+
+@pytest.mark.parametrize("model", [BiLSTM, ScannedFunction], ids=["decorated", "function"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_calls_in_a_body_flax_scans_for_a_method_or_function_are_one_site_each(model, jit):
+  xs = jax.random.normal(jax.random.key(0), (2, 5, 4))
+  variables = model(declare=False).init(jax.random.key(1), xs)
+  tree = fl.unflaxify(model(declare=False), variables, xs)
+  out, cache = fl.capture(tree, xs, jit=jit)
+
+  def apply(v, x):
+    return model(declare=True).apply(v, x, capture_intermediates=True, mutable=["intermediates"])
+
+  native_out, state = (jax.jit(apply) if jit else apply)(variables, xs)
+  native = _flax_names(state["intermediates"], f"{model.__name__}.__call__")
+  assert_trees_equal(out, native_out)
+  # Flax's capture records `__call__` only: other methods are captured by flaxlens alone.
+  assert sorted(n for n in cache if "." not in n or n in native) == sorted(native)
+  for name, value in native.items():
+    assert_trees_equal(cache[name], value)
