@@ -19,8 +19,12 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   Fix: replace the call with an `fl.Layer` that returns what the call returns.
 - `ArgumentError` (also `TypeError` and `ValueError`): a tree, a call or a struct was
   given arguments of the wrong kind: a call not given `fl.ArgsAndKwargs`, a bad random
-  stream, `Struct.from_attributes` with missing or unknown fields. Fix: as the message
-  says.
+  stream, `Struct.from_attributes` with missing or unknown fields, an intervention's
+  operand that is no value (named with its maker and site: `fl.steer('Block_0'):
+  alpha='big' ...`), a value, mask or index that does not fit its site: a `where=` or
+  `index=` that reaches outside the value or selects nothing is refused naming the
+  site, the axis, its size and the positions it allows (docs/interventions.md, index
+  rules). Fix: as the message says.
 - `VariableError` (also `ValueError`): a variable, slot or label was used inconsistently
   (two variables with one label, an unfilled slot), or a traced value would outlive its
   trace in a variable. Fix: relabel (`fl.relabel_variables`), pass the missing values,
@@ -31,8 +35,8 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   layer, which weights cannot express), the model given to update in place does not fit
   the tree, a saved exported model does not fit the model it is restored into, or
   `fl.fold` cannot express interventions in weights (or its result misses them beyond
-  the tolerance). Fix: the message lists the patched calls, the variables that differ,
-  or each unfoldable intervention with its reason.
+  the tolerance, or its operands hold nan or inf). Fix: the message lists the patched
+  calls, the variables that differ, or each unfoldable intervention with its reason.
 - `ArtifactError`: an artifact could not be written, read or trusted (malformed,
   truncated, or naming code from a package not allowed). Fix: the message names the
   file and, for code, the `allow=[...]` that would load it.
