@@ -265,6 +265,21 @@ def test_new_index_values_outside_the_value_are_refused_by_a_compiled_run(fw, co
     fl.run(tree, *args, interventions=[fl.ablate(first, where=jnp.s_[:, outside])])
 
 
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_an_index_array_traced_by_your_own_jit_edits_what_numpy_selects(fw, corpora):
+  case, tree, args, first, _ = _mlp(fw, corpora)
+
+  @fl.variable_jit  # the tree and the inputs are the program's inputs, as fl.run's are
+  def ablated(tree, args, positions):  # made inside the trace: values known when it runs
+    ablate = fl.ablate(first, where=jnp.s_[:, positions])
+    return fl.run(tree, *args, interventions=[ablate], capture=first, jit=False)[1][first]
+
+  _, native = fw.native_captures(case, jit=True)
+  expected = np.array(native[(first, "__call__")][0])
+  expected[:, [1, -2]] = 0
+  np.testing.assert_array_equal(ablated(tree, args, jnp.array([1, -2])), expected)
+
+
 # --- what is refused when the intervention is made ----------------------------------------
 
 MADE = {
