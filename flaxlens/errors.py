@@ -22,11 +22,16 @@ the class subclasses that built-in too, so older `except` clauses keep working.
 - `ArgumentError` (also `TypeError` and `ValueError`): a tree, a call, a tool or a struct
   was given arguments of the wrong kind: a call not given `fl.ArgsAndKwargs`, a bad
   random stream, `Struct.from_attributes` with missing or unknown fields, `None` or a
-  non-tree where a tool takes a tree, interventions or a metric, or a tool (`fl.run`,
+  non-tree where a tool takes a tree, interventions or a metric, a tool (`fl.run`,
   `fl.capture`, `fl.sweep`, `fl.attribute`, `fl.grad_at`, `fl.fold`,
-  `fl.check_equivalence`) called with the model's arguments spread over its own. Fix: as
-  the message says; the model's arguments are one value after the tree (one argument, a
-  tuple, or `fl.ArgsAndKwargs.capture(*args, **kwargs)`).
+  `fl.check_equivalence`) called with the model's arguments spread over its own, an
+  intervention's operand that is no value (named with its maker and site:
+  `fl.steer('Block_0'): alpha='big' ...`), or a value, mask or index that does not fit
+  its site: a `where=` or `index=` that reaches outside the value or selects nothing is
+  refused naming the site, the axis, its size and the positions it allows
+  (docs/interventions.md, index rules). Fix: as the message says; the model's arguments
+  are one value after the tree (one argument, a tuple, or
+  `fl.ArgsAndKwargs.capture(*args, **kwargs)`).
 - `VariableError` (also `ValueError`): a variable, slot or label was used inconsistently
   (two variables with one label, an unfilled slot), or a traced value would outlive its
   trace in a variable. Fix: relabel (`fl.relabel_variables`), pass the missing values,
@@ -37,8 +42,8 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   layer, which weights cannot express), the model given to update in place does not fit
   the tree, a saved exported model does not fit the model it is restored into, or
   `fl.fold` cannot express interventions in weights (or its result misses them beyond
-  the tolerance). Fix: the message lists the patched calls, the variables that differ,
-  or each unfoldable intervention with its reason.
+  the tolerance, or its operands hold nan or inf). Fix: the message lists the patched
+  calls, the variables that differ, or each unfoldable intervention with its reason.
 - `ArtifactError`: an artifact could not be written, read or trusted (malformed,
   truncated, or naming code from a package not allowed). Fix: the message names the
   file and, for code, the `allow=[...]` that would load it.

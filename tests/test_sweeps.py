@@ -288,6 +288,36 @@ def test_sweep_refuses_positions_outside_the_value(corpora):
     fl.sweep(tree, clean.args, corrupted.args, sites, metric, positions=[0, 4])
 
 
+@pytest.mark.parametrize("tool", [fl.sweep, fl.attribute], ids=["sweep", "attribute"])
+@pytest.mark.parametrize(
+  "positions, axis, said",
+  [
+    ([0, 99], 1, r"^{site}: positions \[99\] are outside axis 1 .* Give positions from 0"),
+    ([-1], 1, r"^{site}: positions \[-1\] are outside axis 1 .* Give positions from 0"),
+    ([10**30], 1, r"^positions= holds \[10+\], which no axis has.* Give positions from 0"),
+    ([0], 7, r"^{site}: axis=7 is not an axis of the value.* Pass the axis"),
+    ([0], "1", r"^{site}: axis='1' is not an axis of the value.* Pass the axis"),
+  ],
+  ids=["past_the_end", "negative", "huge", "axis_7", "axis_text"],
+)
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_positions_or_an_axis_the_values_lack_are_refused(
+  framework, corpora, tool, positions, axis, said
+):
+  clean, corrupted, sites, metric = _setting(framework, corpora)
+  tree = framework.convert(clean)
+  with pytest.raises(fl.ArgumentError, match=said.format(site=re.escape(sites[0]))):
+    tool(
+      tree,
+      clean.args,
+      corrupted.args,
+      sites,
+      lambda o: metric(o).sum(),
+      positions=positions,
+      axis=axis,
+    )
+
+
 def test_sweep_refuses_a_structured_output_without_part(corpora):
   case = corpora[LINEN]["scan"]
   tree = LINEN.convert(case)

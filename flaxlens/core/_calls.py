@@ -331,6 +331,8 @@ class CallInterceptor:
         f" {seen[:8]}), and this part of the tree has replaced calls that would no"
         " longer line up. Convert with example arguments that take the same branch."
       )
+    if self.probing is not None:
+      self.probing.diverged.append(node._describe(key))
     frame.node = None
 
 

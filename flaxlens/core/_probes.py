@@ -89,6 +89,10 @@ class Probing:
       in a scan body that runs no iteration, or in either branch of a `lax.cond`, counts).
     unreached_fix: what the error for a required probe the run did not reach tells the
       user to do.
+    every_call: whether a site names every call and the run must then see them all: a
+      run whose calls part from conversion's (`diverged`) runs the calls beyond that
+      point natively, unseen, so it raises rather than miss them.
+    diverged: where the run made a call conversion did not see, as call descriptions.
   """
 
   def __init__(
@@ -96,6 +100,7 @@ class Probing:
     probes: dict[int, Probe],
     indexed: bool = False,
     unreached_fix: str = "Choose calls this run makes.",
+    every_call: bool = False,
   ):
     self.probes = probes
     self.capturing = any(p.output or p.input for p in probes.values())
@@ -105,6 +110,8 @@ class Probing:
     self.stray: dict[str, str] = {}
     self.reached: set[str] = set()
     self.unreached_fix = unreached_fix
+    self.every_call = every_call
+    self.diverged: list[str] = []
     self.captured: dict[str, Any] = {}  # What the run captured, once it ran.
 
   def run(self, node: Any, probe: Probe, run: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -169,7 +176,8 @@ class Probing:
 
     Raises:
       CallStructureError: for a required probe whose call the run did not make (it took
-        another branch than conversion): its edits and captures would be dropped.
+        another branch than conversion): its edits and captures would be dropped; or, when
+        a site names every call, for calls the run made that conversion did not see.
       UnsupportedFlaxFeatureError: for values captured where they could not leave.
     """
     missed = [p.name for p in self.probes.values() if p.required and p.name not in self.reached]
@@ -178,6 +186,12 @@ class Probing:
         f"This run did not make the call(s) {missed[:6]} that interventions or captures"
         " name (it took another branch than the example arguments at conversion), so"
         f" their edits and captures would be dropped. {self.unreached_fix}"
+      )
+    if self.every_call and self.diverged:
+      raise CallStructureError(
+        f"This run made call(s) conversion did not see ({'; '.join(self.diverged[:3])}):"
+        " the calls inside run natively and have no site in the tree, so editing or"
+        f" capturing every call would miss them. {self.unreached_fix}"
       )
     if self.stray:
       sites = sorted(self.stray)

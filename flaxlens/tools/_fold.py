@@ -41,6 +41,7 @@ from flaxlens.tools._interventions import (
 from flaxlens.tools._isolate import isolate_calls
 from flaxlens.tools._replay import IsolatedSubmodel
 
+_OPERANDS = {"steer": ("vector", "alpha"), "scale": ("factor",)}  # as the makers name them
 _NOT_WEIGHTS = {
   "patch": "it sets the value to given activations, which depend on other inputs",
   "mean": "it sets the value to the mean of other activations, which no weight holds",
@@ -122,9 +123,9 @@ def fold(
   Raises:
     ExportError: an intervention cannot be folded (the message lists each one and
       why: patches, mean or resample ablations, `fl.modify`, edits that vary along
-      positions, calls with no parameter that expresses the edit, calls inside
-      `nn.scan`/`nnx.scan`), or the folded tree does not reproduce the intervened run
-      within the tolerance (the message gives the largest differences).
+      positions, operands holding nan or inf, calls with no parameter that expresses the
+      edit, calls inside `nn.scan`/`nnx.scan`), or the folded tree does not reproduce
+      the intervened run within the tolerance (the message gives the largest differences).
     SelectionError: a site matches no call.
 
   Example:
@@ -230,6 +231,12 @@ def _fold_one(
   """`{label: new value}` of the parameters that express `intervention` in `root`."""
   if intervention.kind in _NOT_WEIGHTS:
     raise ExportError(_NOT_WEIGHTS[intervention.kind])
+  names = _OPERANDS.get(intervention.kind, ())
+  for name, operand in zip(names, intervention.operands, strict=True):
+    if not bool(jnp.all(jnp.isfinite(operand))):
+      raise ExportError(
+        f"its {name} holds nan or inf, and fold writes only finite weights; give a finite {name}"
+      )
   sites = sites_of(root)
   chosen = select_sites(root, intervention.at, sites)
   edits: dict[str, Any] = {}
@@ -352,11 +359,11 @@ def _change(intervention: Intervention, site: str, target: Any) -> tuple[str, An
 
 def _trailing(x: Any, same: Callable[[Any, Any], bool]) -> Any:
   """`x` as the array over its fewest trailing axes that it repeats along the others."""
-  for kept in range(x.ndim + 1):
+  for kept in range(x.ndim):
     rows = x.reshape((-1, *x.shape[x.ndim - kept :]))
     if same(rows, jnp.broadcast_to(rows[0], rows.shape)):
       return rows[0]
-  raise AssertionError("unreachable: the last row of a one-row array is itself")
+  return x
 
 
 _Candidate = tuple[str, Callable[[Any], Any]]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -30,6 +32,8 @@ from flaxlens.core._selectors import path_matches
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.errors import ArgumentError, SelectionError
 from flaxlens.tools._calling import model_arguments, takes_model_arguments
+from flaxlens.tools._index import MASK, bounded, checked
+from flaxlens.tools._index import split as _split_index
 
 # --- sites --------------------------------------------------------------------------------
 
@@ -196,10 +200,13 @@ class Intervention(Struct):
     at: the site pattern, class, node or predicate (see `fl.run`).
     kind: one of "zero", "patch", "mean", "resample", "steer", "scale", "modify".
     operands: the arrays the edit uses (a patch's values, a steering vector and alpha).
-    where_arrays: the arrays of `where` (a mask, or the array parts of an index).
+    where_arrays: the arrays of `where` (a mask, or the integer arrays of an index).
     on: "output" or "input" (the call's first positional argument).
     part: which part of a structured output or input to edit (an index or key), or None.
-    index: the static structure of `where` (None: everywhere).
+    index: the static structure of `where` (None: everywhere), with the range of each
+      integer array's values, recorded when the intervention is made: an index is
+      checked against the value's shape when the run is traced (docs/interventions.md,
+      index rules).
     fn: for "modify", the function `fn(argument, value, *operands) -> value`.
 
   Example:
@@ -219,10 +226,27 @@ class Intervention(Struct):
   fn: Any = static_field(default=None)
 
   def __post_init__(self) -> None:
+    maker = _maker(self.kind, self.at)
     if self.kind not in _KINDS:
-      raise ArgumentError(f"Unknown intervention kind {self.kind!r}; one of {_KINDS}.")
+      raise ArgumentError(
+        f"{maker}: unknown intervention kind {self.kind!r}; one of {_KINDS}. Make"
+        " interventions with fl.ablate, fl.patch, fl.steer, fl.scale or fl.modify."
+      )
     if self.on not in ("output", "input"):
-      raise ArgumentError(f"on= is 'output' or 'input', got {self.on!r}.")
+      raise ArgumentError(
+        f"{maker}: on= is 'output' or 'input' (the call's first positional argument), got"
+        f" {self.on!r}. Pass one of these."
+      )
+    if isinstance(self.part, bool | np.bool_ | float | np.floating):
+      raise ArgumentError(
+        f"{maker}: part={self.part!r} names no part (a bool or a float would pick the part"
+        " its value equals). Give an int (a tuple's index) or a str (a key, a field), or"
+        " leave part= out to edit the whole value."
+      )
+    if isinstance(self.part, np.integer):
+      object.__setattr__(self, "part", int(self.part))
+    index = bounded(self.index, self.where_arrays, f"{maker}: where=")
+    object.__setattr__(self, "index", index)  # the ranges of the arrays given
 
   def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
     """`value` (the call's output or first argument) with this intervention applied."""
@@ -267,25 +291,25 @@ class Intervention(Struct):
     return out
 
   def _mask(self, site: str, target: Any) -> Any:
-    if self.index == ("mask",):
+    """The boolean mask of `where=` over `target`, after checking it fits (index rules)."""
+    shape = tuple(target.shape)
+    if self.index == MASK:
       mask = self.where_arrays[0]
       if mask.ndim > target.ndim:
         raise ArgumentError(
           f"{site}: the mask of where= has rank {mask.ndim} (shape {tuple(mask.shape)}), more"
-          f" than the {self.on}'s rank {target.ndim} (shape {tuple(target.shape)}). Give a"
-          f" boolean mask that broadcasts to {tuple(target.shape)}."
+          f" than the {self.on}'s rank {target.ndim} (shape {shape}). Give a"
+          f" boolean mask that broadcasts to {shape}."
         )
       _check_fits(site, mask, target, "the mask of where=", self.on)
+      if not math.prod(shape):
+        raise ArgumentError(
+          f"{site}: the {self.on} of shape {shape} is empty, so where= selects nothing."
+          " There is nothing to edit; leave the intervention out."
+        )
       return mask
-    index = _rebuild_index(self.index, self.where_arrays)
-    try:
-      return jnp.zeros(target.shape, bool).at[index].set(True)
-    except (IndexError, TypeError, ValueError) as e:
-      raise ArgumentError(
-        f"{site}: where={index!r} does not index the {self.on} of shape"
-        f" {tuple(target.shape)} ({e}). Give an index of at most {target.ndim} axes, as"
-        " jnp.s_[...] writes one, or a boolean mask."
-      ) from None
+    index = checked(self.index, self.where_arrays, shape, f"{site}: where=", self.on)
+    return jnp.zeros(shape, bool).at[index].set(True)
 
 
 def _is_array(x: Any) -> bool:
@@ -367,63 +391,49 @@ def _set_part(value: Any, part: Any, new: Any) -> Any:
   return dataclasses.replace(value, **{part: new})
 
 
-def _split_index(where: Any) -> tuple[Any, tuple[Any, ...]]:
-  """`(static structure, arrays)` of a `where=` value (a mask or an index)."""
-  if where is None:
-    return None, ()
-  if _is_array(where) and np.dtype(where.dtype) == np.bool_:
-    return ("mask",), (jnp.asarray(where),)
-  entries = where if isinstance(where, tuple) else (where,)
-  static, arrays = [], []
-  for entry in entries:
-    if isinstance(entry, slice):
-      static.append(("slice", entry.start, entry.stop, entry.step))
-    elif entry is Ellipsis:
-      static.append(("ellipsis",))
-    elif entry is None:
-      static.append(("newaxis",))
-    elif isinstance(entry, int | np.integer):
-      static.append(("int", int(entry)))
-    elif _is_array(entry) or isinstance(entry, list):
-      static.append(("array",))
-      arrays.append(jnp.asarray(entry))
-    else:
-      raise ArgumentError(
-        "where= takes a boolean mask or an index (ints, slices, ..., integer arrays),"
-        f" as jnp.s_[...] writes one; got {entry!r}."
-      )
-  return ("index", *static), tuple(arrays)
-
-
-def _rebuild_index(static: tuple[Any, ...], arrays: tuple[Any, ...]) -> Any:
-  out, it = [], iter(arrays)
-  for entry in static[1:]:
-    tag = entry[0]
-    if tag == "slice":
-      out.append(slice(*entry[1:]))
-    elif tag == "ellipsis":
-      out.append(Ellipsis)
-    elif tag == "newaxis":
-      out.append(None)
-    elif tag == "int":
-      out.append(entry[1])
-    else:
-      out.append(next(it))
-  return tuple(out)
-
-
-def _array(x: Any, name: str) -> Any:
+def _array(x: Any, name: str, maker: str) -> Any:
   """`x` as a strongly typed JAX array; Python numbers get their default dtype.
 
   A Python float, a weakly typed `jnp.array(2.0)` and a float32 array then trace alike
   (changing one for another does not recompile) and save alike (`fl.save_interventions`).
+  `maker` (`"fl.steer('Block_0')"`) and `name` (`"alpha"`) start a refusal.
   """
   if isinstance(x, bool | int | float | complex):
     return jnp.asarray(x, dtype=jax.dtypes.canonicalize_dtype(type(x)))
   if isinstance(x, np.generic) or _is_array(x):
-    x = jnp.asarray(x)
+    try:
+      x = jnp.asarray(x)
+    except TypeError:
+      raise ArgumentError(
+        f"{maker}: {name} is an array of dtype {x.dtype}, which JAX does not compute with."
+        f" Give {name} as a number or a numeric array."
+      ) from None
     return jnp.asarray(x, dtype=x.dtype) if x.weak_type else x
-  raise ArgumentError(f"{name} must be an array or a number, got {type(x).__name__}.")
+  shown = repr(x) if len(repr(x)) <= 40 else f"{repr(x)[:37]}..."
+  raise ArgumentError(
+    f"{maker}: {name}={shown} is a {type(x).__name__}, not an array or a number. Give {name}"
+    " as a number or an array (jnp.asarray(...)) that broadcasts to the site's value."
+  )
+
+
+_MAKERS = {"zero": "ablate", "mean": "ablate", "resample": "ablate"}
+
+
+def _maker(kind: str, at: Any) -> str:
+  """How refusals name an intervention being made: `fl.steer('Block_0')`."""
+  return f"fl.{_MAKERS.get(kind, kind)}({_site_text(at)})"
+
+
+def _site_text(at: Any) -> str:
+  if isinstance(at, list | tuple):
+    return f"[{', '.join(map(_site_text, at))}]"
+  if isinstance(at, str):
+    return repr(at)
+  if isinstance(at, _Called):
+    return repr(at.name)
+  if isinstance(at, CallNode):
+    return at.where()
+  return getattr(at, "__qualname__", repr(at))
 
 
 def _static_at(at: Any) -> Any:
@@ -431,7 +441,7 @@ def _static_at(at: Any) -> Any:
 
 
 def _make(kind: str, at: Any, operands: tuple, where: Any, on: str, part: Any, fn=None):
-  index, where_arrays = _split_index(where)
+  index, where_arrays = _split_index(where, f"{_maker(kind, at)}: where=")
   return Intervention(
     operands=operands,
     where_arrays=where_arrays,
@@ -478,21 +488,39 @@ def ablate(
     >>> bool((out == tree.select().at_path("layers_2").get().export()["params"]["bias"]).all())
     True
   """
+  maker = _maker("zero", at)
+  if not (isinstance(how, str) and how in ("zero", "mean", "resample")):
+    raise ArgumentError(
+      f"{maker}: how= is 'zero', 'mean' or 'resample', got {how!r}. Pass one of these."
+    )
   if how == "zero":
-    operands: tuple[Any, ...] = ()
-  elif how in ("mean", "resample"):
-    if reference is None:
-      raise ArgumentError(f"ablate(how={how!r}) needs reference=, the site's values to use.")
-    reference = jnp.asarray(reference)
-    if how == "mean":
-      operands = (reference.mean(axis=0),)
-    else:
-      if key is None:
-        raise ArgumentError("ablate(how='resample') needs key=, a JAX key to shuffle with.")
-      operands = (jax.random.permutation(key, reference, axis=0),)
-  else:
-    raise ArgumentError(f"ablate's how= is 'zero', 'mean' or 'resample', got {how!r}.")
-  return _make("zero" if how == "zero" else how, at, operands, where, on, part)
+    return _make("zero", at, (), where, on, part)
+  if reference is None:
+    raise ArgumentError(
+      f"{maker}: how={how!r} needs the site's values on other inputs, stacked along a first"
+      " axis. Pass them as reference= (from fl.capture, say)."
+    )
+  if isinstance(reference, list | tuple):
+    reference = np.asarray(reference)
+  reference = _array(reference, "reference", maker)
+  if reference.ndim == 0:
+    raise ArgumentError(
+      f"{maker}: reference= is a scalar; how={how!r} takes the site's values stacked along"
+      " a first axis (one entry per example). Give an array with that axis."
+    )
+  if how == "mean":
+    return _make("mean", at, (reference.mean(axis=0),), where, on, part)
+  if key is None:
+    raise ArgumentError(
+      f"{maker}: how='resample' needs a JAX key to shuffle with. Pass key=jax.random.key(seed)."
+    )
+  try:
+    shuffled = jax.random.permutation(key, reference, axis=0)
+  except (TypeError, ValueError):
+    raise ArgumentError(
+      f"{maker}: key={key!r} is not a JAX random key. Give one made by jax.random.key(seed)."
+    ) from None
+  return _make("resample", at, (shuffled,), where, on, part)
 
 
 def patch(
@@ -507,7 +535,7 @@ def patch(
     >>> fl.patch("Block_0/mlp", jnp.zeros((2, 8, 16)), where=jnp.s_[:, 3]).kind
     'patch'
   """
-  return _make("patch", at, (_array(value, "value"),), where, on, part)
+  return _make("patch", at, (_array(value, "value", _maker("patch", at)),), where, on, part)
 
 
 def steer(
@@ -529,7 +557,9 @@ def steer(
     >>> fl.steer("**/Block_1", jnp.ones(16), alpha=4.0).operands[1].shape
     ()
   """
-  return _make("steer", at, (_array(vector, "vector"), _array(alpha, "alpha")), where, on, part)
+  maker = _maker("steer", at)
+  operands = (_array(vector, "vector", maker), _array(alpha, "alpha", maker))
+  return _make("steer", at, operands, where, on, part)
 
 
 def scale(
@@ -542,7 +572,7 @@ def scale(
     >>> fl.scale("Block_0", 0.5).kind
     'scale'
   """
-  return _make("scale", at, (_array(factor, "factor"),), where, on, part)
+  return _make("scale", at, (_array(factor, "factor", _maker("scale", at)),), where, on, part)
 
 
 def modify(
@@ -564,9 +594,13 @@ def modify(
     >>> clip.kind
     'modify'
   """
+  maker = _maker("modify", at)
   if not callable(fn):
-    raise ArgumentError(f"modify takes a function fn(argument, value, *operands), got {fn!r}.")
-  ops = tuple(_array(x, "each operand") for x in operands)
+    raise ArgumentError(
+      f"{maker}: fn={fn!r} is not callable. Give a function fn(argument, value, *operands)"
+      " that returns the new value."
+    )
+  ops = tuple(_array(x, f"operand {n}", maker) for n, x in enumerate(operands))
   return _make("modify", at, ops, where, on, part, fn=fn)
 
 
@@ -642,7 +676,7 @@ def _probes_for(
       p = probe(site)
       p.output = True
       p.input = inputs
-      p.shape = shape
+      p.shape = None if shape is None else functools.partial(shape, site.name)
       p.required = p.required or required
   return probes
 
@@ -685,17 +719,17 @@ def _describe(value: Any) -> str:
   return f"a {type(value).__name__} of {len(leaves)} leaves"
 
 
-def _shaper(index: Any, dtype: Any) -> Callable[[Any], Any] | None:
-  """Slicing and casting of captured arrays; `index` as `_split_index` returns it."""
+def _shaper(index: Any, dtype: Any) -> Callable[[str, Any], Any] | None:
+  """Slicing and casting of a site's captured arrays, `shape(site name, array)`; `index`
+  as `_split_index` returns it, checked against each array (index rules)."""
   if index is None and dtype is None:
     return None
-  where = None if index is None else _rebuild_index(*index)
 
-  def shape(x: Any) -> Any:
+  def shape(site: str, x: Any) -> Any:
     if x is None:
       return None
-    if where is not None:
-      x = x[where]
+    if index is not None:
+      x = x[checked(*index, tuple(x.shape), f"{site}: index=", "captured value")]
     return x if dtype is None else x.astype(dtype)
 
   return shape
@@ -713,7 +747,10 @@ def _run_once(
   unreached: str,
 ) -> Any:
   probes = _probes_for(tree, interventions, capture, inputs, _shaper(index, dtype), unreached)
-  probing = Probing(probes, unreached_fix=_UNREACHED_FIX)
+  every_call = unreached == "raise" and (
+    _every_call(capture) or any(_every_call(i.at) for i in interventions)
+  )
+  probing = Probing(probes, unreached_fix=_UNREACHED_FIX, every_call=every_call)
   key = (interventions, capture, inputs, index, dtype)
   output = run_tree(tree, argument, random_streams, {}, probing=probing, probing_key=key)
   return output, probing.captured
@@ -821,8 +858,6 @@ def run(
   random_streams = resolve_random_streams(random_streams, tree.where())
   if index is not None:
     index = _split_index(index if isinstance(index, tuple) else (index,))
-    if index[0] == ("mask",):
-      raise ArgumentError("index= takes an index (ints, slices, arrays), not a boolean mask.")
   runner = _run_compiled if jit else _run_once
   output, captured = runner(
     tree, argument, interventions, capture, inputs, index, dtype, random_streams, unreached

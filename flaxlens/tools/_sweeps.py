@@ -209,9 +209,9 @@ def _iteration(name: str, lead: tuple[int, ...]) -> tuple[tuple[Any, ...], Any] 
 
 def _position_mask(name: str, value: Any, axis: int, positions: tuple[int, ...], at: Any) -> Any:
   """A boolean mask, broadcasting to `value`, true at position `at` along `axis`."""
-  if not -value.ndim <= axis < value.ndim:
+  if not _is_axis(axis, value.ndim):
     raise ArgumentError(
-      f"{name}: axis={axis} is not an axis of the value, of shape {tuple(value.shape)}."
+      f"{name}: axis={axis!r} is not an axis of the value, of shape {tuple(value.shape)}."
       " Pass the axis of positions (axis=1 for (batch, sequence, ...) values)."
     )
   axis %= value.ndim
@@ -225,6 +225,11 @@ def _position_mask(name: str, value: Any, axis: int, positions: tuple[int, ...],
   shape = [1] * value.ndim
   shape[axis] = size
   return (jnp.arange(size) == at).reshape(shape)
+
+
+def _is_axis(axis: Any, rank: int) -> bool:
+  """Whether `axis` is an int naming one of `rank` axes (negative: from the end)."""
+  return isinstance(axis, int | np.integer) and not isinstance(axis, bool) and -rank <= axis < rank
 
 
 def _units(names: list[str], leads: list[tuple[int, ...]]) -> tuple[str, ...]:
@@ -268,6 +273,13 @@ def _checked_positions(positions: Any) -> tuple[int, ...] | None:
     ) from None
   if not out:
     raise ArgumentError("positions= is empty; give at least one position, or None.")
+  limits = np.iinfo(np.int32)
+  beyond = [p for p in out if not limits.min <= p <= limits.max]
+  if beyond:
+    raise ArgumentError(
+      f"positions= holds {beyond}, which no axis has: positions count from 0 along axis=."
+      " Give positions from 0 to the axis's size - 1 (for example range(seq_len))."
+    )
   return out
 
 
@@ -472,9 +484,9 @@ def _reduce(contribution: Any, lead: int, positions: Any, axis: int, name: str) 
   rank = contribution.ndim - lead
   if positions is None:
     return contribution.sum(axis=tuple(range(lead, contribution.ndim)))
-  if not -rank <= axis < rank:
+  if not _is_axis(axis, rank):
     raise ArgumentError(
-      f"{name}: axis={axis} is not an axis of the value, of shape"
+      f"{name}: axis={axis!r} is not an axis of the value, of shape"
       f" {tuple(contribution.shape[lead:])}. Pass the axis of positions (axis=1 for (batch,"
       " sequence, ...) values)."
     )

@@ -214,3 +214,17 @@ PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "intervention-spec
 def test_the_intervention_sets_page_examples_run(index):
   block = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)[index]
   exec(compile(block, f"{PAGE.name}[python block {index}]", "exec"), {})
+
+
+@pytest.mark.parametrize(
+  "where, message",
+  [
+    (["index", ["slice", 0, 4, 0]], "a slice with step 0"),
+    (["index", ["ellipsis"], ["int", 0], ["ellipsis"]], "more than one '...'"),
+  ],
+  ids=["step_0", "two_ellipses"],
+)
+def test_a_forged_where_that_is_no_index_is_refused_naming_the_site(saved, where, message):
+  _forge(saved, lambda m: m["interventions"][1].update(where=where))
+  with pytest.raises(fl.FlaxlensError, match=rf"^fl\.steer\('Dense_0'\): where= .*{message}"):
+    fl.load_interventions(saved)

@@ -171,6 +171,25 @@ def test_fold_refuses_unfoldable_interventions_listing_each_with_its_reason(corp
     assert f"[{number}]" in message and reason in message.split(f"[{number}]")[1], number
 
 
+@pytest.mark.parametrize(
+  "make, operand",
+  [
+    (lambda site: fl.scale(site, float("nan")), "factor"),
+    (lambda site: fl.scale(site, jnp.full(8, jnp.inf)), "factor"),
+    (lambda site: fl.steer(site, VECTOR, alpha=float("nan")), "alpha"),
+    (lambda site: fl.steer(site, VECTOR.at[3].set(-jnp.inf)), "vector"),
+  ],
+  ids=["nan_factor", "inf_factor", "nan_alpha", "inf_vector"],
+)
+@pytest.mark.parametrize("fw", BOTH)
+def test_fold_refuses_operands_that_are_not_finite_naming_the_site(corpora, fw, make, operand):
+  case = _transformer(corpora, fw)
+  site = SITES[fw]["down"]
+  expected = rf"\[0\] fl\.(scale|steer)\('{site}'.*its {operand} holds nan or inf.*give a finite"
+  with pytest.raises(fl.ExportError, match=expected):
+    fl.fold(fw.convert(case), case.args, [make(site)])
+
+
 @pytest.mark.parametrize("fw", BOTH)
 def test_fold_leaves_the_tree_unmodified_also_when_it_refuses(corpora, fw):
   case = _transformer(corpora, fw)

@@ -249,3 +249,56 @@ def test_on_input_of_a_call_without_positional_arguments_is_refused(fw):
   tree, x, _, keywords = _structured(fw)
   with pytest.raises(fl.ArgumentError, match=f"{keywords}: on='input' .* takes none"):
     fl.run(tree, x, interventions=[fl.scale(keywords, 2.0, on="input")])
+
+
+# --- operands that are not values, refused when the intervention is made ------------------
+
+MAKERS = {
+  "steer_alpha": (lambda: fl.steer("Block_0", jnp.ones(4), alpha="big"), "steer", "alpha='big'"),
+  "steer_vector": (lambda: fl.steer("Block_0", None), "steer", "vector=None"),
+  "scale_factor": (lambda: fl.scale("Block_0", "half"), "scale", "factor='half'"),
+  "patch_value": (lambda: fl.patch("Block_0", {"a": 1}), "patch", "value="),
+  "patch_strings": (lambda: fl.patch("Block_0", np.array(["x"])), "patch", "dtype <U1"),
+  "modify_fn": (lambda: fl.modify("Block_0", 3), "modify", "fn=3 is not callable"),
+  "modify_operand": (lambda: fl.modify("Block_0", jnp.tanh, "x"), "modify", "operand 0="),
+  "ablate_how": (lambda: fl.ablate("Block_0", how="one"), "ablate", "how= is"),
+  "ablate_how_list": (lambda: fl.ablate("Block_0", how=["zero"]), "ablate", "how= is"),
+  "mean_without_reference": (
+    lambda: fl.ablate("Block_0", "mean"),
+    "ablate",
+    "needs the site's values",
+  ),
+  "mean_of_text": (lambda: fl.ablate("Block_0", "mean", "abc"), "ablate", "reference='abc'"),
+  "mean_of_scalar": (lambda: fl.ablate("Block_0", "mean", 3.0), "ablate", "is a scalar"),
+  "resample_without_key": (
+    lambda: fl.ablate("Block_0", "resample", jnp.ones((2, 4))),
+    "ablate",
+    "needs a JAX key",
+  ),
+  "resample_key_int": (
+    lambda: fl.ablate("Block_0", "resample", jnp.ones((2, 4)), key=3),
+    "ablate",
+    "key=3 is not a JAX random key",
+  ),
+  "on": (lambda: fl.scale("Block_0", 2.0, on="out"), "scale", "on= is 'output' or 'input'"),
+  "part_bool": (lambda: fl.ablate("Block_0", part=True), "ablate", "part=True names no part"),
+  "part_float": (lambda: fl.steer("Block_0", 1.0, part=1.0), "steer", "part=1.0 names no part"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_an_operand_that_is_no_value_is_refused_naming_the_site_and_the_fix(name):
+  make, maker, said = MAKERS[name]
+  expected = rf"^fl\.{maker}\('Block_0'\): .*{re.escape(said)}.*[.;] (Give|Pass) "
+  with pytest.raises(fl.ArgumentError, match=expected):
+    make()
+
+
+@pytest.mark.parametrize(
+  "at, shown",
+  [(nn.Dense, "Dense"), (["Block_0", "Block_1"], "['Block_0', 'Block_1']")],
+  ids=["class", "list"],
+)
+def test_a_refused_operand_names_a_site_given_as_a_class_or_a_list(at, shown):
+  with pytest.raises(fl.ArgumentError, match=rf"^fl\.scale\({re.escape(shown)}\): factor="):
+    fl.scale(at, "half")

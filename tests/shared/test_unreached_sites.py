@@ -127,6 +127,32 @@ def test_capturing_every_call_captures_the_calls_the_run_makes(fw):
   assert_trees_equal(cache["main"], native[("main", "__call__")][0])
 
 
+@pytest.mark.parametrize("fw", FWS)
+@JIT
+@pytest.mark.parametrize("every", ["capture", "edit"])
+def test_every_call_on_a_run_making_a_call_conversion_did_not_see_raises(fw, jit, every):
+  # Converted on one example, run on two: `extra` has no node, and what it calls would run
+  # unseen, so "every call" would silently mean "every call conversion saw".
+  _, converted = _cases(fw)
+  tree = fw.convert(converted)
+  with pytest.raises(fl.CallStructureError, match=r"conversion did not see .*extra"):
+    if every == "capture":
+      fl.capture(tree, X2, jit=jit)
+    else:
+      fl.run(tree, X2, interventions=[fl.scale("**", 1.0)], jit=jit)
+
+
+@pytest.mark.parametrize("fw", FWS)
+def test_every_call_with_unreached_ignore_captures_the_calls_that_line_up(fw):
+  _, converted = _cases(fw)
+  tree = fw.convert(converted)
+  out, cache = fl.capture(tree, X2, unreached="ignore")
+  native_out, native = fw.native_captures(dataclasses.replace(converted, args=(X2,)), jit=True)
+  assert "extra" not in cache
+  assert_trees_equal(cache["main"], native[("main", "__call__")][0])
+  assert_trees_equal(out, native_out)
+
+
 TOOLS = {
   "sweep": lambda tree: fl.sweep(tree, X2, X1, "extra", lambda out: out.sum()),
   "attribute": lambda tree: fl.attribute(tree, X2, X1, "extra", lambda out: out.sum()),
