@@ -17,10 +17,13 @@ the class subclasses that built-in too, so older `except` clauses keep working.
 - `ReplacementError`: a replacement in `submodule_calls` is not callable, was removed,
   or returned output of another structure, dtype or shape than the call it replaces.
   Fix: replace the call with an `fl.Layer` that returns what the call returns.
-- `ArgumentError` (also `TypeError` and `ValueError`): a tree, a call or a struct was
-  given arguments of the wrong kind: a call not given `fl.ArgsAndKwargs`, a bad random
-  stream, `Struct.from_attributes` with missing or unknown fields. Fix: as the message
-  says.
+- `ArgumentError` (also `TypeError` and `ValueError`): a function, a tree, a call or a
+  struct was given arguments of the wrong kind: a path, a tree or a list of interventions
+  given as None or as something else (`fl.load_isolated(None)`, `fl.summary(model)`,
+  `fl.fold(tree, interventions=fl.steer(...))`), a call not given `fl.ArgsAndKwargs`, a bad
+  random stream, Linen variables lacking what the model reads, `Struct.from_attributes`
+  with missing or unknown fields. The message names the function and the argument. Fix:
+  as the message says.
 - `VariableError` (also `ValueError`): a variable, slot or label was used inconsistently
   (two variables with one label, an unfilled slot), or a traced value would outlive its
   trace in a variable. Fix: relabel (`fl.relabel_variables`), pass the missing values,

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._checks import check_path, check_type, refuse
 from flaxlens.core._node import is_call_node, iter_call_nodes
 from flaxlens.core._recipe import recipe_of, submodel_from
 from flaxlens.core._variables import StateVariableValue
@@ -75,6 +76,8 @@ def save_isolated(
       file, a symlink, a directory that is not an artifact) is never replaced.
 
   Raises:
+    ArgumentError: `isolated` is not an `fl.IsolatedSubmodel`, `path` not a path, or
+      `overwrite` not a bool.
     ArtifactError: if `path` exists (and not `overwrite`, or it is not an artifact), a
       value cannot be saved without pickling code (the message names the value), or the
       directory cannot be written.
@@ -90,7 +93,23 @@ def save_isolated(
     >>> bool(fl.load_isolated(path).replay())
     True
   """
-  target = pathlib.Path(path)
+  check_type(
+    isolated,
+    IsolatedSubmodel,
+    "fl.save_isolated",
+    "isolated",
+    "an fl.IsolatedSubmodel",
+    "Pass what fl.isolate, fl.isolate_submodel or fl.isolate_calls returns.",
+  )
+  target = pathlib.Path(check_path(path, "fl.save_isolated", "Pass the directory to create."))
+  check_type(
+    overwrite,
+    bool,
+    "fl.save_isolated",
+    "overwrite",
+    "True or False",
+    "Pass overwrite=True to replace.",
+  )
   check_target(target, overwrite)
   submodel = isolated.submodel
   encoder = Encoder()
@@ -275,6 +294,8 @@ def load_isolated(
     max_bytes: refuse artifacts whose arrays hold more bytes than this.
 
   Raises:
+    ArgumentError: `path` is not a path, `allow` not a list of package names, or
+      `max_bytes` not a non-negative integer.
     ArtifactError: the artifact is missing files, not regular files, truncated, too
       large, corrupted or tampered with, from another format version, or references code
       the policy does not allow. The message says which, and how to allow a package.
@@ -290,10 +311,9 @@ def load_isolated(
     >>> bool(loaded.replay())
     True
   """
-  policy = LoadPolicy.create(allow)
-  if type(max_bytes) is not int or max_bytes < 0:
-    raise ArtifactError(f"max_bytes must be a non-negative integer, not {max_bytes!r}.")
-  source = pathlib.Path(path)
+  source, policy = load_arguments(
+    "fl.load_isolated", path, allow, max_bytes, "Pass the directory fl.save_isolated wrote."
+  )
   with Directory(source) as directory:
     manifest = parse_manifest(directory.read(MANIFEST, MAX_MANIFEST_BYTES), str(source))
     for ref, _, where in manifest.references:
@@ -301,6 +321,22 @@ def load_isolated(
     arrays = read_arrays(directory, manifest.data["arrays"], max_bytes)
   resolved = resolve_references(policy, manifest.references)
   return _rebuild(source, manifest, Decoder(arrays, resolved))
+
+
+def load_arguments(
+  where: str, path: Any, allow: Any, max_bytes: Any, fix: str
+) -> tuple[pathlib.Path, LoadPolicy]:
+  """The directory and loading policy of a load (`load_isolated`, `load_interventions`).
+
+  Raises:
+    ArgumentError: `path` is not a path, `allow` not a list of package names, or
+      `max_bytes` not a non-negative integer.
+  """
+  source = pathlib.Path(check_path(path, where, fix))
+  policy = LoadPolicy.create(allow, where)
+  if type(max_bytes) is not int or max_bytes < 0:
+    raise refuse(where, "max_bytes", max_bytes, "a non-negative integer", "Pass a number of bytes.")
+  return source, policy
 
 
 def _rebuild(source: pathlib.Path, manifest: Manifest, decoder: Decoder) -> IsolatedSubmodel:

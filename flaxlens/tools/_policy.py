@@ -21,8 +21,9 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from flaxlens.core._checks import refuse
 from flaxlens.core._variables import Uninitialized
-from flaxlens.errors import ArtifactError
+from flaxlens.errors import ArgumentError, ArtifactError
 
 # The packages flaxlens runs on: importing their modules runs nothing a user of flaxlens
 # has not already run. Objects from them are still checked role by role.
@@ -118,14 +119,28 @@ class LoadPolicy:
   allowed: frozenset[str] = frozenset()
 
   @classmethod
-  def create(cls, allow: Iterable[str] | None) -> LoadPolicy:
-    if isinstance(allow, str):
-      raise ArtifactError(f"allow= takes a list of package names, e.g. allow=[{allow!r}].")
+  def create(cls, allow: Iterable[str] | None, where: str = "fl.load_isolated") -> LoadPolicy:
+    """The policy allowing the packages in `allow`; `where` names the caller in refusals.
+
+    Raises:
+      ArgumentError: `allow` is not a list of top-level package names.
+    """
+    if isinstance(allow, str) or not isinstance(allow, Iterable | None):
+      example = repr(allow) if isinstance(allow, str) else "'mypackage'"
+      raise refuse(
+        where,
+        "allow",
+        allow,
+        "a list of top-level package names",
+        f"Pass a list, e.g. allow=[{example}].",
+      )
     packages = frozenset(allow or ())
     for package in packages:
       if not isinstance(package, str) or not re.fullmatch(_NAME, package):
-        raise ArtifactError(
-          f"allow= takes top-level package names such as 'transformers'; {package!r} is not one."
+        raise ArgumentError(
+          f"{where}: allow takes top-level package names such as 'transformers'; {package!r}"
+          " is not one. Name the package as you import it (allow=['mypackage'] for"
+          " mypackage.models)."
         )
     return cls(packages)
 

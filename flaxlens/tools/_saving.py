@@ -21,7 +21,9 @@ import jax
 import numpy as np
 
 from flaxlens.core._adapter import adapter_for_exported
+from flaxlens.core._checks import check_path, refuse
 from flaxlens.core._names import join_name
+from flaxlens.core._node import CallNode
 from flaxlens.errors import ExportError
 
 FORMATS = ("orbax", "safetensors")
@@ -38,8 +40,10 @@ def save_exported(exported: Any, path: str | os.PathLike, *, format: str = "orba
     format: `"orbax"` or `"safetensors"`.
 
   Raises:
-    ExportError: for an unknown format, an existing path, a value that is not an array,
-      or a missing `orbax-checkpoint`/`safetensors` package.
+    ArgumentError: `exported` is not an exported model, `path` not a path, or `format`
+      not one of the two.
+    ExportError: for an existing path, a value that is not an array, or a missing
+      `orbax-checkpoint`/`safetensors` package.
 
   Example:
     >>> import flaxlens as fl, jax.numpy as jnp, tempfile
@@ -51,12 +55,14 @@ def save_exported(exported: Any, path: str | os.PathLike, *, format: str = "orba
     >>> fl.load_exported(path, like=nnx.Linear(3, 2, rngs=nnx.Rngs(0))).bias[...]
     Array([1., 1.], dtype=float32)
   """
-  path = os.fspath(path)
+  where = "fl.save_exported"
+  state = _state_of(exported, where, "exported")
+  path = check_path(path, where, "Pass the directory (Orbax) or file (safetensors) to write.")
   if format not in FORMATS:
-    raise ExportError(f"save_exported: unknown format {format!r}; use one of {list(FORMATS)}.")
+    raise refuse(where, "format", format, f"one of {list(FORMATS)}", "Pass format='orbax'.")
   if os.path.lexists(path):
     raise ExportError(f"{path}: already exists; save_exported never overwrites. Remove it first.")
-  leaves, _ = _named_leaves(_state_of(exported), "save_exported")
+  leaves, _ = _named_leaves(state, "save_exported")
   arrays = {name: _storable(leaf) for name, leaf in leaves.items()}
   if format == "orbax":
     checkpointer = _orbax("save_exported").StandardCheckpointer()
@@ -81,8 +87,11 @@ def load_exported(path: str | os.PathLike, like: Any) -> Any:
   straight onto its device). `like` is not modified.
 
   Raises:
+    ArgumentError: `path` is not a path, or `like` not a Linen variables dict or an NNX
+      module.
     ExportError: if the saved arrays do not match `like`'s variables (names, shapes
-      or dtypes), or the file is not a saved exported model.
+      or dtypes), or `path` is not a complete, readable saved exported model (a
+      damaged or truncated checkpoint, a directory or file of another kind).
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp, tempfile
@@ -94,8 +103,9 @@ def load_exported(path: str | os.PathLike, like: Any) -> Any:
     >>> bool((model.apply(restored, x) == model.apply(variables, x)).all())
     True
   """
-  path = os.fspath(path)
-  state = _state_of(like)
+  where = "fl.load_exported"
+  path = check_path(path, where, "Pass the directory or file fl.save_exported wrote.")
+  state = _state_of(like, where, "like")
   template, treedef = _named_leaves(state, "load_exported")
   if os.path.isdir(path):
     loaded = _load_orbax(path, template)
@@ -116,13 +126,18 @@ def load_exported(path: str | os.PathLike, like: Any) -> Any:
   return _with_state(like, restored)
 
 
-def _state_of(model: Any) -> Any:
+def _state_of(model: Any, where: str, name: str) -> Any:
   """The pytree of an exported model's variables (a Linen dict itself, an NNX state)."""
   adapter = adapter_for_exported(model)
   if adapter is None:
-    raise ExportError(
-      f"expected what tree.export() returns (a Linen variables dict or an NNX module), got"
-      f" {type(model).__name__}. Export the tree first: tree.export()."
+    raise refuse(
+      where,
+      name,
+      model,
+      "what tree.export() returns (a Linen variables dict or an NNX module)",
+      "Export the tree first: tree.export()."
+      if isinstance(model, CallNode)
+      else "Pass a Linen variables dict (module.init) or an NNX module.",
     )
   return adapter.exported_variables(model)
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 
+from flaxlens.core._checks import check_items, check_path, check_type
 from flaxlens.core._node import CallNode
 from flaxlens.errors import ArgumentError, ArtifactError
 from flaxlens.tools._artifact import (
@@ -35,6 +36,7 @@ from flaxlens.tools._artifact import (
   Directory,
   array_table,
   check_target,
+  load_arguments,
   provenance,
   read_arrays,
   requires,
@@ -62,7 +64,6 @@ from flaxlens.tools._manifest import (
 )
 from flaxlens.tools._policy import (
   DEFAULT_PACKAGES,
-  LoadPolicy,
   check_reference_syntax,
   package_of,
   reference,
@@ -96,7 +97,8 @@ def save_interventions(
       is never replaced.
 
   Raises:
-    ArgumentError: an element is not an `fl.Intervention`.
+    ArgumentError: `interventions` is not a list of `fl.Intervention`s, `path` not a
+      path, or `overwrite` not a bool.
     ArtifactError: `path` exists (and not `overwrite`), an intervention holds a site,
       function or value that is not data (the message names it and what to use
       instead), or the directory cannot be written.
@@ -112,12 +114,19 @@ def save_interventions(
     >>> bool((fl.run(tree, x, interventions=loaded) == fl.run(tree, x, interventions=edits)).all())
     True
   """
-  target = pathlib.Path(path)
-  if not isinstance(interventions, list | tuple):
-    raise ArgumentError(
-      f"save_interventions takes a list of interventions, got a {type(interventions).__name__};"
-      " wrap one intervention in a list."
-    )
+  where = "fl.save_interventions"
+  check_items(
+    interventions,
+    Intervention,
+    where,
+    "interventions",
+    "a list of fl.ablate/patch/steer/scale/modify results",
+    "Wrap one intervention in a list: [fl.steer(...)].",
+  )
+  target = pathlib.Path(check_path(path, where, "Pass the directory to create."))
+  check_type(
+    overwrite, bool, where, "overwrite", "True or False", "Pass overwrite=True to replace."
+  )
   check_target(target, overwrite, FORMAT)
   encoder = Encoder()
   entries = [_encode(intervention, n, encoder) for n, intervention in enumerate(interventions)]
@@ -382,6 +391,8 @@ def load_interventions(
     The interventions, equal to those saved (arrays bit for bit), for `fl.run`.
 
   Raises:
+    ArgumentError: `path` is not a path, `allow` not a list of package names, or
+      `max_bytes` not a non-negative integer.
     ArtifactError: the set is missing files, not regular files, truncated, too large,
       corrupted or tampered with, from a newer format, or references code the policy
       does not allow; the message says which, and how to allow a package.
@@ -393,10 +404,13 @@ def load_interventions(
     >>> [(i.kind, i.at, i.operands[1].item()) for i in fl.load_interventions(path)]
     [('steer', '**/mlp', 0.5)]
   """
-  policy = LoadPolicy.create(allow)
-  if type(max_bytes) is not int or max_bytes < 0:
-    raise ArtifactError(f"max_bytes must be a non-negative integer, not {max_bytes!r}.")
-  source = pathlib.Path(path)
+  source, policy = load_arguments(
+    "fl.load_interventions",
+    path,
+    allow,
+    max_bytes,
+    "Pass the directory fl.save_interventions wrote.",
+  )
   with Directory(source) as directory:
     data, found = _parse(directory.read(MANIFEST, MAX_MANIFEST_BYTES), str(source))
     for ref, _, where in found.references:

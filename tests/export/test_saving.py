@@ -91,5 +91,5 @@ def test_saving_never_overwrites(tmp_path):
 
 
 def test_saving_a_tree_instead_of_its_export_says_to_export(corpora, tmp_path):
-  with pytest.raises(fl.ExportError, match=r"tree\.export\(\)"):
+  with pytest.raises(fl.ArgumentError, match=r"exported must be .*tree\.export\(\)"):
     fl.save_exported(LINEN.convert(corpora[LINEN]["mlp"]), tmp_path / "x")
