@@ -14,7 +14,9 @@ extra. No Flax internals here.
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -27,6 +29,10 @@ from flaxlens.core._node import CallNode
 from flaxlens.errors import ExportError
 
 FORMATS = ("orbax", "safetensors")
+# The files every Orbax checkpoint save_exported writes holds (Orbax's own layout).
+_ORBAX_FILES = ("_METADATA", "manifest.ocdbt")
+# The safetensors metadata entry holding the SHA-256 of the saved arrays (`_digest`).
+_CHECKSUM = "flaxlens_sha256"
 _KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 
 
@@ -72,7 +78,8 @@ def save_exported(exported: Any, path: str | os.PathLike, *, format: str = "orba
     _safetensors("save_exported")
     from safetensors.numpy import save_file
 
-    save_file({n: np.asarray(a) for n, a in arrays.items()}, path, metadata={"by": "flaxlens"})
+    tensors = {n: np.asarray(a) for n, a in arrays.items()}
+    save_file(tensors, path, metadata={"by": "flaxlens", _CHECKSUM: _digest(tensors)})
 
 
 def load_exported(path: str | os.PathLike, like: Any) -> Any:
@@ -186,33 +193,86 @@ def _storable(leaf: Any) -> Any:
 
 
 def _load_orbax(path: str, template: dict[str, Any]) -> dict[str, Any]:
+  """The arrays of the Orbax checkpoint `path`; any fault in it is an `ExportError`."""
   ocp = _orbax("load_exported")
-  checkpointer = ocp.StandardCheckpointer()
+  with ocp.StandardCheckpointer() as checkpointer:
+    try:
+      saved = checkpointer.metadata(os.path.abspath(path)).item_metadata
+    except Exception as e:
+      raise _unreadable(path, f"{type(e).__name__}: {e}") from e
+    items = getattr(saved, "items", None)  # Orbax's TreeMetadata, a mapping by name.
+    saved = dict(items()) if callable(items) else {}
+    if not saved:
+      raise _unreadable(path, "Orbax finds no saved arrays in it")
+    target = {}
+    for name, meta in saved.items():
+      shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
+      if not isinstance(name, str) or not isinstance(shape, tuple) or dtype is None:
+        raise _unreadable(path, f"its entry {name!r} is not an array saved by fl.save_exported")
+      leaf = template.get(name)
+      sharding = getattr(leaf, "sharding", None)
+      if leaf is None or _is_key(leaf) or shape != leaf.shape or dtype != leaf.dtype:
+        sharding = None  # Restored as saved; checked against `like` afterwards.
+      target[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    try:
+      return dict(checkpointer.restore(os.path.abspath(path), target))
+    except Exception as e:
+      raise _unreadable(path, f"reading its arrays failed: {type(e).__name__}: {e}") from e
+
+
+def _unreadable(path: str, why: str) -> ExportError:
+  """The refusal of a directory that is not a complete checkpoint `save_exported` wrote."""
   try:
-    saved = checkpointer.metadata(os.path.abspath(path)).item_metadata
-  except Exception as e:
-    raise ExportError(
-      f"{path}: not an Orbax checkpoint written by save_exported ({type(e).__name__})."
-    ) from e
-  target = {}
-  for name, meta in saved.items():
-    leaf = template.get(name)
-    sharding = getattr(leaf, "sharding", None)
-    if leaf is None or _is_key(leaf) or meta.shape != leaf.shape or meta.dtype != leaf.dtype:
-      sharding = None  # Restored as saved; checked against `like` afterwards.
-    target[name] = jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=sharding)
-  return dict(checkpointer.restore(os.path.abspath(path), target))
+    held = sorted(os.listdir(path))
+  except OSError:
+    held = []
+  lacking = [name for name in _ORBAX_FILES if name not in held]
+  found = f"; it holds {held[:8]}" if held else "; it is empty"
+  if held and lacking:
+    found += f" and lacks {lacking}"
+  said = " ".join(why.split())
+  return ExportError(
+    f"{path}: not a complete Orbax checkpoint written by fl.save_exported"
+    f" ({said[:300]}{found}). Pass the directory fl.save_exported wrote (it holds"
+    f" {list(_ORBAX_FILES)}); if it was damaged, truncated or copied in part, save the"
+    " model again with fl.save_exported(tree.export(), path)."
+  )
 
 
 def _load_safetensors(path: str) -> dict[str, Any]:
+  """The arrays of the safetensors file `path`, checked against the checksum flaxlens
+  saves in its metadata (files written by other tools have none)."""
   _safetensors("load_exported")
-  from safetensors import SafetensorError
-  from safetensors.numpy import load_file
+  from safetensors import SafetensorError, safe_open
 
   try:
-    return load_file(path)
-  except (SafetensorError, OSError, ValueError) as e:
-    raise ExportError(f"{path}: not a safetensors file ({e}).") from e
+    with safe_open(path, framework="numpy") as f:
+      metadata = f.metadata() or {}
+      arrays = {name: f.get_tensor(name) for name in f.keys()}
+  except (SafetensorError, OSError, ValueError, TypeError, KeyError) as e:
+    raise ExportError(
+      f"{path}: not a readable safetensors file ({' '.join(str(e).split())[:300]}). Pass"
+      " the file fl.save_exported(..., format='safetensors') wrote; if it was damaged or"
+      " truncated, save the model again."
+    ) from e
+  expected = metadata.get(_CHECKSUM)
+  if expected is not None and expected != _digest(arrays):
+    raise ExportError(
+      f"{path}: its arrays do not match the checksum fl.save_exported recorded; the file"
+      " is damaged. Save the model again with fl.save_exported(tree.export(), path,"
+      " format='safetensors')."
+    )
+  return arrays
+
+
+def _digest(arrays: Mapping[str, np.ndarray]) -> str:
+  """SHA-256 over every array's name, dtype, shape and bytes, in name order."""
+  digest = hashlib.sha256()
+  for name in sorted(arrays):
+    a = np.ascontiguousarray(arrays[name])
+    digest.update(f"{name} {a.dtype.name} {list(a.shape)}\n".encode())
+    digest.update(a.tobytes())
+  return digest.hexdigest()
 
 
 def _restored(path: str, name: str, array: Any, like: Any) -> Any:
@@ -220,7 +280,14 @@ def _restored(path: str, name: str, array: Any, like: Any) -> Any:
   want_shape, want_dtype = like.shape, like.dtype
   if _is_key(like):
     impl = _key_impl(like.dtype)
-    array = jax.random.wrap_key_data(np.asarray(array), impl=impl)
+    try:
+      array = jax.random.wrap_key_data(np.asarray(array), impl=impl)
+    except (TypeError, ValueError) as e:
+      raise ExportError(
+        f"{path}: {name!r} holds {array.dtype}{list(array.shape)}, which is not the data of"
+        f" {impl} PRNG keys of shape {list(want_shape)} as `like` holds ({e}). Pass a `like`"
+        " built as the saved model was."
+      ) from e
   if array.shape != want_shape or array.dtype != want_dtype:
     raise ExportError(
       f"{path}: {name!r} was saved as {array.dtype}{list(array.shape)} but `like` holds"
