@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
 def demo() -> int:
@@ -34,19 +35,33 @@ def inspect(
   as_json: bool,
   html_path: str | None,
   debug: bool,
+  import_path: list[str] | None = None,
 ) -> int:
   """Prints the call table of the model TARGET names (or its JSON); writes the web page.
 
   Exit status: 0 on success, 2 if the TARGET cannot be loaded or converted, or the path
   pattern matches no call (the message says what to change; `debug` re-raises instead).
   """
+  with _importing(import_path):
+    return _inspect(target, depth, path, as_json, html_path, debug, import_path)
+
+
+def _inspect(
+  target: str,
+  depth: int | None,
+  path: str | None,
+  as_json: bool,
+  html_path: str | None,
+  debug: bool,
+  import_path: list[str] | None,
+) -> int:
   import json
 
   import flaxlens as fl
   from flaxlens._target import load
 
   try:
-    loaded = load(target)
+    loaded = load(target, import_path)
     options = dict(argument=loaded.argument, **loaded.side_inputs)
     table = fl.summary(loaded.tree, depth, path=path, **options)
     if path is not None and not table.rows:
@@ -72,19 +87,29 @@ def inspect(
   return 0
 
 
-def replay(path: str, jit: bool | None, allow: list[str]) -> int:
+def replay(
+  path: str, jit: bool | None, allow: list[str], import_path: list[str] | None = None
+) -> int:
   """Loads an isolated-call artifact, replays it and prints the per-leaf comparison.
+
+  The allowed packages are imported as `inspect` imports a TARGET's module: from the
+  `import_path` folders, the current folder, then the installed packages.
 
   Exit status: 0 exact replay, 1 replay differs, 2 the artifact was refused or its call
   could not be replayed.
   """
+  with _importing(import_path):
+    return _replay(path, jit, allow, import_path)
+
+
+def _replay(path: str, jit: bool | None, allow: list[str], import_path: list[str] | None) -> int:
   from rich.console import Console
 
   import flaxlens as fl
 
   console = Console()
   try:
-    isolated = fl.load_isolated(path, allow=allow)
+    isolated = fl.load_isolated(path, allow=allow, import_path=import_path)
   except fl.ArtifactError as e:
     print(f"flaxlens replay: {e}", file=sys.stderr)
     return 2
@@ -102,7 +127,7 @@ def replay(path: str, jit: bool | None, allow: list[str]) -> int:
   return 0 if report.exact else 1
 
 
-def check(first: str, second: str) -> int:
+def check(first: str, second: str, import_path: list[str] | None = None) -> int:
   """Compares two models on the first one's example inputs; prints the report.
 
   `first` is a TARGET, `path/to/file.py:factory` or `package.module:factory`: the
@@ -119,14 +144,15 @@ def check(first: str, second: str) -> int:
   import flaxlens as fl
 
   try:
-    model, inputs = _load_target(first)
-    if os.path.exists(second):
-      like = model[1] if isinstance(model, tuple) else model
-      restored = fl.load_exported(second, like=like)
-      other = (model[0], restored) if isinstance(model, tuple) else restored
-    else:
-      other, _ = _load_target(second)
-    report = fl.check_equivalence(model, other, *inputs)
+    with _importing(import_path):
+      model, inputs = _load_target(first, import_path)
+      if os.path.exists(second):
+        like = model[1] if isinstance(model, tuple) else model
+        restored = fl.load_exported(second, like=like)
+        other = (model[0], restored) if isinstance(model, tuple) else restored
+      else:
+        other, _ = _load_target(second, import_path)
+      report = fl.check_equivalence(model, other, *inputs)
   except Exception as e:
     print(f"flaxlens check: {type(e).__name__}: {e}", file=sys.stderr)
     return 2
@@ -134,7 +160,15 @@ def check(first: str, second: str) -> int:
   return 0 if report else 1
 
 
-def _load_target(target: str) -> tuple[object, tuple]:
+def _importing(import_path: list[str] | None) -> Any:
+  """The context in which a command imports modules by name: `import_path`, then the
+  current folder, first on `sys.path` (the rule of `tools._policy.import_folders`)."""
+  from flaxlens.tools._policy import import_folders, importing_from
+
+  return importing_from(import_folders(import_path, "flaxlens"))
+
+
+def _load_target(target: str, import_path: list[str] | None = None) -> tuple[object, tuple]:
   """`(model, inputs)` from a TARGET; a Linen model is the pair `(module, variables)`.
 
   The file or module is loaded as `inspect` loads it (`_target.load_factory`: the
@@ -143,7 +177,7 @@ def _load_target(target: str) -> tuple[object, tuple]:
   """
   from flaxlens._target import load_factory
 
-  made = load_factory(target)()
+  made = load_factory(target, import_path)()
   if not isinstance(made, tuple) or len(made) not in (2, 3):
     raise ValueError(
       f"{target}: the factory must return (nnx_model, inputs) or (linen_module,"
@@ -188,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
   inspect_parser.add_argument(
     "--debug", action="store_true", help="show the full traceback when the TARGET is wrong"
   )
+  _import_path_option(inspect_parser)
   replay_parser = commands.add_parser("replay", help="re-run a saved isolated call")
   replay_parser.add_argument("path", help="artifact directory written by fl.save_isolated")
   mode = replay_parser.add_mutually_exclusive_group()
@@ -205,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     help="let the artifact import classes and functions from package PKG (repeatable);"
     " only for artifacts from a source you trust",
   )
+  _import_path_option(replay_parser)
   check_parser = commands.add_parser(
     "check",
     help="compare two models (or a model and a saved export) on example inputs",
@@ -215,16 +251,30 @@ def main(argv: list[str] | None = None) -> int:
   check_parser.add_argument(
     "second", metavar="OTHER", help="another TARGET, or a path written by fl.save_exported"
   )
+  _import_path_option(check_parser)
   args = parser.parse_args(argv)
   if args.command == "demo":
     return demo()
   if args.command == "inspect":
-    return inspect(args.target, args.depth, args.path, args.json, args.html, args.debug)
+    return inspect(
+      args.target, args.depth, args.path, args.json, args.html, args.debug, args.import_path
+    )
   if args.command == "replay":
-    return replay(args.path, args.jit, args.allow)
+    return replay(args.path, args.jit, args.allow, args.import_path)
   if args.command == "check":
-    return check(args.first, args.second)
+    return check(args.first, args.second, args.import_path)
   return 2
+
+
+def _import_path_option(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument(
+    "--import-path",
+    action="append",
+    default=[],
+    metavar="DIR",
+    help="import modules from DIR too (repeatable): modules are found in the --import-path"
+    " folders, then the current folder, then the installed packages",
+  )
 
 
 if __name__ == "__main__":

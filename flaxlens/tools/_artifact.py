@@ -276,6 +276,7 @@ def load_isolated(
   path: str | os.PathLike,
   allow: Iterable[str] | None = None,
   max_bytes: int = DEFAULT_MAX_BYTES,
+  import_path: Iterable[str | os.PathLike] | None = None,
 ) -> IsolatedSubmodel:
   """Reads an artifact written by `save_isolated` and rebuilds the isolated call.
 
@@ -292,10 +293,13 @@ def load_isolated(
       example `["transformers"]` or the package defining your own modules. The refusal
       message names the packages an artifact needs.
     max_bytes: refuse artifacts whose arrays hold more bytes than this.
+    import_path: folders to import the allowed packages from, before the current folder
+      and the installed packages (`sys.path`): a module of your own (`mymodel.py`) loads
+      from the folder that holds it. See docs/artifacts.md, "Where modules are found".
 
   Raises:
-    ArgumentError: `path` is not a path, `allow` not a list of package names, or
-      `max_bytes` not a non-negative integer.
+    ArgumentError: `path` is not a path, `allow` not a list of package names,
+      `max_bytes` not a non-negative integer, or `import_path` not a list of folders.
     ArtifactError: the artifact is missing files, not regular files, truncated, too
       large, corrupted or tampered with, from another format version, or references code
       the policy does not allow. The message says which, and how to allow a package.
@@ -312,7 +316,12 @@ def load_isolated(
     True
   """
   source, policy = load_arguments(
-    "fl.load_isolated", path, allow, max_bytes, "Pass the directory fl.save_isolated wrote."
+    "fl.load_isolated",
+    path,
+    allow,
+    max_bytes,
+    "Pass the directory fl.save_isolated wrote.",
+    import_path,
   )
   with Directory(source) as directory:
     manifest = parse_manifest(directory.read(MANIFEST, MAX_MANIFEST_BYTES), str(source))
@@ -324,16 +333,17 @@ def load_isolated(
 
 
 def load_arguments(
-  where: str, path: Any, allow: Any, max_bytes: Any, fix: str
+  where: str, path: Any, allow: Any, max_bytes: Any, fix: str, import_path: Any, cli: bool = True
 ) -> tuple[pathlib.Path, LoadPolicy]:
-  """The directory and loading policy of a load (`load_isolated`, `load_interventions`).
+  """The directory and loading policy of a load (`load_isolated`, `load_interventions`);
+  `cli`: whether refusals also name `flaxlens replay`'s flags.
 
   Raises:
-    ArgumentError: `path` is not a path, `allow` not a list of package names, or
-      `max_bytes` not a non-negative integer.
+    ArgumentError: `path` is not a path, `allow` not a list of package names,
+      `max_bytes` not a non-negative integer, or `import_path` not a list of folders.
   """
   source = pathlib.Path(check_path(path, where, fix))
-  policy = LoadPolicy.create(allow, where)
+  policy = LoadPolicy.create(allow, where, import_path, str(source), cli)
   if type(max_bytes) is not int or max_bytes < 0:
     raise refuse(where, "max_bytes", max_bytes, "a non-negative integer", "Pass a number of bytes.")
   return source, policy

@@ -371,6 +371,7 @@ def load_interventions(
   path: str | os.PathLike,
   allow: Iterable[str] | None = None,
   max_bytes: int = DEFAULT_MAX_BYTES,
+  import_path: Iterable[str | os.PathLike] | None = None,
 ) -> list[Intervention]:
   """Reads a set written by `save_interventions`; the file is treated as untrusted.
 
@@ -386,13 +387,15 @@ def load_interventions(
     allow: top-level packages the set may import from (the module of your own model
       classes or of your `fl.modify` functions); the refusal names those it needs.
     max_bytes: refuse sets whose arrays hold more bytes than this.
+    import_path: folders to import the allowed packages from, before the current folder
+      and the installed packages, as for `fl.load_isolated`.
 
   Returns:
     The interventions, equal to those saved (arrays bit for bit), for `fl.run`.
 
   Raises:
-    ArgumentError: `path` is not a path, `allow` not a list of package names, or
-      `max_bytes` not a non-negative integer.
+    ArgumentError: `path` is not a path, `allow` not a list of package names,
+      `max_bytes` not a non-negative integer, or `import_path` not a list of folders.
     ArtifactError: the set is missing files, not regular files, truncated, too large,
       corrupted or tampered with, from a newer format, or references code the policy
       does not allow; the message says which, and how to allow a package.
@@ -410,11 +413,13 @@ def load_interventions(
     allow,
     max_bytes,
     "Pass the directory fl.save_interventions wrote.",
+    import_path,
+    cli=False,
   )
   with Directory(source) as directory:
     data, found = _parse(directory.read(MANIFEST, MAX_MANIFEST_BYTES), str(source))
     for ref, _, where in found.references:
-      policy.check_package(ref, where, data["requires"], cli=False)
+      policy.check_package(ref, where, data["requires"])
     arrays = read_arrays(directory, data["arrays"], max_bytes)
   resolved = resolve_references(policy, found.references)
   decoder = Decoder(arrays, resolved)
