@@ -156,5 +156,5 @@ def test_a_modify_function_from_a_package_not_allowed_is_refused(tmp_path):
 
 
 def test_saving_one_intervention_not_in_a_list_is_an_argument_error(tmp_path):
-  with pytest.raises(fl.ArgumentError, match="interventions must be a list.*Wrap one intervention in a list"):
+  with pytest.raises(fl.ArgumentError, match="interventions must be a list.*Wrap one"):
     fl.save_interventions(fl.ablate("Dense_0"), tmp_path / "set")
