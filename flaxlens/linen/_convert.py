@@ -163,6 +163,7 @@ def _build_tree(
       sliced=record.extra.get("sliced", False),
       converted_module=record.module,
       call_specs=record.call_specs(),
+      own_spec=record.spec,
       origin=origin,
     )
 
