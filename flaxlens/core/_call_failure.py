@@ -38,7 +38,7 @@ def explain(root: CallNode, argument: ArgsAndKwargs, error: Exception) -> ModelC
 
 def _message(root: CallNode, argument: ArgsAndKwargs, error: Exception, site: tuple | None) -> str:
   now = signature((tuple(argument.args), dict(argument.kwargs)))
-  seen = root.own_spec.inputs if root.own_spec is not None else None
+  seen = _seen(root)
   inner = site[1] if site is not None and site[1] is not root else None
   said = " ".join(f"{type(error).__name__}: {error}".split())
   said = said if len(said) <= 400 else said[:400] + " ..."
@@ -48,10 +48,12 @@ def _message(root: CallNode, argument: ArgsAndKwargs, error: Exception, site: tu
     f" {_compared(root, seen, now)}"
   )
   if inner is not None:
-    inner_seen = inner.own_spec.inputs if getattr(inner, "own_spec", None) else None
+    inner_seen = _seen(inner)
     inner_now = signature((tuple(site[2] or ()), dict(site[3] or {})))
     text += f" {_compared(inner, inner_seen, inner_now)}"
-  if seen is None or _same(seen, now):
+  if seen is None:
+    return text + " Call the tree with arguments the native model accepts."
+  if _same(seen, now):
     return text + (
       " The tree's call has the argument shapes and dtypes conversion saw, so the model may"
       " refuse the values of its arguments or of the tree's variables (an edit of another"
@@ -61,6 +63,12 @@ def _message(root: CallNode, argument: ArgsAndKwargs, error: Exception, site: tu
     " Call the tree with arguments like those at conversion, or others the native model"
     " accepts, or convert it with example arguments like these."
   )
+
+
+def _seen(node: Any) -> Any:
+  """The arguments conversion saw `node` called with (a `signature`), if it kept them."""
+  spec = getattr(node, "own_spec", None)
+  return spec.inputs if spec is not None else None
 
 
 def _compared(node: Any, seen: Any, now: Any) -> str:

@@ -41,6 +41,7 @@ class CallNode(Layer):
       per iteration (`nn.scan`, `nn.vmap`, `nnx.scan`, `nnx.vmap`); such a call runs
       only as part of its tree.
     call_specs: what conversion saw of each submodule call (one `CallSpec` each).
+    own_spec: what conversion saw of this call itself (None for a hand-built node).
     origin: an id shared by the nodes of one conversion.
 
   Each node type also has `export()`, the call's module in its framework's own form with

@@ -143,3 +143,20 @@ def test_a_native_call_a_replacement_continues_that_fails_is_explained(corpora, 
   _, ours = _tree_error(fw, case, tokens, jit=False, tree=tree)
   _same_error(ours, native)
   assert f"own code, in {TABLE_CALL[fw.name]} (" in str(ours)
+
+
+TABLE_LABEL = {LINEN.name: "params:PositionTable_0/table", NNX.name: "Param:positions/table"}
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_failure_on_the_arguments_conversion_saw_points_at_the_trees_values(corpora, fw):
+  case = _positional(corpora, fw)
+  label, short = TABLE_LABEL[fw.name], jnp.zeros((2, 8))
+  native = _native_error(fw, fw.with_variable(case, label, short), case.args[0], jit=False)
+  tree = fw.convert(case)
+  (table,) = [v for v in fl.variables_in(tree) if v.label == label]
+  table.value = short
+  _, ours = _tree_error(fw, case, case.args[0], jit=False, tree=tree)
+  _same_error(ours, native)
+  assert f"got ({CONVERTED}), as at conversion" in str(ours)
+  assert "the values of its arguments or of the tree's variables" in str(ours)
