@@ -11,7 +11,9 @@ a model could not be loaded).
 
 `flaxlens inspect` TARGETs are `path/to/file.py:factory` or `package.module:factory`;
 the factory takes no arguments and returns `(nnx_model, args[, kwargs])` or
-`(linen_module, variables, args[, kwargs])`, example inputs included.
+`(linen_module, variables, args[, kwargs])`, example inputs included. Modules named by a
+TARGET or an artifact are imported from the `--import-path DIR` folders, then the current
+folder, then the installed packages.
 """
 
 from __future__ import annotations
@@ -42,19 +44,6 @@ def inspect(
   Exit status: 0 on success, 2 if the TARGET cannot be loaded or converted, or the path
   pattern matches no call (the message says what to change; `debug` re-raises instead).
   """
-  with _importing(import_path):
-    return _inspect(target, depth, path, as_json, html_path, debug, import_path)
-
-
-def _inspect(
-  target: str,
-  depth: int | None,
-  path: str | None,
-  as_json: bool,
-  html_path: str | None,
-  debug: bool,
-  import_path: list[str] | None,
-) -> int:
   import json
 
   import flaxlens as fl
@@ -98,11 +87,6 @@ def replay(
   Exit status: 0 exact replay, 1 replay differs, 2 the artifact was refused or its call
   could not be replayed.
   """
-  with _importing(import_path):
-    return _replay(path, jit, allow, import_path)
-
-
-def _replay(path: str, jit: bool | None, allow: list[str], import_path: list[str] | None) -> int:
   from rich.console import Console
 
   import flaxlens as fl
@@ -127,7 +111,7 @@ def _replay(path: str, jit: bool | None, allow: list[str], import_path: list[str
   return 0 if report.exact else 1
 
 
-def check(first: str, second: str, import_path: list[str] | None = None) -> int:
+def check(first: str, second: str) -> int:
   """Compares two models on the first one's example inputs; prints the report.
 
   `first` is a TARGET, `path/to/file.py:factory` or `package.module:factory`: the
@@ -144,15 +128,14 @@ def check(first: str, second: str, import_path: list[str] | None = None) -> int:
   import flaxlens as fl
 
   try:
-    with _importing(import_path):
-      model, inputs = _load_target(first, import_path)
-      if os.path.exists(second):
-        like = model[1] if isinstance(model, tuple) else model
-        restored = fl.load_exported(second, like=like)
-        other = (model[0], restored) if isinstance(model, tuple) else restored
-      else:
-        other, _ = _load_target(second, import_path)
-      report = fl.check_equivalence(model, other, *inputs)
+    model, inputs = _load_target(first)
+    if os.path.exists(second):
+      like = model[1] if isinstance(model, tuple) else model
+      restored = fl.load_exported(second, like=like)
+      other = (model[0], restored) if isinstance(model, tuple) else restored
+    else:
+      other, _ = _load_target(second)
+    report = fl.check_equivalence(model, other, *inputs)
   except Exception as e:
     print(f"flaxlens check: {type(e).__name__}: {e}", file=sys.stderr)
     return 2
@@ -160,15 +143,7 @@ def check(first: str, second: str, import_path: list[str] | None = None) -> int:
   return 0 if report else 1
 
 
-def _importing(import_path: list[str] | None) -> Any:
-  """The context in which a command imports modules by name: `import_path`, then the
-  current folder, first on `sys.path` (the rule of `tools._policy.import_folders`)."""
-  from flaxlens.tools._policy import import_folders, importing_from
-
-  return importing_from(import_folders(import_path, "flaxlens"))
-
-
-def _load_target(target: str, import_path: list[str] | None = None) -> tuple[object, tuple]:
+def _load_target(target: str) -> tuple[object, tuple]:
   """`(model, inputs)` from a TARGET; a Linen model is the pair `(module, variables)`.
 
   The file or module is loaded as `inspect` loads it (`_target.load_factory`: the
@@ -177,7 +152,7 @@ def _load_target(target: str, import_path: list[str] | None = None) -> tuple[obj
   """
   from flaxlens._target import load_factory
 
-  made = load_factory(target, import_path)()
+  made = load_factory(target)()
   if not isinstance(made, tuple) or len(made) not in (2, 3):
     raise ValueError(
       f"{target}: the factory must return (nnx_model, inputs) or (linen_module,"
@@ -255,14 +230,15 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if args.command == "demo":
     return demo()
-  if args.command == "inspect":
-    return inspect(
-      args.target, args.depth, args.path, args.json, args.html, args.debug, args.import_path
-    )
-  if args.command == "replay":
-    return replay(args.path, args.jit, args.allow, args.import_path)
-  if args.command == "check":
-    return check(args.first, args.second, args.import_path)
+  with _importing(args.import_path):
+    if args.command == "inspect":
+      return inspect(
+        args.target, args.depth, args.path, args.json, args.html, args.debug, args.import_path
+      )
+    if args.command == "replay":
+      return replay(args.path, args.jit, args.allow, args.import_path)
+    if args.command == "check":
+      return check(args.first, args.second)
   return 2
 
 
@@ -275,6 +251,15 @@ def _import_path_option(parser: argparse.ArgumentParser) -> None:
     help="import modules from DIR too (repeatable): modules are found in the --import-path"
     " folders, then the current folder, then the installed packages",
   )
+
+
+def _importing(import_path: list[str]) -> Any:
+  """The context in which a command runs: the `--import-path` folders, then the current
+  folder, first on `sys.path` (`tools._policy.import_folders`: the one rule for modules
+  imported by name), so that what the loaded code imports later is found too."""
+  from flaxlens.tools._policy import import_folders, importing_from
+
+  return importing_from(import_folders(import_path, "flaxlens"))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,10 @@ the class subclasses that built-in too, so older `except` clauses keep working.
 - `ReplacementError`: a replacement in `submodule_calls` is not callable, was removed,
   or returned output of another structure, dtype or shape than the call it replaces.
   Fix: replace the call with an `fl.Layer` that returns what the call returns.
-- `ArgumentError` (also `TypeError` and `ValueError`): a function, a tree, a call or a
-  struct was given arguments of the wrong kind: a path, a tree or a list of interventions
-  given as None or as something else (`fl.load_isolated(None)`, `fl.summary(model)`,
-  `fl.fold(tree, interventions=fl.steer(...))`), a call not given `fl.ArgsAndKwargs`, a bad
-  random stream, Linen variables lacking what the model reads, `Struct.from_attributes`
-  with missing or unknown fields. The message names the function and the argument. Fix:
-  as the message says.
+- `ArgumentError` (also `TypeError` and `ValueError`): a tree, a call or a struct was
+  given arguments of the wrong kind: a call not given `fl.ArgsAndKwargs`, a bad random
+  stream, `Struct.from_attributes` with missing or unknown fields. Fix: as the message
+  says.
 - `VariableError` (also `ValueError`): a variable, slot or label was used inconsistently
   (two variables with one label, an unfilled slot), or a traced value would outlive its
   trace in a variable. Fix: relabel (`fl.relabel_variables`), pass the missing values,
@@ -53,6 +50,12 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   flaxlens raises itself (every `FlaxlensError`) and errors raised by a replacement
   layer you wrote pass through unchanged. Fix: call the tree with arguments like those
   at conversion, or that the native model accepts, or convert it with such arguments.
+
+Public functions check the arguments they would otherwise hand to code that fails with a
+bare `TypeError` (a path, a tree, a list of interventions, `allow=` given as None or as
+something else; Linen variables lacking what the model reads): `ArgumentError` names the
+function and the argument (`fl.load_isolated: path must be a file path (a str or
+pathlib.Path), got None. ...`).
 """
 
 from __future__ import annotations

@@ -40,12 +40,8 @@ CASES = [
     "interventions",
     lambda tree, iso, tmp: fl.save_interventions(None, tmp / "set"),
   ),
-  ("fl.fold", "tree", lambda tree, iso, tmp: fl.fold(None, interventions=[])),
-  ("fl.fold", "interventions", lambda tree, iso, tmp: fl.fold(tree, interventions=None)),
   (
-    "fl.fold",
     "interventions",
-    lambda tree, iso, tmp: fl.fold(tree, interventions=fl.steer("", jnp.ones(2))),
   ),
   ("fl.summary", "tree", lambda tree, iso, tmp: fl.summary(None)),
   ("fl.summary", "max_depth", lambda tree, iso, tmp: fl.summary(tree, "2")),

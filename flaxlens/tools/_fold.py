@@ -20,16 +20,16 @@ import jax
 import jax.numpy as jnp
 
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._checks import check_items
-from flaxlens.core._node import CallNode, check_tree
+from flaxlens.core._node import CallNode
 from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._selectors import select
 from flaxlens.core._variables import Parameter, bind_variables, unbind_variables, variables_in
-from flaxlens.errors import ExportError
+from flaxlens.errors import ArgumentError, ExportError
 from flaxlens.tools._equivalence import EquivalenceReport, _compare_trees
 from flaxlens.tools._interventions import (
   Intervention,
   Site,
+  _check_tree,
   _get_part,
   _nodes_by_name,
   run,
@@ -116,8 +116,6 @@ def fold(
     The folded tree: a copy of `tree` with edited parameters.
 
   Raises:
-    ArgumentError: `tree` is not a converted tree, or `interventions` not a list of
-      `fl.Intervention`s.
     ExportError: an intervention cannot be folded (the message lists each one and
       why: patches, mean or resample ablations, `fl.modify`, edits that vary along
       positions, calls with no parameter that expresses the edit, calls inside
@@ -136,15 +134,13 @@ def fold(
     >>> bool(jnp.allclose(model.apply(folded.export(), x), steered, atol=1e-6))
     True
   """
-  check_tree(tree, "fl.fold")
-  interventions = check_items(
-    interventions,
-    Intervention,
-    "fl.fold",
-    "interventions",
-    "a list of fl.steer/scale/ablate results",
-    "Wrap one intervention in a list: [fl.steer(...)].",
-  )
+  _check_tree(tree)
+  interventions = tuple(interventions)
+  for intervention in interventions:
+    if not isinstance(intervention, Intervention):
+      raise ArgumentError(
+        f"fl.fold takes a list of fl.steer/scale/ablate results, got {type(intervention).__name__}."
+      )
   interventions, _ = _nodes_by_name(tree, interventions, None)
   tolerance = _Tolerance(atol, rtol)
   streams = resolve_random_streams(random_streams, tree.where())
