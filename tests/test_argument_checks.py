@@ -40,9 +40,6 @@ CASES = [
     "interventions",
     lambda tree, iso, tmp: fl.save_interventions(None, tmp / "set"),
   ),
-  (
-    "interventions",
-  ),
   ("fl.summary", "tree", lambda tree, iso, tmp: fl.summary(None)),
   ("fl.summary", "max_depth", lambda tree, iso, tmp: fl.summary(tree, "2")),
   ("fl.summary", "path", lambda tree, iso, tmp: fl.summary(tree, path=3)),
