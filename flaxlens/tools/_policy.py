@@ -8,7 +8,9 @@ serves to tell the user what `allow=` would load it. After import, each object i
 checked for the role it plays (a module class, a data type, a function) before anything
 is constructed or called; objects from user-allowed packages are trusted in every role
 (a class named as a Flax module must still be one), objects from the default packages
-only in the vetted roles below. No Flax internals.
+only in the vetted roles below. Where an allowed module is found is `import_folders`'
+rule (the user's `import_path` folders, the current folder, then `sys.path`), the one
+the CLI follows for a TARGET's module too. No Flax internals.
 """
 
 from __future__ import annotations
