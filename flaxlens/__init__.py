@@ -41,6 +41,7 @@ from flaxlens.errors import ArtifactError as ArtifactError
 from flaxlens.errors import CallStructureError as CallStructureError
 from flaxlens.errors import ExportError as ExportError
 from flaxlens.errors import FlaxlensError as FlaxlensError
+from flaxlens.errors import ModelCallError as ModelCallError
 from flaxlens.errors import ReplacementError as ReplacementError
 from flaxlens.errors import SelectionError as SelectionError
 from flaxlens.errors import UnsupportedFlaxFeatureError as UnsupportedFlaxFeatureError

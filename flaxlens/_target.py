@@ -11,8 +11,10 @@ with no arguments and returns a model with example inputs, in one of two forms:
 example keyword arguments, which may also hold `fl.unflaxify`'s options (`method=`, and
 for Linen `rngs=`, `mutable=`, `capture_intermediates=`). Loading a file runs it, as
 `python file.py` would (its folder goes first on `sys.path`, so it can import its
-neighbours): name only files you trust. Every way a TARGET can be wrong raises a
-`FlaxlensError` whose message says what to change. No Flax internals here.
+neighbours): name only files you trust. A module is imported from the folders given
+with `--import-path`, the current folder, then the installed packages: the one rule
+`flaxlens replay` follows too (`tools._policy.import_folders`). Every way a TARGET can be
+wrong raises a `FlaxlensError` whose message says what to change. No Flax internals here.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.errors import FlaxlensError
 from flaxlens.linen._convert import unflaxify_linen
 from flaxlens.nnx._convert import unflaxify_nnx
+from flaxlens.tools._policy import import_folders, importing_from, missing_module
 
 PROTOCOL = (
   "The factory takes no arguments and returns (nnx_model, args) or (nnx_model, args,"
@@ -53,15 +56,20 @@ class Target:
   framework: str
 
 
-def load_factory(target: str) -> Callable[[], Any]:
-  """The factory `target` names (`file.py:factory` or `package.module:factory`)."""
+def load_factory(target: str, import_path: Any = None) -> Callable[[], Any]:
+  """The factory `target` names (`file.py:factory` or `package.module:factory`).
+
+  A module is imported as `_policy.import_folders` says (the `import_path` folders, the
+  current folder, then `sys.path`); a file is run with its folder first on `sys.path`.
+  """
   where, colon, name = target.rpartition(":")
   if not colon or not where or not name.isidentifier():
     raise FlaxlensError(
       f"{target!r} is not a TARGET. Write path/to/file.py:factory or"
       " package.module:factory, naming a function that returns a model and example inputs."
     )
-  module = _load_file(where) if _is_file(where) else _import(where)
+  folders = import_folders(import_path, "flaxlens")
+  module = _load_file(where) if _is_file(where) else _import(where, folders)
   factory = getattr(module, name, None)
   if factory is None:
     defined = sorted(
@@ -105,10 +113,17 @@ def _load_file(path: str) -> Any:
   return module
 
 
-def _import(name: str) -> Any:
+def _import(name: str, folders: tuple[str, ...]) -> Any:
+  package = name.partition(".")[0]
   try:
-    return importlib.import_module(name)
+    with importing_from(folders):
+      return importlib.import_module(name)
   except ModuleNotFoundError as e:
+    if e.name == package:
+      raise FlaxlensError(
+        f"Cannot import {name!r}: {missing_module(package, folders, '--import-path DIR')}"
+        " Or name a file instead: path/to/file.py:factory."
+      ) from e
     raise FlaxlensError(
       f"Cannot import {name!r} ({e}). Install the package, run from the folder that holds"
       " it, or name a file instead: path/to/file.py:factory."
@@ -120,9 +135,9 @@ def _import(name: str) -> Any:
     ) from e
 
 
-def load(target: str) -> Target:
+def load(target: str, import_path: Any = None) -> Target:
   """Calls the factory `target` names, checks what it returns and converts the model."""
-  factory = load_factory(target)
+  factory = load_factory(target, import_path)
   try:
     made = factory()
   except Exception as e:

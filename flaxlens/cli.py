@@ -11,13 +11,16 @@ a model could not be loaded).
 
 `flaxlens inspect` TARGETs are `path/to/file.py:factory` or `package.module:factory`;
 the factory takes no arguments and returns `(nnx_model, args[, kwargs])` or
-`(linen_module, variables, args[, kwargs])`, example inputs included.
+`(linen_module, variables, args[, kwargs])`, example inputs included. Modules named by a
+TARGET or an artifact are imported from the `--import-path DIR` folders, then the current
+folder, then the installed packages.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
 def demo() -> int:
@@ -34,6 +37,7 @@ def inspect(
   as_json: bool,
   html_path: str | None,
   debug: bool,
+  import_path: list[str] | None = None,
 ) -> int:
   """Prints the call table of the model TARGET names (or its JSON); writes the web page.
 
@@ -46,7 +50,7 @@ def inspect(
   from flaxlens._target import load
 
   try:
-    loaded = load(target)
+    loaded = load(target, import_path)
     options = dict(argument=loaded.argument, **loaded.side_inputs)
     table = fl.summary(loaded.tree, depth, path=path, **options)
     if path is not None and not table.rows:
@@ -72,8 +76,13 @@ def inspect(
   return 0
 
 
-def replay(path: str, jit: bool | None, allow: list[str]) -> int:
+def replay(
+  path: str, jit: bool | None, allow: list[str], import_path: list[str] | None = None
+) -> int:
   """Loads an isolated-call artifact, replays it and prints the per-leaf comparison.
+
+  The allowed packages are imported as `inspect` imports a TARGET's module: from the
+  `import_path` folders, the current folder, then the installed packages.
 
   Exit status: 0 exact replay, 1 replay differs, 2 the artifact was refused or its call
   could not be replayed.
@@ -84,7 +93,7 @@ def replay(path: str, jit: bool | None, allow: list[str]) -> int:
 
   console = Console()
   try:
-    isolated = fl.load_isolated(path, allow=allow)
+    isolated = fl.load_isolated(path, allow=allow, import_path=import_path)
   except fl.ArtifactError as e:
     print(f"flaxlens replay: {e}", file=sys.stderr)
     return 2
@@ -188,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
   inspect_parser.add_argument(
     "--debug", action="store_true", help="show the full traceback when the TARGET is wrong"
   )
+  _import_path_option(inspect_parser)
   replay_parser = commands.add_parser("replay", help="re-run a saved isolated call")
   replay_parser.add_argument("path", help="artifact directory written by fl.save_isolated")
   mode = replay_parser.add_mutually_exclusive_group()
@@ -205,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     help="let the artifact import classes and functions from package PKG (repeatable);"
     " only for artifacts from a source you trust",
   )
+  _import_path_option(replay_parser)
   check_parser = commands.add_parser(
     "check",
     help="compare two models (or a model and a saved export) on example inputs",
@@ -215,16 +226,40 @@ def main(argv: list[str] | None = None) -> int:
   check_parser.add_argument(
     "second", metavar="OTHER", help="another TARGET, or a path written by fl.save_exported"
   )
+  _import_path_option(check_parser)
   args = parser.parse_args(argv)
   if args.command == "demo":
     return demo()
-  if args.command == "inspect":
-    return inspect(args.target, args.depth, args.path, args.json, args.html, args.debug)
-  if args.command == "replay":
-    return replay(args.path, args.jit, args.allow)
-  if args.command == "check":
-    return check(args.first, args.second)
+  with _importing(args.import_path):
+    if args.command == "inspect":
+      return inspect(
+        args.target, args.depth, args.path, args.json, args.html, args.debug, args.import_path
+      )
+    if args.command == "replay":
+      return replay(args.path, args.jit, args.allow, args.import_path)
+    if args.command == "check":
+      return check(args.first, args.second)
   return 2
+
+
+def _import_path_option(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument(
+    "--import-path",
+    action="append",
+    default=[],
+    metavar="DIR",
+    help="import modules from DIR too (repeatable): modules are found in the --import-path"
+    " folders, then the current folder, then the installed packages",
+  )
+
+
+def _importing(import_path: list[str]) -> Any:
+  """The context in which a command runs: the `--import-path` folders, then the current
+  folder, first on `sys.path` (`tools._policy.import_folders`: the one rule for modules
+  imported by name), so that what the loaded code imports later is found too."""
+  from flaxlens.tools._policy import import_folders, importing_from
+
+  return importing_from(import_folders(import_path, "flaxlens"))
 
 
 if __name__ == "__main__":

@@ -47,9 +47,32 @@ the class subclasses that built-in too, so older `except` clauses keep working.
 - `ArtifactError`: an artifact could not be written, read or trusted (malformed,
   truncated, or naming code from a package not allowed). Fix: the message names the
   file and, for code, the `allow=[...]` that would load it.
+- `ModelCallError` (also the class of the error it reports): a call of a converted tree
+  failed inside the model's own code (Flax's or yours), for example token ids of another
+  rank or a sequence longer than a positional table, which raise a bare `IndexError` or
+  a broadcasting error deep inside the model. The message names the tree's call, the
+  innermost converted call that was running (`transformer/wpe.__call__`), and the shapes
+  and dtypes of the arguments conversion saw and this call passed, for the tree's call
+  and that inner call. The error is raised from the original (`raise ... from e`): that
+  one, with its traceback and attributes, is its `__cause__`; and it is an instance of
+  the original's class too (an `IndexError` stays catchable as `except IndexError`), so
+  code that caught the model's errors keeps working. Nothing is checked before a call:
+  arguments of new shapes that the model accepts run as before, at no cost. Errors
+  flaxlens raises itself (every `FlaxlensError`) and errors raised by a replacement
+  layer you wrote pass through unchanged. Fix: call the tree with arguments like those
+  at conversion, or that the native model accepts, or convert it with such arguments.
+
+Public functions check the arguments they would otherwise hand to code that fails with a
+bare `TypeError` (a path, a tree, a list of interventions, `allow=` given as None or as
+something else; Linen variables lacking what the model reads): `ArgumentError` names the
+function and the argument (`fl.load_isolated: path must be a file path (a str or
+pathlib.Path), got None. ...`).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 
 class FlaxlensError(Exception):
@@ -102,3 +125,58 @@ class ArtifactError(FlaxlensError):
 class ExportError(FlaxlensError):
   """A tree cannot be exported as it is (interventions that cannot be folded included), or
   an exported model cannot be saved or restored."""
+
+
+class ModelCallError(FlaxlensError):
+  """A call of a converted tree failed inside the model's own code; see the module docs.
+
+  Each instance is also an instance of the original error's class (a subclass made once
+  per class, named `ModelCallError[IndexError]`); the original is its `__cause__`.
+
+  Example:
+    >>> import flaxlens as fl, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> tree = fl.unflaxify(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), jnp.ones((1, 3)))
+    >>> try:
+    ...   tree(fl.ArgsAndKwargs.capture(jnp.ones((1, 5))))
+    ... except TypeError as e:
+    ...   print(isinstance(e, fl.ModelCallError), type(e.__cause__).__name__)
+    True TypeError
+  """
+
+  def __init__(self, message: str):
+    BaseException.__init__(self, message)
+
+  def __str__(self) -> str:
+    return str(self.args[0]) if self.args else ""
+
+  def __reduce__(self) -> Any:
+    return (model_call_error, (_original_class(type(self)), str(self)))
+
+
+def model_call_error(original: type[BaseException], message: str) -> ModelCallError:
+  """A `ModelCallError` saying `message` that is also an instance of `original`.
+
+  The nearest class of `original`'s MRO that can be combined with `ModelCallError` is
+  used (a class whose layout or constructor forbids it is skipped); `Exception` at
+  worst.
+  """
+  for base in original.__mro__:
+    if base in (Exception, BaseException) or issubclass(ModelCallError, base):
+      break
+    try:
+      return _combined(base)(message)
+    except Exception:
+      continue
+  return ModelCallError(message)
+
+
+@functools.lru_cache(maxsize=256)
+def _combined(base: type[BaseException]) -> type[ModelCallError]:
+  name = f"ModelCallError[{base.__name__}]"
+  return type(name, (ModelCallError, base), {"__module__": __name__, "__qualname__": name})
+
+
+def _original_class(cls: type) -> type[BaseException]:
+  bases = [b for b in cls.__bases__ if b is not ModelCallError]
+  return bases[0] if bases else Exception

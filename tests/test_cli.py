@@ -294,7 +294,7 @@ def bad_targets(tmp_path):
   [
     ("no_colon_here", "Write path/to/file.py:factory or package.module:factory"),
     ("missing.py:make", "There is no file 'missing.py'"),
-    ("no_such_package_xyz.models:make", "Install the package"),
+    ("no_such_package_xyz.models:make", "with --import-path DIR, or install the package"),
     ("raises_on_import.py:make", "RuntimeError: no GPU here. Fix the file"),
     ("targets.py:absent", "(its functions: ['args_not_a_tuple', 'linen_without_variables', "),
     ("targets.py:number", "Name a function that takes no arguments"),

@@ -88,6 +88,7 @@ PUBLIC = {
   "ArtifactError",
   "CallStructureError",
   "ExportError",
+  "ModelCallError",
   "ReplacementError",
   "SelectionError",
   "UnsupportedFlaxFeatureError",

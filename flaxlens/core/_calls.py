@@ -268,7 +268,13 @@ class CallInterceptor:
     frame = self.frames[-1]
     if frame.absorb is not None and path == frame.path and name == frame.absorb:
       frame.absorb = None
-      return next_fun(*args, **kwargs)
+      if not self.building:
+        return next_fun(*args, **kwargs)
+      output = next_fun(*args, **kwargs)  # The root's own call: its record keeps its spec.
+      frame.record.spec = CallSpec(
+        (0, call_name(path, path, name)), path, name, args, kwargs, output
+      )
+      return output
     key, retrace = frame.next_key(call_name(frame.path, path, name))
     if self.building:
       record = self.new_record(module, path, name)
@@ -309,7 +315,7 @@ class CallInterceptor:
         " (argument, /, **side_inputs)) that returns what the call returns."
       )
     self.pending.append(Pending(path, name, next_fun, module, node.origin))
-    try:
+    try:  # `failed_call` knows this frame by its locals: `spec`, and `child` a layer.
       output = child(ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs)), **self.side_inputs)
     finally:
       self.pending.pop()
@@ -337,3 +343,36 @@ class CallInterceptor:
 
 
 _MISSING = object()
+
+
+def failed_call(traceback: Any) -> tuple[str, Any, Any, Any] | None:
+  """Where a run that raised was when it raised: the innermost call the traceback passes.
+
+  `("call", node, args, kwargs)` for a converted call running natively, `("replacement",
+  layer, args, kwargs)` for a replacement layer, None if the run raised before reaching
+  any submodule call (in the root's own code). Read only after a failure, from the
+  locals of the dispatch's frames (so a run keeps no record of where it is): `run_node`
+  and `run_frame` hold the node, `dispatch` running a replacement has its `spec` and a
+  layer as `child`.
+  """
+  site = None
+  while traceback is not None:
+    code = traceback.tb_frame.f_code
+    if code in _SITES:
+      local = traceback.tb_frame.f_locals
+      args, kwargs = local.get("args"), local.get("kwargs")
+      if code is _DISPATCH:
+        child = local.get("child", _MISSING)
+        if "spec" in local and child is not _MISSING:
+          site = ("replacement", child, args, kwargs)
+      else:
+        node = local.get("node") if code is _RUN_NODE else getattr(local.get("frame"), "node", None)
+        if node is not None:
+          site = ("call", node, args, kwargs)
+    traceback = traceback.tb_next
+  return site
+
+
+_RUN_NODE = CallInterceptor.run_node.__code__
+_DISPATCH = CallInterceptor.dispatch.__code__
+_SITES = frozenset({_RUN_NODE, _DISPATCH, CallInterceptor.run_frame.__code__})

@@ -16,6 +16,7 @@ import jax
 
 from flaxlens.core._active import current_interceptor
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._checks import refuse
 from flaxlens.core._layer import Layer
 from flaxlens.core._names import CallKey
 from flaxlens.core._readonly import ReadOnlyDict
@@ -40,6 +41,7 @@ class CallNode(Layer):
       per iteration (`nn.scan`, `nn.vmap`, `nnx.scan`, `nnx.vmap`); such a call runs
       only as part of its tree.
     call_specs: what conversion saw of each submodule call (one `CallSpec` each).
+    own_spec: what conversion saw of this call itself (None for a hand-built node).
     origin: an id shared by the nodes of one conversion.
 
   Each node type also has `export()`, the call's module in its framework's own form with
@@ -112,6 +114,20 @@ def new_origin() -> int:
 
 def is_call_node(x: Any) -> bool:
   return isinstance(x, CallNode)
+
+
+def check_tree(value: Any, where: str, name: str = "tree") -> CallNode:
+  """`value` if it is a converted tree (a call node); else `ArgumentError` naming `where`."""
+  if not isinstance(value, CallNode):
+    raise refuse(
+      where,
+      name,
+      value,
+      "a converted tree",
+      "Convert the model first: tree = fl.unflaxify(model, ...) (Linen: model, variables,"
+      " *example_args; NNX: model, *example_args), and pass the tree.",
+    )
+  return value
 
 
 def iter_call_nodes(tree: Any) -> Iterator[CallNode]:

@@ -4,8 +4,9 @@ A call of a root node gathers the entries (variables, frozen values, plain value
 every node whose variables the run uses (`own_call_nodes`) by key, asks the node's
 `FrameworkAdapter` for a native run on their values, runs it once while the adapter's
 interceptor dispatches every submodule call (`_calls`), checks that every replaced call
-was reached, and writes the updated values back into the tree's variables. The same
-code runs Linen and NNX trees. No Flax internals here.
+was reached, and writes the updated values back into the tree's variables. A run that
+fails inside the model's own code raises a `ModelCallError` from the original error
+(`_call_failure`). The same code runs Linen and NNX trees. No Flax internals here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 from flaxlens.core._adapter import adapter_of
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._call_failure import explain
 from flaxlens.core._calls import CallInterceptor, Frame
 from flaxlens.core._inner_jit import RunToken
 from flaxlens.core._node import CallNode, own_call_nodes, pristine_tree
@@ -147,11 +149,17 @@ def run_tree(
   method = root.method_name
   frame = Frame(root.path, node=root, absorb=interceptor.reported_name(method))
   interceptor.frames.append(frame)
-  if probing is None:
-    with interceptor.active():
-      output, updates = run(argument)
-  else:
-    output, updates = _run_probed(root, run, argument, interceptor, probing)
+  try:
+    if probing is None:
+      with interceptor.active():
+        output, updates = run(argument)
+    else:
+      output, updates = _run_probed(root, run, argument, interceptor, probing)
+  except Exception as e:  # Free unless raised: explained only after a failure.
+    explained = explain(root, argument, e)
+    if explained is None:
+      raise
+    raise explained from e
   interceptor.check_reached(frame)
   write_back(root, gathered, updates)
   return output

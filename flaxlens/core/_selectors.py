@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from flaxlens.core._checks import check_type
 from flaxlens.errors import ArgumentError, SelectionError
 
 KeyPath = tuple[Any, ...]
@@ -265,8 +266,17 @@ class Selection:
     `**` across segments. The outermost matching calls are selected.
 
     Raises:
+      ArgumentError: if `pattern` is not a str.
       SelectionError: if nothing matches, listing a few of the paths that exist.
     """
+    check_type(
+      pattern,
+      str,
+      "select().at_path",
+      "pattern",
+      "a path pattern (a str)",
+      'Pass "Block_*/Dense_0".',
+    )
 
     def hit(_: KeyPath, node: Any) -> bool:
       readable = getattr(node, "readable_path", None)

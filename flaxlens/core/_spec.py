@@ -65,6 +65,25 @@ def _show_signature(signature: tuple[Any, tuple[Any, ...]]) -> str:
   return repr(shown)
 
 
+def show_arguments(signature: tuple[Any, tuple[Any, ...]] | None) -> str:
+  """`(int32[2, 8], train=True)`: the arguments a `signature` of `(args, kwargs)` holds.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flaxlens.core._spec import show_arguments, signature
+    >>> show_arguments(signature(((jnp.ones((2, 3), jnp.int32),), {"train": True})))
+    '(int32[2, 3], train=True)'
+  """
+  if signature is None:
+    return "(arguments that cannot be described)"
+  treedef, leaves = signature
+  shown = jax.tree_util.tree_unflatten(treedef, [_Shown(_show(x)) for x in leaves])
+  if not (isinstance(shown, tuple) and len(shown) == 2 and isinstance(shown[1], dict)):
+    return repr(shown)
+  args, kwargs = shown
+  return f"({', '.join([*map(repr, args), *(f'{k}={v!r}' for k, v in kwargs.items())])})"
+
+
 class _Shown:
   __slots__ = ("text",)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+from flax import errors as flax_errors
 
 from flaxlens import _flax_internals as fi
 from flaxlens.core._call_record import CallRecord
@@ -85,12 +86,20 @@ def unflaxify_linen(
     )
 
   root = CallRecord(module, (), method_name)
-  mutated = record_calls(
-    root,
-    lambda: LinenInterceptor(side_inputs={}, building=True),
-    run,
-    (variables, example_args, example_kwargs, rngs),
-  )
+  try:
+    mutated = record_calls(
+      root,
+      lambda: LinenInterceptor(side_inputs={}, building=True),
+      run,
+      (variables, example_args, example_kwargs, rngs),
+    )
+  except _MISSING_VARIABLES as e:
+    raise ArgumentError(
+      f"unflaxify({where}): variables lacks what the model reads"
+      f" ({' '.join(str(e).split()).split(' (https://')[0].rstrip('.')}). Pass the variables"
+      " module.init returns for this module: fl.unflaxify(module,"
+      " module.init(key, *example_args), *example_args)."
+    ) from e
   named = [mutable] if isinstance(mutable, str) else mutable
   named = list(named) if isinstance(named, list | tuple) else []
   tree = _build_tree(root, variables, mutated, capture_intermediates, named)
@@ -102,6 +111,14 @@ def unflaxify_linen(
       .set(type(data).from_attributes(**{**data.attributes_dict(), "rngs": rngs}))
     )
   return tree
+
+
+# Flax's errors for variables that lack a collection or a variable the call reads.
+_MISSING_VARIABLES = (
+  flax_errors.ScopeCollectionNotFound,
+  flax_errors.ScopeParamNotFoundError,
+  flax_errors.ScopeVariableNotFoundError,
+)
 
 
 def _any_mutable(mutable: Any, capture_intermediates: Any) -> bool:
@@ -150,6 +167,7 @@ def _build_tree(
       sliced=record.extra.get("sliced", False),
       converted_module=record.module,
       call_specs=record.call_specs(),
+      own_spec=record.spec,
       origin=origin,
     )
 

@@ -95,6 +95,8 @@ class InterceptedFlaxModuleMethod(CallNode):
       differs from it (`module.clone(dtype=jnp.bfloat16)`) apply when the tree runs.
     call_specs: what conversion saw of each submodule call (arguments and output,
       abstractly); replacement outputs are checked against it.
+    own_spec: what conversion saw of this call itself (None for a node conversion did
+      not make); a failing call names the shapes it had then.
     origin: the id of the conversion that made the node; a replacement continues a
       call natively only through a node of the same conversion.
 
@@ -120,8 +122,9 @@ class InterceptedFlaxModuleMethod(CallNode):
   sliced: bool = static_field(default=False)
   converted_module: Any = static_field(default=None)
   call_specs: tuple[CallSpec, ...] = static_field(default=())
+  own_spec: CallSpec | None = static_field(default=None)
   origin: int = static_field(default=0)
-  treescope_hidden_fields = ("converted_module", "call_specs", "origin")
+  treescope_hidden_fields = ("converted_module", "call_specs", "own_spec", "origin")
   treescope_short_fields = ("module",)
 
   @property

@@ -190,6 +190,7 @@ def _build_tree(
       specs=tuple(specs[record.path]),
       sliced=record.extra.get("sliced", False),
       call_specs=record.call_specs(),
+      own_spec=record.spec,
       origin=origin,
     )
 

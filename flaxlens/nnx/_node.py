@@ -78,6 +78,8 @@ class InterceptedNNXModuleMethod(CallNode):
       (`nnx.scan`, `nnx.vmap`); such a node runs only as part of its tree.
     call_specs: what conversion saw of each submodule call (arguments and output,
       abstractly); replacement outputs are checked against it.
+    own_spec: what conversion saw of this call itself (None for a node conversion did
+      not make); a failing call names the shapes it had then.
     origin: the id of the conversion that made the node; a replacement continues a
       call natively only through a node of the same conversion.
 
@@ -99,8 +101,9 @@ class InterceptedNNXModuleMethod(CallNode):
   specs: tuple[NNXVariableSpec, ...] = static_field(default=())
   sliced: bool = static_field(default=False)
   call_specs: tuple[CallSpec, ...] = static_field(default=())
+  own_spec: CallSpec | None = static_field(default=None)
   origin: int = static_field(default=0)
-  treescope_hidden_fields = ("specs", "call_specs", "origin")
+  treescope_hidden_fields = ("specs", "call_specs", "own_spec", "origin")
   treescope_short_fields = ("module_type", "definition")
 
   def _run_root(

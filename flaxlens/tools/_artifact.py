@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._checks import check_path, check_type, refuse
 from flaxlens.core._node import is_call_node, iter_call_nodes
 from flaxlens.core._recipe import recipe_of, submodel_from
 from flaxlens.core._variables import StateVariableValue
@@ -75,6 +76,8 @@ def save_isolated(
       file, a symlink, a directory that is not an artifact) is never replaced.
 
   Raises:
+    ArgumentError: `isolated` is not an `fl.IsolatedSubmodel`, `path` not a path, or
+      `overwrite` not a bool.
     ArtifactError: if `path` exists (and not `overwrite`, or it is not an artifact), a
       value cannot be saved without pickling code (the message names the value), or the
       directory cannot be written.
@@ -90,7 +93,23 @@ def save_isolated(
     >>> bool(fl.load_isolated(path).replay())
     True
   """
-  target = pathlib.Path(path)
+  check_type(
+    isolated,
+    IsolatedSubmodel,
+    "fl.save_isolated",
+    "isolated",
+    "an fl.IsolatedSubmodel",
+    "Pass what fl.isolate, fl.isolate_submodel or fl.isolate_calls returns.",
+  )
+  target = pathlib.Path(check_path(path, "fl.save_isolated", "Pass the directory to create."))
+  check_type(
+    overwrite,
+    bool,
+    "fl.save_isolated",
+    "overwrite",
+    "True or False",
+    "Pass overwrite=True to replace.",
+  )
   check_target(target, overwrite)
   submodel = isolated.submodel
   encoder = Encoder()
@@ -257,6 +276,7 @@ def load_isolated(
   path: str | os.PathLike,
   allow: Iterable[str] | None = None,
   max_bytes: int = DEFAULT_MAX_BYTES,
+  import_path: Iterable[str | os.PathLike] | None = None,
 ) -> IsolatedSubmodel:
   """Reads an artifact written by `save_isolated` and rebuilds the isolated call.
 
@@ -273,8 +293,13 @@ def load_isolated(
       example `["transformers"]` or the package defining your own modules. The refusal
       message names the packages an artifact needs.
     max_bytes: refuse artifacts whose arrays hold more bytes than this.
+    import_path: folders to import the allowed packages from, before the current folder
+      and the installed packages (`sys.path`): a module of your own (`mymodel.py`) loads
+      from the folder that holds it. See docs/artifacts.md, "Where modules are found".
 
   Raises:
+    ArgumentError: `path` is not a path, `allow` not a list of package names,
+      `max_bytes` not a non-negative integer, or `import_path` not a list of folders.
     ArtifactError: the artifact is missing files, not regular files, truncated, too
       large, corrupted or tampered with, from another format version, or references code
       the policy does not allow. The message says which, and how to allow a package.
@@ -290,10 +315,14 @@ def load_isolated(
     >>> bool(loaded.replay())
     True
   """
-  policy = LoadPolicy.create(allow)
-  if type(max_bytes) is not int or max_bytes < 0:
-    raise ArtifactError(f"max_bytes must be a non-negative integer, not {max_bytes!r}.")
-  source = pathlib.Path(path)
+  source, policy = load_arguments(
+    "fl.load_isolated",
+    path,
+    allow,
+    max_bytes,
+    "Pass the directory fl.save_isolated wrote.",
+    import_path,
+  )
   with Directory(source) as directory:
     manifest = parse_manifest(directory.read(MANIFEST, MAX_MANIFEST_BYTES), str(source))
     for ref, _, where in manifest.references:
@@ -301,6 +330,23 @@ def load_isolated(
     arrays = read_arrays(directory, manifest.data["arrays"], max_bytes)
   resolved = resolve_references(policy, manifest.references)
   return _rebuild(source, manifest, Decoder(arrays, resolved))
+
+
+def load_arguments(
+  where: str, path: Any, allow: Any, max_bytes: Any, fix: str, import_path: Any, cli: bool = True
+) -> tuple[pathlib.Path, LoadPolicy]:
+  """The directory and loading policy of a load (`load_isolated`, `load_interventions`);
+  `cli`: whether refusals also name `flaxlens replay`'s flags.
+
+  Raises:
+    ArgumentError: `path` is not a path, `allow` not a list of package names,
+      `max_bytes` not a non-negative integer, or `import_path` not a list of folders.
+  """
+  source = pathlib.Path(check_path(path, where, fix))
+  policy = LoadPolicy.create(allow, where, import_path, str(source), cli)
+  if type(max_bytes) is not int or max_bytes < 0:
+    raise refuse(where, "max_bytes", max_bytes, "a non-negative integer", "Pass a number of bytes.")
+  return source, policy
 
 
 def _rebuild(source: pathlib.Path, manifest: Manifest, decoder: Decoder) -> IsolatedSubmodel:

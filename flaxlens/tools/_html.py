@@ -15,7 +15,8 @@ from typing import Any
 import treescope
 
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.tools._summary import summary
+from flaxlens.core._checks import check_path
+from flaxlens.tools._summary import check_arguments, summary
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
@@ -53,6 +54,10 @@ def to_html(
   Returns:
     The page's HTML source.
 
+  Raises:
+    ArgumentError: `tree` is not a converted tree, `path` not a file path, or
+      `argument` not an `fl.ArgsAndKwargs`.
+
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
     >>> model, x = nn.Dense(2), jnp.ones((1, 3))
@@ -61,6 +66,9 @@ def to_html(
     >>> page.startswith("<!DOCTYPE html>"), "Dense" in page
     (True, True)
   """
+  check_arguments("fl.to_html", tree, argument)
+  if path is not None:
+    path = check_path(path, "fl.to_html", "Pass the file to write, or None for no file.")
   table = summary(tree, argument=argument, **side_inputs)._repr_html_()
   table = table.replace("<table>", '<table class="flaxlens-summary">', 1)
   title = html.escape(f"flaxlens: {tree.where()}")

@@ -8,21 +8,28 @@ serves to tell the user what `allow=` would load it. After import, each object i
 checked for the role it plays (a module class, a data type, a function) before anything
 is constructed or called; objects from user-allowed packages are trusted in every role
 (a class named as a Flax module must still be one), objects from the default packages
-only in the vetted roles below. No Flax internals.
+only in the vetted roles below. Where an allowed module is found is `import_folders`'
+rule (the user's `import_path` folders, the current folder, then `sys.path`), the one
+the CLI follows for a TARGET's module too. No Flax internals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import importlib
+import importlib.util
+import os
 import re
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from flaxlens.core._checks import check_items, refuse
 from flaxlens.core._variables import Uninitialized
-from flaxlens.errors import ArtifactError
+from flaxlens.errors import ArgumentError, ArtifactError
 
 # The packages flaxlens runs on: importing their modules runs nothing a user of flaxlens
 # has not already run. Objects from them are still checked role by role.
@@ -116,25 +123,52 @@ class LoadPolicy:
   """The packages an artifact may import from: the defaults plus those the user allowed."""
 
   allowed: frozenset[str] = frozenset()
+  folders: tuple[str, ...] = ()  # Where allowed modules are imported from (`import_folders`).
+  source: str | None = None  # The file loaded, where refusals look for a missing module.
+  cli: bool = True  # Whether refusals also name the flags of `flaxlens replay`.
 
   @classmethod
-  def create(cls, allow: Iterable[str] | None) -> LoadPolicy:
-    if isinstance(allow, str):
-      raise ArtifactError(f"allow= takes a list of package names, e.g. allow=[{allow!r}].")
+  def create(
+    cls,
+    allow: Iterable[str] | None,
+    where: str = "fl.load_isolated",
+    import_path: Any = None,
+    source: str | None = None,
+    cli: bool = True,
+  ) -> LoadPolicy:
+    """The policy allowing the packages in `allow`, imported from `import_folders(import_path)`;
+    `where` names the caller in refusals, `source` the file being loaded.
+
+    Raises:
+      ArgumentError: `allow` is not a list of top-level package names, or `import_path`
+        not a list of folders.
+    """
+    if isinstance(allow, str) or not isinstance(allow, Iterable | None):
+      example = repr(allow) if isinstance(allow, str) else "'mypackage'"
+      raise refuse(
+        where,
+        "allow",
+        allow,
+        "a list of top-level package names",
+        f"Pass a list, e.g. allow=[{example}].",
+      )
     packages = frozenset(allow or ())
     for package in packages:
       if not isinstance(package, str) or not re.fullmatch(_NAME, package):
-        raise ArtifactError(
-          f"allow= takes top-level package names such as 'transformers'; {package!r} is not one."
+        raise ArgumentError(
+          f"{where}: allow takes top-level package names such as 'transformers'; {package!r}"
+          " is not one. Name the package as you import it (allow=['mypackage'] for"
+          " mypackage.models)."
         )
-    return cls(packages)
+    return cls(packages, import_folders(import_path, where), source, cli)
 
   def user_allowed(self, ref: str) -> bool:
     return package_of(ref) in self.allowed
 
-  def check_package(self, ref: str, where: str, needed: Iterable[str], cli: bool = True) -> None:
+  def check_package(self, ref: str, where: str, needed: Iterable[str]) -> None:
     """Refuses `ref` unless its package may be imported; names the `allow=` that allows it
-    (and the CLI flag, if the file is one the CLI loads)."""
+    (and the CLI flag, if the file is one the CLI loads), and where to put the package if
+    it cannot be found either."""
     if ref in _BUILTIN_TYPES or package_of(ref) in DEFAULT_PACKAGES | self.allowed:
       return
     if ref.startswith("builtins:"):
@@ -144,12 +178,31 @@ class LoadPolicy:
       )
     missing = sorted(set(needed) - DEFAULT_PACKAGES - self.allowed)
     flags = " ".join(f"--allow {p}" for p in missing)
+    package = package_of(ref)
+    findable = self.findable(package)
     raise ArtifactError(
-      f"The artifact references {ref!r} at {where}, from package {package_of(ref)!r}, which"
+      f"The artifact references {ref!r} at {where}, from package {package!r}, which"
       " is not allowed to be imported (loading imports code). If you trust where this"
       f" artifact comes from and that package, load it with allow={missing!r}"
-      + (f" (CLI: `flaxlens replay PATH {flags}`)." if cli else ".")
+      + (f" (CLI: `flaxlens replay PATH {flags}`)." if self.cli else ".")
+      + ("" if findable else f" {self.not_found(package, self.cli)}")
     )
+
+  def findable(self, package: str) -> bool:
+    """Whether the top-level `package` can be imported from `folders` and `sys.path`;
+    finding it runs none of its code."""
+    if package in sys.modules:
+      return True
+    with importing_from(self.folders):
+      try:
+        return importlib.util.find_spec(package) is not None
+      except (ImportError, ValueError):
+        return False
+
+  def not_found(self, package: str, cli: bool) -> str:
+    """How to make the missing top-level `package` importable: `import_folders`' rule."""
+    option = "import_path=[DIR]" + (" (CLI: --import-path DIR)" if cli else "")
+    return missing_module(package, self.folders, option, near=self.source)
 
   def resolve(self, ref: str, role: str, where: str, base: type | None = None) -> Any:
     """Imports `ref` (its package already checked) and checks it may play `role`.
@@ -162,7 +215,7 @@ class LoadPolicy:
     """
     obj = _BUILTIN_TYPES.get(ref)
     if obj is None:
-      obj = _import(ref, where)
+      obj = self._import(ref, where)
     if not self._fits(obj, ref, role, base):
       fix = _ROLE_FIX.get(role, f"It must subclass {getattr(base, '__qualname__', base)}.")
       raise ArtifactError(
@@ -170,6 +223,20 @@ class LoadPolicy:
         f" does not accept from {package_of(ref)!r}. {fix}"
       )
     return obj
+
+  def _import(self, ref: str, where: str) -> Any:
+    """Imports `ref` from `folders` and `sys.path`; refusals say how to make it load."""
+    package = package_of(ref)
+    with importing_from(self.folders):
+      try:
+        return _import(ref, where)
+      except ArtifactError as e:
+        if isinstance(e.__cause__, ModuleNotFoundError) and e.__cause__.name == package:
+          raise ArtifactError(
+            f"Cannot import {ref!r} named by the artifact at {where}:"
+            f" {self.not_found(package, self.cli)}"
+          ) from None
+        raise
 
   def _fits(self, obj: Any, ref: str, role: str, base: type | None) -> bool:
     trusted = self.user_allowed(ref)
@@ -192,7 +259,7 @@ class LoadPolicy:
       import flax.linen as nn
 
       owner_ref = ref.rpartition(".")[0]
-      owner = _import(owner_ref, "") if ":" in owner_ref else None
+      owner = self._import(owner_ref, "") if ":" in owner_ref else None
       return _subclass(owner, nn.Module) and callable(obj) and not isinstance(obj, type)
     if role == "enum":
       return _subclass(obj, enum.Enum)
@@ -269,8 +336,97 @@ def _import(ref: str, where: str) -> Any:
     raise ArtifactError(
       f"Cannot import {ref!r} named by the artifact at {where} ({e}). Install the package"
       " that defines it (at a compatible version) where you load the artifact."
-    ) from None
+    ) from e
+  except Exception as e:  # The module's own code raised while it was imported.
+    raise ArtifactError(
+      f"Importing {module_name!r} for {ref!r} named by the artifact at {where} raised"
+      f" {type(e).__name__}: {' '.join(str(e).split())}. Fix that module so that"
+      f" `python -c 'import {module_name}'` runs."
+    ) from e
   return obj
+
+
+def import_folders(import_path: Any, where: str) -> tuple[str, ...]:
+  """The folders modules are imported from before `sys.path`: those in `import_path`,
+  then the current folder.
+
+  This is the one rule for every module flaxlens imports by name: a TARGET's module
+  (`flaxlens inspect`, `flaxlens check`) and the allowed packages an artifact names
+  (`flaxlens replay`, `fl.load_isolated`, `fl.load_interventions`), as `python -m` finds
+  modules, the folders given with `--import-path` (`import_path=`) first.
+
+  Raises:
+    ArgumentError: `import_path` is not a list of folders.
+
+  Example:
+    >>> import os
+    >>> from flaxlens.tools._policy import import_folders
+    >>> import_folders(["models"], "f") == (os.path.abspath("models"), os.getcwd())
+    True
+  """
+  if isinstance(import_path, str | os.PathLike):
+    raise refuse(
+      where, "import_path", import_path, "a list of folders", f"Pass [{str(import_path)!r}]."
+    )
+  folders = check_items(
+    [] if import_path is None else import_path,
+    lambda f: isinstance(f, str | os.PathLike),
+    where,
+    "import_path",
+    "a list of folders",
+    "Pass folders that hold the modules, e.g. import_path=['models'].",
+  )
+  return tuple(dict.fromkeys([*(os.path.abspath(f) for f in folders), os.getcwd()]))
+
+
+@contextlib.contextmanager
+def importing_from(folders: Iterable[str]) -> Iterator[None]:
+  """`sys.path` with `folders` first (those not on it already), as it was afterwards.
+
+  Modules imported meanwhile stay imported (`sys.modules`), so classes and functions
+  from them keep working; what they import later comes from `sys.path` alone.
+  """
+  added = [f for f in folders if f not in sys.path]
+  sys.path[:0] = added
+  if added:
+    importlib.invalidate_caches()
+  try:
+    yield
+  finally:
+    for folder in added:
+      with contextlib.suppress(ValueError):
+        sys.path.remove(folder)
+
+
+def missing_module(package: str, folders: Iterable[str], option: str, near: Any = None) -> str:
+  """Says that `package` is in none of `folders` nor on `sys.path`, and how to make it load.
+
+  `option` names the option that adds a folder (`--import-path DIR`); `near`, a file
+  being loaded: a `package.py` (or `package/`) in its folder or the folder that holds it
+  is named.
+  """
+  found = [
+    place
+    for place in _near(near)
+    if os.path.isfile(os.path.join(place, f"{package}.py"))
+    or os.path.isfile(os.path.join(place, package, "__init__.py"))
+  ]
+  hint = ""
+  if found:
+    given = option.replace("[DIR]", f"[{found[0]!r}]").replace("DIR", found[0])
+    hint = f" {package} is in {found[0]}: pass {given}."
+  return (
+    f"Python finds no module {package!r} in {list(folders)} nor among the installed packages"
+    f" (sys.path). Run from the folder that holds {package}.py (or the package"
+    f" {package}/), pass that folder with {option}, or install the package.{hint}"
+  )
+
+
+def _near(source: str | None) -> list[str]:
+  if source is None:
+    return []
+  source = os.path.abspath(source)
+  return list(dict.fromkeys([os.path.dirname(source), os.path.dirname(os.path.dirname(source))]))
 
 
 def resolve_imported(ref: str) -> Any:

@@ -14,17 +14,25 @@ extra. No Flax internals here.
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
 from flaxlens.core._adapter import adapter_for_exported
+from flaxlens.core._checks import check_path, refuse
 from flaxlens.core._names import join_name
+from flaxlens.core._node import CallNode
 from flaxlens.errors import ExportError
 
 FORMATS = ("orbax", "safetensors")
+# The files every Orbax checkpoint save_exported writes holds (Orbax's own layout).
+_ORBAX_FILES = ("_METADATA", "manifest.ocdbt")
+# The safetensors metadata entry holding the SHA-256 of the saved arrays (`_digest`).
+_CHECKSUM = "flaxlens_sha256"
 _KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 
 
@@ -38,8 +46,10 @@ def save_exported(exported: Any, path: str | os.PathLike, *, format: str = "orba
     format: `"orbax"` or `"safetensors"`.
 
   Raises:
-    ExportError: for an unknown format, an existing path, a value that is not an array,
-      or a missing `orbax-checkpoint`/`safetensors` package.
+    ArgumentError: `exported` is not an exported model, `path` not a path, or `format`
+      not one of the two.
+    ExportError: for an existing path, a value that is not an array, or a missing
+      `orbax-checkpoint`/`safetensors` package.
 
   Example:
     >>> import flaxlens as fl, jax.numpy as jnp, tempfile
@@ -51,12 +61,14 @@ def save_exported(exported: Any, path: str | os.PathLike, *, format: str = "orba
     >>> fl.load_exported(path, like=nnx.Linear(3, 2, rngs=nnx.Rngs(0))).bias[...]
     Array([1., 1.], dtype=float32)
   """
-  path = os.fspath(path)
+  where = "fl.save_exported"
+  state = _state_of(exported, where, "exported")
+  path = check_path(path, where, "Pass the directory (Orbax) or file (safetensors) to write.")
   if format not in FORMATS:
-    raise ExportError(f"save_exported: unknown format {format!r}; use one of {list(FORMATS)}.")
+    raise refuse(where, "format", format, f"one of {list(FORMATS)}", "Pass format='orbax'.")
   if os.path.lexists(path):
     raise ExportError(f"{path}: already exists; save_exported never overwrites. Remove it first.")
-  leaves, _ = _named_leaves(_state_of(exported), "save_exported")
+  leaves, _ = _named_leaves(state, "save_exported")
   arrays = {name: _storable(leaf) for name, leaf in leaves.items()}
   if format == "orbax":
     checkpointer = _orbax("save_exported").StandardCheckpointer()
@@ -66,7 +78,8 @@ def save_exported(exported: Any, path: str | os.PathLike, *, format: str = "orba
     _safetensors("save_exported")
     from safetensors.numpy import save_file
 
-    save_file({n: np.asarray(a) for n, a in arrays.items()}, path, metadata={"by": "flaxlens"})
+    tensors = {n: np.asarray(a) for n, a in arrays.items()}
+    save_file(tensors, path, metadata={"by": "flaxlens", _CHECKSUM: _digest(tensors)})
 
 
 def load_exported(path: str | os.PathLike, like: Any) -> Any:
@@ -81,8 +94,11 @@ def load_exported(path: str | os.PathLike, like: Any) -> Any:
   straight onto its device). `like` is not modified.
 
   Raises:
+    ArgumentError: `path` is not a path, or `like` not a Linen variables dict or an NNX
+      module.
     ExportError: if the saved arrays do not match `like`'s variables (names, shapes
-      or dtypes), or the file is not a saved exported model.
+      or dtypes), or `path` is not a complete, readable saved exported model (a
+      damaged or truncated checkpoint, a directory or file of another kind).
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp, tempfile
@@ -94,8 +110,9 @@ def load_exported(path: str | os.PathLike, like: Any) -> Any:
     >>> bool((model.apply(restored, x) == model.apply(variables, x)).all())
     True
   """
-  path = os.fspath(path)
-  state = _state_of(like)
+  where = "fl.load_exported"
+  path = check_path(path, where, "Pass the directory or file fl.save_exported wrote.")
+  state = _state_of(like, where, "like")
   template, treedef = _named_leaves(state, "load_exported")
   if os.path.isdir(path):
     loaded = _load_orbax(path, template)
@@ -116,13 +133,18 @@ def load_exported(path: str | os.PathLike, like: Any) -> Any:
   return _with_state(like, restored)
 
 
-def _state_of(model: Any) -> Any:
+def _state_of(model: Any, where: str, name: str) -> Any:
   """The pytree of an exported model's variables (a Linen dict itself, an NNX state)."""
   adapter = adapter_for_exported(model)
   if adapter is None:
-    raise ExportError(
-      f"expected what tree.export() returns (a Linen variables dict or an NNX module), got"
-      f" {type(model).__name__}. Export the tree first: tree.export()."
+    raise refuse(
+      where,
+      name,
+      model,
+      "what tree.export() returns (a Linen variables dict or an NNX module)",
+      "Export the tree first: tree.export()."
+      if isinstance(model, CallNode)
+      else "Pass a Linen variables dict (module.init) or an NNX module.",
     )
   return adapter.exported_variables(model)
 
@@ -171,33 +193,86 @@ def _storable(leaf: Any) -> Any:
 
 
 def _load_orbax(path: str, template: dict[str, Any]) -> dict[str, Any]:
+  """The arrays of the Orbax checkpoint `path`; any fault in it is an `ExportError`."""
   ocp = _orbax("load_exported")
-  checkpointer = ocp.StandardCheckpointer()
+  with ocp.StandardCheckpointer() as checkpointer:
+    try:
+      saved = checkpointer.metadata(os.path.abspath(path)).item_metadata
+    except Exception as e:
+      raise _unreadable(path, f"{type(e).__name__}: {e}") from e
+    items = getattr(saved, "items", None)  # Orbax's TreeMetadata, a mapping by name.
+    saved = dict(items()) if callable(items) else {}
+    if not saved:
+      raise _unreadable(path, "Orbax finds no saved arrays in it")
+    target = {}
+    for name, meta in saved.items():
+      shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
+      if not isinstance(name, str) or not isinstance(shape, tuple) or dtype is None:
+        raise _unreadable(path, f"its entry {name!r} is not an array saved by fl.save_exported")
+      leaf = template.get(name)
+      sharding = getattr(leaf, "sharding", None)
+      if leaf is None or _is_key(leaf) or shape != leaf.shape or dtype != leaf.dtype:
+        sharding = None  # Restored as saved; checked against `like` afterwards.
+      target[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    try:
+      return dict(checkpointer.restore(os.path.abspath(path), target))
+    except Exception as e:
+      raise _unreadable(path, f"reading its arrays failed: {type(e).__name__}: {e}") from e
+
+
+def _unreadable(path: str, why: str) -> ExportError:
+  """The refusal of a directory that is not a complete checkpoint `save_exported` wrote."""
   try:
-    saved = checkpointer.metadata(os.path.abspath(path)).item_metadata
-  except Exception as e:
-    raise ExportError(
-      f"{path}: not an Orbax checkpoint written by save_exported ({type(e).__name__})."
-    ) from e
-  target = {}
-  for name, meta in saved.items():
-    leaf = template.get(name)
-    sharding = getattr(leaf, "sharding", None)
-    if leaf is None or _is_key(leaf) or meta.shape != leaf.shape or meta.dtype != leaf.dtype:
-      sharding = None  # Restored as saved; checked against `like` afterwards.
-    target[name] = jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=sharding)
-  return dict(checkpointer.restore(os.path.abspath(path), target))
+    held = sorted(os.listdir(path))
+  except OSError:
+    held = []
+  lacking = [name for name in _ORBAX_FILES if name not in held]
+  found = f"; it holds {held[:8]}" if held else "; it is empty"
+  if held and lacking:
+    found += f" and lacks {lacking}"
+  said = " ".join(why.split())
+  return ExportError(
+    f"{path}: not a complete Orbax checkpoint written by fl.save_exported"
+    f" ({said[:300]}{found}). Pass the directory fl.save_exported wrote (it holds"
+    f" {list(_ORBAX_FILES)}); if it was damaged, truncated or copied in part, save the"
+    " model again with fl.save_exported(tree.export(), path)."
+  )
 
 
 def _load_safetensors(path: str) -> dict[str, Any]:
+  """The arrays of the safetensors file `path`, checked against the checksum flaxlens
+  saves in its metadata (files written by other tools have none)."""
   _safetensors("load_exported")
-  from safetensors import SafetensorError
-  from safetensors.numpy import load_file
+  from safetensors import SafetensorError, safe_open
 
   try:
-    return load_file(path)
-  except (SafetensorError, OSError, ValueError) as e:
-    raise ExportError(f"{path}: not a safetensors file ({e}).") from e
+    with safe_open(path, framework="numpy") as f:
+      metadata = f.metadata() or {}
+      arrays = {name: f.get_tensor(name) for name in f.keys()}
+  except (SafetensorError, OSError, ValueError, TypeError, KeyError) as e:
+    raise ExportError(
+      f"{path}: not a readable safetensors file ({' '.join(str(e).split())[:300]}). Pass"
+      " the file fl.save_exported(..., format='safetensors') wrote; if it was damaged or"
+      " truncated, save the model again."
+    ) from e
+  expected = metadata.get(_CHECKSUM)
+  if expected is not None and expected != _digest(arrays):
+    raise ExportError(
+      f"{path}: its arrays do not match the checksum fl.save_exported recorded; the file"
+      " is damaged. Save the model again with fl.save_exported(tree.export(), path,"
+      " format='safetensors')."
+    )
+  return arrays
+
+
+def _digest(arrays: Mapping[str, np.ndarray]) -> str:
+  """SHA-256 over every array's name, dtype, shape and bytes, in name order."""
+  digest = hashlib.sha256()
+  for name in sorted(arrays):
+    a = np.ascontiguousarray(arrays[name])
+    digest.update(f"{name} {a.dtype.name} {list(a.shape)}\n".encode())
+    digest.update(a.tobytes())
+  return digest.hexdigest()
 
 
 def _restored(path: str, name: str, array: Any, like: Any) -> Any:
@@ -205,7 +280,14 @@ def _restored(path: str, name: str, array: Any, like: Any) -> Any:
   want_shape, want_dtype = like.shape, like.dtype
   if _is_key(like):
     impl = _key_impl(like.dtype)
-    array = jax.random.wrap_key_data(np.asarray(array), impl=impl)
+    try:
+      array = jax.random.wrap_key_data(np.asarray(array), impl=impl)
+    except (TypeError, ValueError) as e:
+      raise ExportError(
+        f"{path}: {name!r} holds {array.dtype}{list(array.shape)}, which is not the data of"
+        f" {impl} PRNG keys of shape {list(want_shape)} as `like` holds ({e}). Pass a `like`"
+        " built as the saved model was."
+      ) from e
   if array.shape != want_shape or array.dtype != want_dtype:
     raise ExportError(
       f"{path}: {name!r} was saved as {array.dtype}{list(array.shape)} but `like` holds"

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 
+from flaxlens.core._checks import check_items, check_path, check_type
 from flaxlens.core._node import CallNode
 from flaxlens.errors import ArgumentError, ArtifactError
 from flaxlens.tools._artifact import (
@@ -35,6 +36,7 @@ from flaxlens.tools._artifact import (
   Directory,
   array_table,
   check_target,
+  load_arguments,
   provenance,
   read_arrays,
   requires,
@@ -62,7 +64,6 @@ from flaxlens.tools._manifest import (
 )
 from flaxlens.tools._policy import (
   DEFAULT_PACKAGES,
-  LoadPolicy,
   check_reference_syntax,
   package_of,
   reference,
@@ -96,7 +97,8 @@ def save_interventions(
       is never replaced.
 
   Raises:
-    ArgumentError: an element is not an `fl.Intervention`.
+    ArgumentError: `interventions` is not a list of `fl.Intervention`s, `path` not a
+      path, or `overwrite` not a bool.
     ArtifactError: `path` exists (and not `overwrite`), an intervention holds a site,
       function or value that is not data (the message names it and what to use
       instead), or the directory cannot be written.
@@ -112,12 +114,19 @@ def save_interventions(
     >>> bool((fl.run(tree, x, interventions=loaded) == fl.run(tree, x, interventions=edits)).all())
     True
   """
-  target = pathlib.Path(path)
-  if not isinstance(interventions, list | tuple):
-    raise ArgumentError(
-      f"save_interventions takes a list of interventions, got a {type(interventions).__name__};"
-      " wrap one intervention in a list."
-    )
+  where = "fl.save_interventions"
+  check_items(
+    interventions,
+    Intervention,
+    where,
+    "interventions",
+    "a list of fl.ablate/patch/steer/scale/modify results",
+    "Wrap one intervention in a list: [fl.steer(...)].",
+  )
+  target = pathlib.Path(check_path(path, where, "Pass the directory to create."))
+  check_type(
+    overwrite, bool, where, "overwrite", "True or False", "Pass overwrite=True to replace."
+  )
   check_target(target, overwrite, FORMAT)
   encoder = Encoder()
   entries = [_encode(intervention, n, encoder) for n, intervention in enumerate(interventions)]
@@ -362,6 +371,7 @@ def load_interventions(
   path: str | os.PathLike,
   allow: Iterable[str] | None = None,
   max_bytes: int = DEFAULT_MAX_BYTES,
+  import_path: Iterable[str | os.PathLike] | None = None,
 ) -> list[Intervention]:
   """Reads a set written by `save_interventions`; the file is treated as untrusted.
 
@@ -377,11 +387,15 @@ def load_interventions(
     allow: top-level packages the set may import from (the module of your own model
       classes or of your `fl.modify` functions); the refusal names those it needs.
     max_bytes: refuse sets whose arrays hold more bytes than this.
+    import_path: folders to import the allowed packages from, before the current folder
+      and the installed packages, as for `fl.load_isolated`.
 
   Returns:
     The interventions, equal to those saved (arrays bit for bit), for `fl.run`.
 
   Raises:
+    ArgumentError: `path` is not a path, `allow` not a list of package names,
+      `max_bytes` not a non-negative integer, or `import_path` not a list of folders.
     ArtifactError: the set is missing files, not regular files, truncated, too large,
       corrupted or tampered with, from a newer format, or references code the policy
       does not allow; the message says which, and how to allow a package.
@@ -393,14 +407,19 @@ def load_interventions(
     >>> [(i.kind, i.at, i.operands[1].item()) for i in fl.load_interventions(path)]
     [('steer', '**/mlp', 0.5)]
   """
-  policy = LoadPolicy.create(allow)
-  if type(max_bytes) is not int or max_bytes < 0:
-    raise ArtifactError(f"max_bytes must be a non-negative integer, not {max_bytes!r}.")
-  source = pathlib.Path(path)
+  source, policy = load_arguments(
+    "fl.load_interventions",
+    path,
+    allow,
+    max_bytes,
+    "Pass the directory fl.save_interventions wrote.",
+    import_path,
+    cli=False,
+  )
   with Directory(source) as directory:
     data, found = _parse(directory.read(MANIFEST, MAX_MANIFEST_BYTES), str(source))
     for ref, _, where in found.references:
-      policy.check_package(ref, where, data["requires"], cli=False)
+      policy.check_package(ref, where, data["requires"])
     arrays = read_arrays(directory, data["arrays"], max_bytes)
   resolved = resolve_references(policy, found.references)
   decoder = Decoder(arrays, resolved)

@@ -24,8 +24,9 @@ import numpy as np
 from rich.table import Table
 
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._checks import check_optional
 from flaxlens.core._convert import split_static
-from flaxlens.core._node import is_call_node
+from flaxlens.core._node import check_tree, is_call_node
 from flaxlens.core._selectors import path_matches
 from flaxlens.core._spec import CallSpec, signature
 from flaxlens.core._variables import AbstractVariable, Parameter, unbind_variables, variables_in
@@ -296,6 +297,10 @@ def summary(
     A `Summary`: `print` it for a plain text table; rich and notebooks render it too,
     and `as_dict()` gives the same data for `json.dumps`.
 
+  Raises:
+    ArgumentError: `tree` is not a converted tree, or another argument is not of the
+      kind above.
+
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
     >>> model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
@@ -310,11 +315,31 @@ def summary(
     --------  ----------  --------  ------------  ------------  ------  -----------  -----
     total                                                           26        104 B      0
   """
+  check_arguments("fl.summary", tree, argument)
+  check_optional(
+    max_depth, int, "fl.summary", "max_depth", "an int or None", "Pass a depth such as 2."
+  )
+  check_optional(
+    path, str, "fl.summary", "path", "a path pattern (a str) or None", 'Pass path="Block_*".'
+  )
   io = {} if argument is None else _root_io(tree, argument, side_inputs)
   rows = _rows(tree, 0, max_depth, io)
   if path is not None:
     rows = (r for r in rows if path_matches(path, r.path) or path_matches(path, _where(r)))
   return Summary(tuple(rows), *_counts(variables_in(tree)))
+
+
+def check_arguments(where: str, tree: Any, argument: Any) -> None:
+  """Refuses a `tree` that is not a converted tree, an `argument` not an `ArgsAndKwargs`."""
+  check_tree(tree, where)
+  check_optional(
+    argument,
+    ArgsAndKwargs,
+    where,
+    "argument",
+    "the root call's fl.ArgsAndKwargs",
+    "Pass argument=fl.ArgsAndKwargs.capture(*args, **kwargs).",
+  )
 
 
 def _where(row: SummaryRow) -> str:

@@ -189,5 +189,5 @@ def test_a_user_allowed_package_loads(artifact, side_effect_package):
 
 
 def test_allow_rejects_a_bare_string():
-  with pytest.raises(fl.ArtifactError, match=r"allow=\['transformers'\]"):
+  with pytest.raises(fl.ArgumentError, match=r"allow=\['transformers'\]"):
     fl.load_isolated("anywhere", allow="transformers")

@@ -7,11 +7,15 @@ restores the saved arrays into it and must compute that output bit for bit.
 
 from __future__ import annotations
 
+import gc
 import pathlib
+import shutil
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from comparisons import assert_trees_equal
@@ -91,5 +95,114 @@ def test_saving_never_overwrites(tmp_path):
 
 
 def test_saving_a_tree_instead_of_its_export_says_to_export(corpora, tmp_path):
-  with pytest.raises(fl.ExportError, match=r"tree\.export\(\)"):
+  with pytest.raises(fl.ArgumentError, match=r"exported must be .*tree\.export\(\)"):
     fl.save_exported(LINEN.convert(corpora[LINEN]["mlp"]), tmp_path / "x")
+
+
+# --- damaged and foreign inputs -----------------------------------------------------------
+
+DENSE, DENSE_X = nn.Dense(3), jnp.ones((1, 4))
+DENSE_VARIABLES = DENSE.init(jax.random.key(0), DENSE_X)
+
+
+def _restores_exactly_or_is_refused(path):
+  """Loading `path` into the Dense model gives its saved variables bit for bit, or an
+  ExportError naming `path` and ending with what to do; nothing else may escape."""
+  try:
+    restored = fl.load_exported(path, like=DENSE_VARIABLES)
+  except fl.ExportError as e:
+    assert str(path) in str(e) and "save" in str(e).split(". ")[-1], str(e)
+    return "refused"
+  assert_trees_equal(restored, DENSE_VARIABLES)
+  return "restored"
+
+
+def _damaged_copies(saved, tmp_path):
+  """`(what was done, path)`: copies of the checkpoint with one file removed, truncated
+  at several offsets, or with bytes flipped (for safetensors, a file: the file itself)."""
+  files = [saved] if saved.is_file() else sorted(p for p in saved.rglob("*") if p.is_file())
+  rng = np.random.default_rng(0)
+  for number, file in enumerate(files):
+    size = file.stat().st_size
+    changes = [("removed", None)] if saved.is_dir() else []
+    changes += [(f"truncated at {cut}", cut) for cut in sorted({0, 1, size // 2, size - 1})]
+    changes += [(f"flipped #{k}", -1 - k) for k in range(3)]
+    for what, change in changes:
+      copy = tmp_path / f"copy_{number}_{what.replace(' ', '_').replace('#', '')}{saved.suffix}"
+      if saved.is_dir():
+        shutil.copytree(saved, copy)
+        target = copy / file.relative_to(saved)
+      else:
+        shutil.copy(saved, copy)
+        target = copy
+      if change is None:
+        target.unlink()
+      elif change >= 0:
+        with open(target, "r+b") as f:
+          f.truncate(change)
+      elif size:
+        data = bytearray(target.read_bytes())
+        for i in rng.integers(0, size, 2):
+          data[i] ^= 1 << int(rng.integers(0, 8))
+        target.write_bytes(bytes(data))
+      yield f"{file.relative_to(saved) if saved.is_dir() else file.name} {what}", copy
+
+
+# A failed Orbax restore leaves coroutines of its own unawaited (orbax-checkpoint 0.12).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_damaged_orbax_checkpoint_is_refused_unless_orbax_does_not_need_the_file(tmp_path):
+  saved = tmp_path / "checkpoint"
+  fl.save_exported(DENSE_VARIABLES, saved)
+  outcomes = {
+    what: _restores_exactly_or_is_refused(p) for what, p in _damaged_copies(saved, tmp_path)
+  }
+  gc.collect()  # Orbax's unawaited coroutines are reported here, under the filter above.
+  for needed in ("_METADATA", "manifest.ocdbt"):
+    assert outcomes[f"{needed} removed"] == "refused"
+    assert outcomes[f"{needed} truncated at 0"] == "refused"
+
+
+def test_a_damaged_safetensors_file_is_refused(tmp_path):
+  saved = tmp_path / "model.safetensors"
+  fl.save_exported(DENSE_VARIABLES, saved, format="safetensors")
+  for what, path in _damaged_copies(saved, tmp_path):
+    assert _restores_exactly_or_is_refused(path) == "refused", what
+
+
+def test_a_flipped_byte_in_a_safetensors_array_is_refused_by_its_checksum(tmp_path):
+  saved = tmp_path / "model.safetensors"
+  fl.save_exported(DENSE_VARIABLES, saved, format="safetensors")
+  data = bytearray(saved.read_bytes())
+  data[-1] ^= 1  # The last byte belongs to the last array's data.
+  saved.write_bytes(bytes(data))
+  with pytest.raises(fl.ExportError, match="do not match the checksum"):
+    fl.load_exported(saved, like=DENSE_VARIABLES)
+
+
+def test_an_empty_directory_is_refused_naming_what_a_checkpoint_holds(tmp_path):
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(fl.ExportError, match=r"empty.*holds \['_METADATA', 'manifest.ocdbt'\]"):
+    fl.load_exported(tmp_path / "empty", like=DENSE_VARIABLES)
+
+
+def test_a_checkpoint_of_a_nested_pytree_is_refused_as_not_saved_by_save_exported(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "other", DENSE_VARIABLES)
+  checkpointer.wait_until_finished()
+  with pytest.raises(fl.ExportError, match="'params' is not an array saved by fl.save_exported"):
+    fl.load_exported(tmp_path / "other", like=DENSE_VARIABLES)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_restoring_arrays_of_other_shapes_names_the_variable(tmp_path, format):
+  saved = _saved_path(tmp_path, format)
+  fl.save_exported(DENSE_VARIABLES, saved, format=format)
+  like = DENSE.init(jax.random.key(0), jnp.ones((1, 5)))
+  with pytest.raises(fl.ExportError, match=r"'params/kernel' was saved as float32\[4, 3\]"):
+    fl.load_exported(saved, like=like)
+
+
+def test_a_missing_path_is_refused(tmp_path):
+  with pytest.raises(fl.ExportError, match="no such file or directory"):
+    fl.load_exported(tmp_path / "nothing", like=DENSE_VARIABLES)

@@ -330,6 +330,28 @@ class SpectralNormed(nn.Module):
     return nn.SpectralNorm(nn.Dense(4), n_steps=2)(nn.relu(x), update_stats=train)
 
 
+class PositionTable(nn.Module):
+  """Learned position embeddings: a table of `length` rows, added to the first `n`."""
+
+  length: int
+  features: int
+
+  @nn.compact
+  def __call__(self, x, n):
+    table = self.param("table", nn.initializers.normal(0.02), (self.length, self.features))
+    return x + table[:n]
+
+
+class Positional(nn.Module):
+  """Token ids `(batch, length)` with positions from a table of 8, as GPT-2 embeds them:
+  1-D ids, or more than 8 positions, fail inside the model."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(10, 8)(tokens)
+    return nn.Dense(10)(PositionTable(8, 8)(x, tokens.shape[1]))
+
+
 def _case(name, module, *args, init_kwargs=None, **fields) -> Case:
   init_kwargs = init_kwargs if init_kwargs is not None else fields.get("kwargs", {})
   variables = _init(module, *args, method=fields.get("method"), **init_kwargs)
@@ -429,6 +451,8 @@ def build() -> dict[str, Case]:
       kwargs={"train": True},
       mutable=["batch_stats"],
     ),
+    # Not in NAMES: for the tests of calls that fail inside the model (test_call_failures).
+    lambda: _case("positional", Positional(), TOKENS),
   ]
   cases = [b() for b in builders]
   return {c.name: c for c in cases}

@@ -440,6 +440,28 @@ class Transformer(nnx.Module):
     return self.head(self.norm(x))
 
 
+class PositionTable(nnx.Module):
+  """Learned position embeddings: a table of `length` rows, added to the first `n`."""
+
+  def __init__(self, length: int, features: int, rngs: nnx.Rngs):
+    self.table = nnx.Param(0.02 * jax.random.normal(rngs.params(), (length, features)))
+
+  def __call__(self, x, n):
+    return x + self.table[...][:n]
+
+
+class Positional(nnx.Module):
+  """The NNX counterpart of the Linen corpus's `Positional` (a table of 8 positions)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(10, 8, rngs=rngs)
+    self.positions = PositionTable(8, 8, rngs)
+    self.head = nnx.Linear(8, 10, rngs=rngs)
+
+  def __call__(self, tokens):
+    return self.head(self.positions(self.embed(tokens), tokens.shape[1]))
+
+
 def _mha(decode: bool) -> nnx.MultiHeadAttention:
   mha = nnx.MultiHeadAttention(
     num_heads=2, in_features=8, qkv_features=8, decode=decode, rngs=RNGS()
@@ -498,6 +520,8 @@ def build() -> dict[str, Case]:
     lambda: Case("rngs_argument", RngsArgument(RNGS()), (X,), {"rngs": nnx.Rngs(dropout=9)}),
     lambda: Case("variable_metadata", Annotated(RNGS()), (X,)),
     lambda: Case("variable_replaced_by_the_call", Recounted(RNGS()), (X,)),
+    # Not in NAMES: for the tests of calls that fail inside the model (test_call_failures).
+    lambda: Case("positional", Positional(RNGS()), (TOKENS,)),
   ]
   cases = [b() for b in builders]
   return {c.name: c for c in cases}

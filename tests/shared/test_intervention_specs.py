@@ -145,7 +145,7 @@ def test_a_lambda_given_to_modify_is_refused_and_module_level_asked_for(tmp_path
 
 
 def test_saving_something_that_is_not_an_intervention_is_an_argument_error(tmp_path):
-  with pytest.raises(fl.ArgumentError, match="element 1 is a str"):
+  with pytest.raises(fl.ArgumentError, match="element 1 is 'Dense_1'"):
     fl.save_interventions([fl.ablate("Dense_0"), "Dense_1"], tmp_path / "set")
 
 
@@ -156,5 +156,5 @@ def test_a_modify_function_from_a_package_not_allowed_is_refused(tmp_path):
 
 
 def test_saving_one_intervention_not_in_a_list_is_an_argument_error(tmp_path):
-  with pytest.raises(fl.ArgumentError, match="wrap one intervention in a list"):
+  with pytest.raises(fl.ArgumentError, match="interventions must be a list.*Wrap one"):
     fl.save_interventions(fl.ablate("Dense_0"), tmp_path / "set")

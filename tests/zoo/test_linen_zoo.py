@@ -99,3 +99,27 @@ def test_edited_parameters_export_to_variables_apply_computes_as_the_tree(reques
       p.value = p.value * 1.25
   expected = _output(model, model.apply(variables=tree.export()))
   assert_trees_equal(model.call(tree), expected)
+
+
+# Token ids GPT-2 cannot take: without a batch axis, or more than its 32 positions.
+GPT2_BAD_IDS = {
+  "no_batch_axis": lambda ids: ids[0],
+  "longer_than_its_positions": lambda ids: jnp.tile(ids, (1, 5)),
+}
+
+
+@pytest.mark.parametrize("bad", list(GPT2_BAD_IDS))
+def test_gpt2_ids_it_cannot_take_raise_its_own_error_naming_the_shapes(gpt2, bad):
+  ids = GPT2_BAD_IDS[bad](gpt2.args[0])
+  args = (ids, jnp.ones_like(ids), jnp.broadcast_to(jnp.arange(ids.shape[-1]), ids.shape))
+  with pytest.raises(Exception) as native:
+    gpt2.module.apply(gpt2.variables, *args, rngs=gpt2.rngs, **gpt2.kwargs)
+  tree = gpt2.convert()
+  with pytest.raises(fl.ModelCallError) as ours:
+    tree(fl.ArgsAndKwargs.capture(*args, **gpt2.kwargs), random_streams=gpt2.rngs)
+  assert isinstance(ours.value, type(native.value))
+  assert type(ours.value.__cause__) is type(native.value)
+  assert str(ours.value.__cause__) == str(native.value)
+  shown = ", ".join([f"int32{list(ids.shape)}"] * 3)
+  assert f"got ({shown}, deterministic=False); at conversion it got (" in str(ours.value)
+  assert "int32[2, 8], int32[2, 8], int32[2, 8], deterministic=False)" in str(ours.value)
