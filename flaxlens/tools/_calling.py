@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._checks import refuse
 from flaxlens.errors import ArgumentError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -35,18 +36,16 @@ def model_arguments(value: Any) -> ArgsAndKwargs:
   return ArgsAndKwargs(args=value if isinstance(value, tuple) else (value,), kwargs={})
 
 
-def check_callable(value: Any, name: str, tool: str, what: str) -> None:
-  """Refuses a `name=` argument of `fl.<tool>` that is not a function."""
+def check_callable(value: Any, name: str, where: str) -> None:
+  """Refuses a `name=` argument of `where` (`"fl.sweep"`) that is not a function."""
   if not callable(value):
-    raise ArgumentError(
-      f"fl.{tool}: {name} must be a function of the model's output ({what}), got"
-      f" {_shown(value)}. Pass a function, for example `lambda out: out[0, -1, 3]`."
+    raise refuse(
+      where,
+      name,
+      value,
+      "a function of the model's output",
+      "Pass a function returning an array, for example `lambda out: out[0, -1, 3]`.",
     )
-
-
-def _shown(value: Any) -> str:
-  text = repr(value)
-  return text if len(text) <= 60 else f"a {type(value).__name__}"
 
 
 def takes_model_arguments(example: str) -> Callable[[F], F]:

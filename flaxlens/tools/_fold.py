@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._node import CallNode
+from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._selectors import select
 from flaxlens.core._variables import Parameter, bind_variables, unbind_variables, variables_in
@@ -30,7 +30,6 @@ from flaxlens.tools._equivalence import EquivalenceReport, _compare_trees
 from flaxlens.tools._interventions import (
   Intervention,
   Site,
-  _check_tree,
   _checked_interventions,
   _get_part,
   _nodes_by_name,
@@ -139,8 +138,8 @@ def fold(
     >>> bool(jnp.allclose(model.apply(folded.export(), x), steered, atol=1e-6))
     True
   """
-  _check_tree(tree, "fold")
-  interventions = _checked_interventions(interventions, "fold")
+  check_tree(tree, "fl.fold")
+  interventions = _checked_interventions(interventions, "fl.fold")
   interventions, _ = _nodes_by_name(tree, interventions, None)
   tolerance = _Tolerance(atol, rtol)
   streams = resolve_random_streams(random_streams, tree.where())

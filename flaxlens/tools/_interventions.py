@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._checks import check_items, refuse
 from flaxlens.core._jit import variable_jit
-from flaxlens.core._node import CallNode, is_call_node
+from flaxlens.core._node import CallNode, check_tree, is_call_node
 from flaxlens.core._probes import Probe, Probing
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._selectors import path_matches
@@ -607,39 +608,16 @@ def modify(
 # --- running ------------------------------------------------------------------------------
 
 
-def _check_tree(tree: Any, tool: str) -> None:
-  if not isinstance(tree, CallNode):
-    raise ArgumentError(
-      f"fl.{tool} takes a converted tree first, got {_described(tree)}. Convert the"
-      " model with fl.unflaxify(module, variables, x) (Linen) or fl.unflaxify(model, x)"
-      " (NNX)."
-    )
-
-
-def _described(value: Any) -> str:
-  return "None" if value is None else f"a {type(value).__name__}"
-
-
-def _checked_interventions(interventions: Any, tool: str) -> tuple[Intervention, ...]:
-  """`interventions` as a tuple, each element an `Intervention`; anything else refused."""
+def _checked_interventions(interventions: Any, where: str) -> tuple[Intervention, ...]:
+  """`interventions` as a tuple of `Intervention`s (one alone counts as a list of one);
+  anything else refused naming `where` (`"fl.run"`)."""
   if isinstance(interventions, Intervention):
-    interventions = (interventions,)
-  if interventions is None or isinstance(interventions, str | Mapping):
-    bad = _described(interventions)
-  else:
-    try:
-      interventions = tuple(interventions)
-    except TypeError:
-      bad = _described(interventions)
-    else:
-      odd = [x for x in interventions if not isinstance(x, Intervention)]
-      if not odd:
-        return interventions
-      bad = f"a list holding {_described(odd[0])}"
-  raise ArgumentError(
-    f"fl.{tool}: interventions= takes a list of fl.ablate, fl.patch, fl.steer, fl.scale or"
-    f" fl.modify results (or fl.load_interventions(path)), got {bad}. Pass [] for none."
-  )
+    return (interventions,)
+  expected = "a list of fl.ablate, fl.patch, fl.steer, fl.scale or fl.modify results"
+  fix = "Pass [] for none, or fl.load_interventions(path) for a saved set."
+  if not isinstance(interventions, list | tuple):
+    raise refuse(where, "interventions", interventions, expected, fix)
+  return check_items(interventions, Intervention, where, "interventions", expected, fix)
 
 
 def _probes_for(
@@ -846,10 +824,10 @@ def run(
     >>> sorted(cache), bool((out == model.apply(variables, x)).all())
     (['layers_0', 'layers_2'], True)
   """
-  _check_tree(tree, "run")
+  check_tree(tree, "fl.run")
   if unreached not in ("raise", "ignore"):
     raise ArgumentError(f"fl.run: unreached= is 'raise' or 'ignore', got {unreached!r}.")
-  interventions = _checked_interventions(interventions, "run")
+  interventions = _checked_interventions(interventions, "fl.run")
   capture = _static_at(capture)
   if isinstance(capture, str) and capture == "all":
     capture = True
@@ -922,11 +900,11 @@ def capture(
     >>> sorted(cache)
     ['Sequential.__call__', 'layers/0']
   """
-  _check_tree(tree, "capture")
+  check_tree(tree, "fl.capture")
   return run(
     tree,
     args,
-    interventions=_checked_interventions(interventions, "capture"),
+    interventions=_checked_interventions(interventions, "fl.capture"),
     capture=at,
     inputs=inputs,
     index=index,

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from flaxlens.core._checks import check_items, check_path, check_type
+from flaxlens.core._checks import check_path, check_type
 from flaxlens.core._node import CallNode
 from flaxlens.errors import ArgumentError, ArtifactError
 from flaxlens.tools._artifact import (
@@ -43,7 +43,7 @@ from flaxlens.tools._artifact import (
   write_atomically,
 )
 from flaxlens.tools._codec import Decoder, Encoder, Found, resolve_references, validate
-from flaxlens.tools._interventions import _KINDS, Intervention
+from flaxlens.tools._interventions import _KINDS, Intervention, _checked_interventions
 from flaxlens.tools._manifest import (
   _ARRAY,
   _PACKAGE,
@@ -115,14 +115,7 @@ def save_interventions(
     True
   """
   where = "fl.save_interventions"
-  check_items(
-    interventions,
-    Intervention,
-    where,
-    "interventions",
-    "a list of fl.ablate/patch/steer/scale/modify results",
-    "Wrap one intervention in a list: [fl.steer(...)].",
-  )
+  interventions = _checked_interventions(interventions, where)
   target = pathlib.Path(check_path(path, where, "Pass the directory to create."))
   check_type(
     overwrite, bool, where, "overwrite", "True or False", "Pass overwrite=True to replace."

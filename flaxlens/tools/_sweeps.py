@@ -33,7 +33,7 @@ import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._jit import variable_jit
-from flaxlens.core._node import CallNode
+from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probing, scan_iterations
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._variables import bind_variables, unbind_variables
@@ -43,7 +43,6 @@ from flaxlens.tools._interventions import (
   Intervention,
   Site,
   _check_part,
-  _check_tree,
   _get_part,
   _make,
   _probes_for,
@@ -429,8 +428,8 @@ def sweep(
     >>> bool(result.values[-1] == model.apply(tree.export(), clean)[0, 0])
     True
   """
-  _check_tree(tree, "sweep")
-  check_callable(metric, "metric", "sweep", "a scalar, say")
+  check_tree(tree, "fl.sweep")
+  check_callable(metric, "metric", "fl.sweep")
   positions = _checked_positions(positions)
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ArgumentError(f"chunk_size= is a positive integer or None, got {chunk_size!r}.")
@@ -564,8 +563,8 @@ def attribute(
     >>> bool(jnp.allclose(result.values, exact.values - baseline, atol=1e-6))  # linear site
     True
   """
-  _check_tree(tree, "attribute")
-  check_callable(metric, "metric", "attribute", "a scalar")
+  check_tree(tree, "fl.attribute")
+  check_callable(metric, "metric", "fl.attribute")
   positions = _checked_positions(positions)
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
@@ -650,8 +649,8 @@ def grad_at(
     >>> grads["layers_2"].tolist()  # d sum(out) / d out
     [[1.0, 1.0]]
   """
-  _check_tree(tree, "grad_at")
-  check_callable(metric, "metric", "grad_at", "a scalar")
+  check_tree(tree, "fl.grad_at")
+  check_callable(metric, "metric", "fl.grad_at")
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
   run = _grad_at_compiled if jit else _grad_at

@@ -182,7 +182,9 @@ NOT_A_TREE = {
 @pytest.mark.parametrize("tool", sorted(NOT_A_TREE))
 @pytest.mark.parametrize("tree", [None, nn.Dense(2)], ids=["None", "a module"])
 def test_none_or_a_module_for_the_tree_is_refused_naming_unflaxify(tool, tree):
-  with pytest.raises(fl.ArgumentError, match=rf"fl\.{tool} takes a converted tree .*unflaxify"):
+  with pytest.raises(
+    fl.ArgumentError, match=rf"fl\.{tool}: tree must be a converted tree.*unflaxify"
+  ):
     NOT_A_TREE[tool](tree)
 
 
@@ -196,7 +198,7 @@ BAD_INTERVENTIONS = {
 @pytest.mark.parametrize("tool", sorted(BAD_INTERVENTIONS))
 @pytest.mark.parametrize("bad", [None, "dense", 3, [None], [fl.ablate("dense"), "head"]], ids=repr)
 def test_anything_but_a_list_of_interventions_is_refused_by_name(tagger, tool, bad):
-  with pytest.raises(fl.ArgumentError, match=r"interventions= takes a list of fl\.ablate"):
+  with pytest.raises(fl.ArgumentError, match=r"interventions must be a list of fl\.ablate"):
     BAD_INTERVENTIONS[tool](tagger.tree, bad)
 
 

@@ -155,6 +155,14 @@ def test_a_modify_function_from_a_package_not_allowed_is_refused(tmp_path):
     fl.load_interventions(tmp_path / "set")
 
 
-def test_saving_one_intervention_not_in_a_list_is_an_argument_error(tmp_path):
-  with pytest.raises(fl.ArgumentError, match="interventions must be a list.*Wrap one"):
-    fl.save_interventions(fl.ablate("Dense_0"), tmp_path / "set")
+def test_one_intervention_not_in_a_list_saves_as_a_set_of_one(tmp_path):
+  # As fl.run takes it: `interventions=edit` is `interventions=[edit]`.
+  fl.save_interventions(fl.ablate("Dense_0"), tmp_path / "set")
+  (loaded,) = fl.load_interventions(tmp_path / "set")
+  assert repr(loaded) == repr(fl.ablate("Dense_0"))
+
+
+@pytest.mark.parametrize("bad", [None, "Dense_0", [fl.ablate("Dense_0"), None]], ids=repr)
+def test_saving_anything_but_interventions_is_an_argument_error(tmp_path, bad):
+  with pytest.raises(fl.ArgumentError, match="save_interventions: interventions must be a list"):
+    fl.save_interventions(bad, tmp_path / "set")
