@@ -33,7 +33,7 @@ from flax import nnx
 
 from flaxlens._unflaxify import unflaxify
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.errors import FlaxlensError
+from flaxlens.errors import FlaxlensError, ModelCallError
 from flaxlens.linen._convert import unflaxify_linen
 from flaxlens.nnx._convert import unflaxify_nnx
 from flaxlens.tools._policy import import_folders, importing_from, missing_module
@@ -150,6 +150,12 @@ def load(target: str, import_path: Any = None) -> Target:
   side_inputs = {"random_streams": kwargs["rngs"]} if kwargs.get("rngs") is not None else {}
   try:
     tree = unflaxify(model, *variables, *args, **kwargs)
+  except ModelCallError as e:  # The model's own code failed on the factory's inputs.
+    raise FlaxlensError(
+      f"{target}: {_said(e, name=False)} Return example inputs the model accepts: the"
+      f" factory's args and kwargs must be what {_call_form(framework)} takes (add"
+      " --debug for the traceback)."
+    ) from e
   except FlaxlensError as e:  # Its message names the call and the fix.
     raise FlaxlensError(f"{target}: {_said(e, name=False)}") from e
   except Exception as e:

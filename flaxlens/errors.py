@@ -61,6 +61,11 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   flaxlens raises itself (every `FlaxlensError`) and errors raised by a replacement
   layer you wrote pass through unchanged. Fix: call the tree with arguments like those
   at conversion, or that the native model accepts, or convert it with such arguments.
+  `fl.unflaxify` raises it too when the model's own code fails on the example arguments
+  (`unflaxify(Model.__call__): conversion runs the model once on the example arguments,
+  and the model's own code failed in layers/0.__call__ (...)`), naming the call being
+  converted and the shapes it got; fix: convert with example arguments the model itself
+  accepts.
 
 Public functions check the arguments they would otherwise hand to code that fails with a
 bare `TypeError` (a path, a tree, a list of interventions, `allow=` given as None or as
@@ -128,7 +133,7 @@ class ExportError(FlaxlensError):
 
 
 class ModelCallError(FlaxlensError):
-  """A call of a converted tree failed inside the model's own code; see the module docs.
+  """A call of a converted tree (or a conversion) failed inside the model's own code.
 
   Each instance is also an instance of the original error's class (a subclass made once
   per class, named `ModelCallError[IndexError]`); the original is its `__cause__`.

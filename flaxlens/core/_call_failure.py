@@ -1,4 +1,4 @@
-"""Explaining a call of a tree that failed inside the model's own code.
+"""Explaining a call of a tree, or a conversion, that failed inside the model's own code.
 
 When the native run of a tree raises something other than a `FlaxlensError` (an
 `IndexError` from token ids of another rank, a broadcasting error from a sequence longer
@@ -7,7 +7,9 @@ from it: the message names the tree's call, the innermost converted call that wa
 (read from the traceback by `_calls.failed_call`), and the shapes and dtypes conversion
 saw (`CallSpec`s kept on the nodes) and the call passed. Nothing is checked or recorded
 while a run succeeds. An error raised by a replacement layer is the layer's own and is
-not explained. No Flax internals here.
+not explained. A conversion whose run of the model fails on the example arguments is
+explained the same way (`explain_conversion`), naming the call being converted. No Flax
+internals here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._calls import failed_call
+from flaxlens.core._call_record import CallRecord
+from flaxlens.core._calls import converting_call, failed_call
 from flaxlens.core._node import CallNode
 from flaxlens.core._spec import show_arguments, signature
 from flaxlens.errors import FlaxlensError, ModelCallError, model_call_error
@@ -36,12 +39,44 @@ def explain(root: CallNode, argument: ArgsAndKwargs, error: Exception) -> ModelC
   return model_call_error(type(error), message)
 
 
+def explain_conversion(
+  root: CallRecord, example: ArgsAndKwargs, error: Exception
+) -> ModelCallError | None:
+  """The `ModelCallError` to raise from `error`, which converting `root` on `example`
+  raised in the model's own code; None to let `error` pass (a `FlaxlensError`)."""
+  if isinstance(error, FlaxlensError):
+    return None
+  try:
+    site = converting_call(error.__traceback__)
+    now = show_arguments(signature((tuple(example.args), dict(example.kwargs))))
+    text = (
+      f"unflaxify({root.where()}): conversion runs the model once on the example"
+      " arguments, and the model's own code failed"
+      f"{f' in {site[0].where()}' if site is not None else ''} ({_said(error)})."
+      f" {root.where()} got {now}"
+    )
+    if site is not None:
+      inner = show_arguments(signature((tuple(site[1] or ()), dict(site[2] or {}))))
+      text += f", and {site[0].where()} got {inner}"
+  except Exception:  # Describing must never hide the error itself.
+    return None
+  return model_call_error(
+    type(error),
+    text + ". Convert with example arguments the model accepts: check that the model itself"
+    " runs on them (Linen: module.apply(variables, *args); NNX: model(*args)).",
+  )
+
+
+def _said(error: Exception) -> str:
+  said = " ".join(f"{type(error).__name__}: {error}".split())
+  return said if len(said) <= 400 else said[:400] + " ..."
+
+
 def _message(root: CallNode, argument: ArgsAndKwargs, error: Exception, site: tuple | None) -> str:
   now = signature((tuple(argument.args), dict(argument.kwargs)))
   seen = _seen(root)
   inner = site[1] if site is not None and site[1] is not root else None
-  said = " ".join(f"{type(error).__name__}: {error}".split())
-  said = said if len(said) <= 400 else said[:400] + " ..."
+  said = _said(error)
   text = (
     f"{root.where()}: this call failed inside the model's own code"
     f"{f', in {inner.where()}' if inner is not None else ''} ({said})."

@@ -373,6 +373,19 @@ def failed_call(traceback: Any) -> tuple[str, Any, Any, Any] | None:
   return site
 
 
+def converting_call(traceback: Any) -> tuple[Any, Any, Any] | None:
+  """The innermost call a conversion that raised was recording: `(record, args, kwargs)`,
+  read from the locals of `dispatch`'s frames (None: it raised in the root's own code)."""
+  site = None
+  while traceback is not None:
+    if traceback.tb_frame.f_code is _DISPATCH:
+      local = traceback.tb_frame.f_locals
+      if isinstance(local.get("record"), CallRecord):
+        site = (local["record"], local.get("args"), local.get("kwargs"))
+    traceback = traceback.tb_next
+  return site
+
+
 _RUN_NODE = CallInterceptor.run_node.__code__
 _DISPATCH = CallInterceptor.dispatch.__code__
 _SITES = frozenset({_RUN_NODE, _DISPATCH, CallInterceptor.run_frame.__code__})

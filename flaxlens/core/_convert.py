@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._call_failure import explain_conversion
 from flaxlens.core._call_record import CallRecord, converting
 from flaxlens.core._calls import CallInterceptor, Frame
 from flaxlens.core._node import CallNode, new_origin
@@ -26,12 +28,14 @@ def record_calls(
   new_interceptor: Callable[[], CallInterceptor],
   run: Callable[[CallInterceptor, Any], Any],
   inputs: Any,
+  example: ArgsAndKwargs,
 ) -> Any:
   """Runs `run(interceptor, inputs)` abstractly, recording its calls under `root`.
 
   The array leaves of `inputs` become abstract (`jax.ShapeDtypeStruct`s traced by
   `jax.eval_shape`); `run` makes the interceptor active around the native call. Returns
-  what `run` returns, abstractly.
+  what `run` returns, abstractly. An error of the model's own code on `example` (the
+  example call's arguments) is raised as a `ModelCallError` naming the failing call.
   """
   arrays, rebuild = split_static(inputs)
   method = root.method_name
@@ -43,7 +47,13 @@ def record_calls(
     return run(interceptor, rebuild(arrays))
 
   with converting(root):
-    return jax.eval_shape(trace, arrays)
+    try:
+      return jax.eval_shape(trace, arrays)
+    except Exception as e:  # Free unless raised: explained only after a failure.
+      explained = explain_conversion(root, example, e)
+      if explained is None:
+        raise
+      raise explained from e
 
 
 def split_static(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:

@@ -22,12 +22,18 @@ import jax
 from flax import errors as flax_errors
 
 from flaxlens import _flax_internals as fi
+from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._call_record import CallRecord
 from flaxlens.core._convert import build_nodes, record_calls
 from flaxlens.core._names import join_name
 from flaxlens.core._scope import ScopeBuilder
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
-from flaxlens.errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
+from flaxlens.errors import (
+  ArgumentError,
+  FlaxlensError,
+  ModelCallError,
+  UnsupportedFlaxFeatureError,
+)
 from flaxlens.linen._collections import flatten_collections
 from flaxlens.linen._interceptor import LinenInterceptor
 from flaxlens.linen._node import InterceptedFlaxModuleMethod, RngSnapshot
@@ -92,14 +98,16 @@ def unflaxify_linen(
       lambda: LinenInterceptor(side_inputs={}, building=True),
       run,
       (variables, example_args, example_kwargs, rngs),
+      ArgsAndKwargs(args=tuple(example_args), kwargs=dict(example_kwargs)),
     )
   except _MISSING_VARIABLES as e:
+    said = e.__cause__ if isinstance(e, ModelCallError) else e  # Flax's own words.
     raise ArgumentError(
       f"unflaxify({where}): variables lacks what the model reads"
-      f" ({' '.join(str(e).split()).split(' (https://')[0].rstrip('.')}). Pass the variables"
+      f" ({' '.join(str(said).split()).split(' (https://')[0].rstrip('.')}). Pass the variables"
       " module.init returns for this module: fl.unflaxify(module,"
       " module.init(key, *example_args), *example_args)."
-    ) from e
+    ) from said
   named = [mutable] if isinstance(mutable, str) else mutable
   named = list(named) if isinstance(named, list | tuple) else []
   tree = _build_tree(root, variables, mutated, capture_intermediates, named)

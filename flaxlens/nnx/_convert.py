@@ -20,6 +20,7 @@ from typing import Any
 from flax import nnx
 
 from flaxlens import _flax_internals as fi
+from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._call_record import CallRecord
 from flaxlens.core._convert import build_nodes, record_calls
 from flaxlens.core._names import Path, join_name
@@ -95,6 +96,7 @@ def unflaxify_nnx(
     lambda: NNXInterceptor(side_inputs={}, building=True),
     run,
     (leaves, example_args, example_kwargs),
+    ArgsAndKwargs(args=tuple(example_args), kwargs=dict(example_kwargs)),
   )
   return _build_tree(definition, root, given, created)
 

@@ -11,6 +11,9 @@ and now. Arguments of new shapes that the model accepts run as natively.
 
 from __future__ import annotations
 
+import dataclasses
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -160,3 +163,50 @@ def test_a_failure_on_the_arguments_conversion_saw_points_at_the_trees_values(co
   _same_error(ours, native)
   assert f"got ({CONVERTED}), as at conversion" in str(ours)
   assert "the values of its arguments or of the tree's variables" in str(ours)
+
+
+# --- conversion on example arguments the model cannot take ----------------------------------
+
+
+def _conversion_error(fw, case, tokens):
+  converting = dataclasses.replace(case, args=(tokens,))
+  with pytest.raises(fl.ModelCallError) as raised:
+    fw.convert(converting)
+  return raised.value
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_converting_on_token_ids_of_another_rank_raises_the_native_error_naming_them(corpora, fw):
+  case = _positional(corpora, fw)
+  tokens = case.args[0][0]
+  native = _native_error(fw, case, tokens, jit=False)
+  ours = _conversion_error(fw, case, tokens)
+  assert isinstance(ours, type(native)) and type(ours.__cause__) is type(native)
+  message = str(ours)
+  assert message.startswith("unflaxify(") and "the model's own code failed (" in message
+  assert "got (int32[4])" in message
+  assert message.endswith("NNX: model(*args)).")
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_converting_on_more_positions_than_the_table_holds_names_the_call_that_failed(corpora, fw):
+  case = _positional(corpora, fw)
+  tokens = jnp.ones((2, 12), jnp.int32)
+  native = _native_error(fw, case, tokens, jit=False)
+  ours = _conversion_error(fw, case, tokens)
+  assert isinstance(ours, type(native)) and type(ours.__cause__) is type(native)
+  table = TABLE_CALL[fw.name]
+  assert f"own code failed in {table} (" in str(ours)
+  assert f"{table} got (float32[2, 12, 8], 12)" in str(ours)
+
+
+def test_a_flaxlens_error_during_conversion_passes_unchanged():
+  class Branchy(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(2)(x) if float(x.sum()) > 0 else x  # A branch on a traced value.
+
+  x = jnp.ones((1, 3))
+  with pytest.raises(fl.FlaxlensError) as raised:
+    fl.unflaxify(Branchy(), Branchy().init(jax.random.key(0), x), x)
+  assert not isinstance(raised.value, fl.ModelCallError)
