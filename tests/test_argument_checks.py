@@ -65,6 +65,13 @@ CASES = [
   ("fl.load_isolated", "path", lambda tree, iso, tmp: fl.load_isolated(None)),
   ("fl.load_isolated", "max_bytes", lambda tree, iso, tmp: fl.load_isolated(tmp, max_bytes=None)),
   ("select().at_path", "pattern", lambda tree, iso, tmp: fl.isolate(MODEL, VARIABLES, X, at=None)),
+  ("fl.isolate_calls", "argument", lambda tree, iso, tmp: fl.isolate_calls(tree.select(), None)),
+  ("fl.isolate_calls", "argument", lambda tree, iso, tmp: fl.isolate_submodel(tree.select(), X)),
+  (
+    "fl.isolate_calls",
+    "selection",
+    lambda tree, iso, tmp: fl.isolate_calls(tree, fl.ArgsAndKwargs.capture(X)),
+  ),
 ]
 
 

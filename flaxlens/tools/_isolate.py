@@ -20,6 +20,7 @@ import jax
 from flaxlens._unflaxify import unflaxify
 from flaxlens.core._adapter import FrameworkAdapter, adapter_of
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._checks import check_type
 from flaxlens.core._node import CallNode, is_call_node, pristine
 from flaxlens.core._recorder import Execution, Recorder, standalone
 from flaxlens.core._runtime import resolve_random_streams, run_tree
@@ -83,6 +84,23 @@ def isolate_calls(
     >>> [(c.call_number, c.replay().exact) for c in calls]
     [(0, True), (1, True), (2, True)]
   """
+  where = "fl.isolate_calls"
+  check_type(
+    selection,
+    Selection,
+    where,
+    "selection",
+    "a selection of one call",
+    "Select the call in the tree: tree.select().at_path('Block_0/Dense_1').",
+  )
+  check_type(
+    argument,
+    ArgsAndKwargs,
+    where,
+    "argument",
+    "the whole tree's call arguments",
+    "Pass them as a tree call takes them: fl.ArgsAndKwargs.capture(*args, **kwargs).",
+  )
   node, keypath = _selected_call(selection)
   root = selection.deselect()
   if not is_call_node(root):
