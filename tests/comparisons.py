@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import jax
 import numpy as np
 
@@ -15,3 +18,23 @@ def assert_trees_equal(actual, expected) -> None:
     if jax.dtypes.issubdtype(getattr(a, "dtype", None), jax.dtypes.prng_key):
       a, e = jax.random.key_data(a), jax.random.key_data(e)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+# jax's event for an XLA compilation (jax/_src/dispatch.py, BACKEND_COMPILE_EVENT).
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def compilations() -> Iterator[list[str]]:
+  """The XLA compilations that happen inside the block, one event each."""
+  events: list[str] = []
+
+  def listen(event, duration, **kwargs):
+    if event == BACKEND_COMPILE:
+      events.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)

@@ -9,7 +9,6 @@ own indexing; a property test draws index forms and shapes and holds every one t
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import flax.linen as nn
@@ -17,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from comparisons import compilations
 from flax import nnx
 from frameworks import LINEN, NNX, Wrap
 from hypothesis import HealthCheck, given, settings
@@ -31,7 +31,6 @@ MLP = {LINEN: ("Dense_0", "Dense_1"), NNX: ("hidden", "out")}
 # Per framework: the corpus model scanning a block, a call inside the body and how many
 # iterations the scan makes (each iteration's value is (2, features)).
 SCANNED = {LINEN: ("layers/Dense_0", 3), NNX: ("blocks/linear", 4)}
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 def _mlp(fw, corpora):
@@ -56,22 +55,6 @@ def _zeroed_at(index):
     return jnp.where(selected, jnp.zeros((), output.dtype), output)
 
   return edit
-
-
-@contextlib.contextmanager
-def _compilations():
-  """The XLA compilations that happen inside the block."""
-  events = []
-
-  def listen(event, duration, **kwargs):
-    if event == BACKEND_COMPILE:
-      events.append(event)
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
-    yield events
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
 
 
 # --- indices that reach outside the value, or select nothing ------------------------------
@@ -255,7 +238,7 @@ def test_new_index_values_outside_the_value_are_refused_by_a_compiled_run(fw, co
   width = _width(fw, corpora)
   inside, reversed_ = jnp.array([0, width - 1]), jnp.array([width - 1, 0])
   fl.run(tree, args, interventions=[fl.ablate(first, where=jnp.s_[:, inside])])
-  with _compilations() as compiled:  # the same range: the compiled run is reused
+  with compilations() as compiled:  # the same range: the compiled run is reused
     ours = fl.run(tree, args, interventions=[fl.ablate(first, where=jnp.s_[:, reversed_])])
   assert compiled == []
   native, _ = fw.native(case, jit=True, wrap=Wrap(first, _zeroed_at(np.s_[:, [width - 1, 0]])))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import flax.linen as nn
@@ -10,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from comparisons import compilations
 from flax import nnx
 from frameworks import LINEN, NNX, Wrap
 
@@ -21,8 +21,6 @@ MODELS = {
   LINEN: ("mlp", "Dense_0", "Dense_1", nn.Conv),
   NNX: ("mlp", "hidden", "out", nnx.Conv),
 }
-# jax's event for an XLA compilation (jax/_src/dispatch.py, BACKEND_COMPILE_EVENT).
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 def _model(fw, corpora):
@@ -75,22 +73,6 @@ def _structured(fw):
     model = LinenKeywords()
     return fl.unflaxify(model, model.init(jax.random.key(0), x), x), x, "LinenTwin_0", "Dense_0"
   return fl.unflaxify(NNXKeywords(nnx.Rngs(0)), x), x, "twin", "out"
-
-
-@contextlib.contextmanager
-def _compilations():
-  """The XLA compilations that happen inside the block."""
-  events = []
-
-  def listen(event, duration, **kwargs):
-    if event == BACKEND_COMPILE:
-      events.append(event)
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
-    yield events
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
 
 
 # --- sites that match nothing -------------------------------------------------------------
@@ -188,11 +170,11 @@ def test_a_value_whose_dtype_does_not_cast_to_the_site_is_refused(fw, corpora):
 def test_a_value_that_cannot_apply_is_refused_before_anything_compiles(fw, corpora):
   _, tree, args, first, _, _, shape = _model(fw, corpora)
   wrong, right = jnp.ones(shape[-1] + 1), jnp.ones(shape[-1])
-  with _compilations() as compiled:
+  with compilations() as compiled:
     with pytest.raises(fl.ArgumentError, match=first):
       fl.run(tree, args, interventions=[fl.steer(f"{first}*", wrong)])
   assert compiled == []
-  with _compilations() as compiled:  # a run that can apply is compiled, and seen compiling
+  with compilations() as compiled:  # a run that can apply is compiled, and seen compiling
     fl.run(tree, args, interventions=[fl.steer(f"{first}*", right)])
   assert compiled
 
