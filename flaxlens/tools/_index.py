@@ -30,7 +30,8 @@ _FORMS = (
 )
 
 
-def _is_array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
+  """Whether `x` is an array (anything with a shape and a dtype that is not a class)."""
   return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
 
 
@@ -55,7 +56,7 @@ def split(value: Any, owner: str = "fl.run/fl.capture: index=") -> tuple[Any, tu
     return None, ()
   if isinstance(value, list):
     value = _numpy(value, owner)
-  if _is_array(value) and _dtype(value) == np.bool_:
+  if is_array(value) and _dtype(value) == np.bool_:
     mask = jnp.asarray(value)
     _check_mask(mask, owner)
     return MASK, (mask,)
@@ -80,7 +81,7 @@ def split(value: Any, owner: str = "fl.run/fl.capture: index=") -> tuple[Any, tu
       static.append(("ellipsis",))
     elif entry is None:
       static.append(("newaxis",))
-    elif _is_array(entry):
+    elif is_array(entry):
       arrays.append(_integer_array(entry, owner))
       static.append(("array", *_range(arrays[-1])))
     else:

@@ -33,7 +33,7 @@ from flaxlens.core._selectors import path_matches
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.errors import ArgumentError, SelectionError
 from flaxlens.tools._calling import model_arguments, takes_model_arguments
-from flaxlens.tools._index import MASK, bounded, checked
+from flaxlens.tools._index import MASK, bounded, checked, is_array
 from flaxlens.tools._index import split as _split_index
 
 # --- sites --------------------------------------------------------------------------------
@@ -252,7 +252,7 @@ class Intervention(Struct):
   def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
     """`value` (the call's output or first argument) with this intervention applied."""
     target = _get_part(value, self.part, site, self.on)
-    if not _is_array(target):
+    if not is_array(target):
       raise ArgumentError(
         f"{site}: the {self.on} is a {type(target).__name__}, not an array; pass part=..."
         " (an index or key) to choose the array to edit."
@@ -313,10 +313,6 @@ class Intervention(Struct):
     return jnp.zeros(shape, bool).at[index].set(True)
 
 
-def _is_array(x: Any) -> bool:
-  return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
-
-
 def _check_fits(site: str, operand: Any, target: Any, what: str, on: str) -> None:
   """Refuses an operand that does not broadcast to the target or cast to its dtype."""
   shape, expected = tuple(np.shape(operand)), tuple(target.shape)
@@ -352,7 +348,7 @@ def _get_part(value: Any, part: Any, site: str, on: str) -> Any:
   if parts is None:
     shown = (
       f"one array ({value.dtype}{list(value.shape)})"
-      if _is_array(value)
+      if is_array(value)
       else f"a {type(value).__name__}"
     )
     raise ArgumentError(
@@ -401,7 +397,7 @@ def _array(x: Any, name: str, maker: str) -> Any:
   """
   if isinstance(x, bool | int | float | complex):
     return jnp.asarray(x, dtype=jax.dtypes.canonicalize_dtype(type(x)))
-  if isinstance(x, np.generic) or _is_array(x):
+  if isinstance(x, np.generic) or is_array(x):
     try:
       x = jnp.asarray(x)
     except TypeError:
