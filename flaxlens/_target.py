@@ -13,7 +13,7 @@ for Linen `rngs=`, `mutable=`, `capture_intermediates=`). Loading a file runs it
 `python file.py` would (its folder goes first on `sys.path`, so it can import its
 neighbours): name only files you trust. A module is imported from the folders given
 with `--import-path`, the current folder, then the installed packages: the one rule
-`flaxlens replay` follows too (`tools._policy.import_folders`). Every way a TARGET can be
+`flaxlens replay` follows too (`tools.files._policy.import_folders`). Every way a TARGET can be
 wrong raises a `FlaxlensError` whose message says what to change. No Flax internals here.
 """
 
@@ -36,7 +36,7 @@ from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.errors import FlaxlensError, ModelCallError
 from flaxlens.linen._convert import unflaxify_linen
 from flaxlens.nnx._convert import unflaxify_nnx
-from flaxlens.tools._policy import import_folders, importing_from, missing_module
+from flaxlens.tools.files._policy import import_folders, importing_from, missing_module
 
 PROTOCOL = (
   "The factory takes no arguments and returns (nnx_model, args) or (nnx_model, args,"

@@ -255,9 +255,9 @@ def _import_path_option(parser: argparse.ArgumentParser) -> None:
 
 def _importing(import_path: list[str]) -> Any:
   """The context in which a command runs: the `--import-path` folders, then the current
-  folder, first on `sys.path` (`tools._policy.import_folders`: the one rule for modules
+  folder, first on `sys.path` (`tools.files._policy.import_folders`: the one rule for modules
   imported by name), so that what the loaded code imports later is found too."""
-  from flaxlens.tools._policy import import_folders, importing_from
+  from flaxlens.tools.files._policy import import_folders, importing_from
 
   return importing_from(import_folders(import_path, "flaxlens"))
 

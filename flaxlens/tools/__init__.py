@@ -1,2 +1,12 @@
-"""Tools on converted trees, written against the runtime and the adapter interface only:
-isolate and replay, artifacts, summaries."""
+"""Tools on converted trees, written against the runtime (`core`) and the adapter interface
+only; one subpackage per job:
+
+- `analysis`: edit and read the calls of a tree (run, capture, interventions, sweeps,
+  attribution).
+- `isolation`: cut one call out of a run with what it saw, and replay it.
+- `files`: the files flaxlens writes and reads (artifacts, intervention sets), every one
+  treated as untrusted input on load.
+- `export`: the way back to Flax (fold edits into weights, check equivalence, save
+  exported variables).
+- `view`: what people look at (text summary, HTML).
+"""

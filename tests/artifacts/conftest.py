@@ -10,7 +10,7 @@ from frameworks import LINEN
 from linen import corpus
 
 import flaxlens as fl
-from flaxlens.tools._manifest import checksum
+from flaxlens.tools.files._manifest import checksum
 
 # The corpus modules are defined in the `linen` test package: loading names it.
 ALLOW = ["linen"]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlens.errors import ArtifactError
-from flaxlens.tools._policy import (
+from flaxlens.tools.files._policy import (
   LoadPolicy,
   check_reference_syntax,
   package_of,

@@ -27,7 +27,7 @@ from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._selectors import Selection, select
 from flaxlens.core._variables import Uninitialized, bind_variables, unbind_variables
 from flaxlens.errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.tools._replay import IsolatedSubmodel
+from flaxlens.tools.isolation._replay import IsolatedSubmodel
 
 
 def _selected_call(selection: Selection) -> tuple[CallNode, Any]:

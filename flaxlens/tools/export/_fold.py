@@ -25,20 +25,20 @@ from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._selectors import select
 from flaxlens.core._variables import Parameter, bind_variables, unbind_variables, variables_in
 from flaxlens.errors import ExportError
-from flaxlens.tools._calling import model_arguments, takes_model_arguments
-from flaxlens.tools._equivalence import EquivalenceReport, _compare_trees
-from flaxlens.tools._interventions import (
+from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
+from flaxlens.tools.analysis._interventions import (
   Intervention,
   Site,
-  _checked_interventions,
-  _get_part,
-  _nodes_by_name,
+  checked_interventions,
+  get_part,
+  nodes_by_name,
   run,
   select_sites,
   sites_of,
 )
-from flaxlens.tools._isolate import isolate_calls
-from flaxlens.tools._replay import IsolatedSubmodel
+from flaxlens.tools.export._equivalence import EquivalenceReport, _compare_trees
+from flaxlens.tools.isolation._isolate import isolate_calls
+from flaxlens.tools.isolation._replay import IsolatedSubmodel
 
 _OPERANDS = {"steer": ("vector", "alpha"), "scale": ("factor",)}  # as the makers name them
 _NOT_WEIGHTS = {
@@ -139,8 +139,8 @@ def fold(
     True
   """
   check_tree(tree, "fl.fold")
-  interventions = _checked_interventions(interventions, "fl.fold")
-  interventions, _ = _nodes_by_name(tree, interventions, None)
+  interventions = checked_interventions(interventions, "fl.fold")
+  interventions, _ = nodes_by_name(tree, interventions, None)
   tolerance = _Tolerance(atol, rtol)
   streams = resolve_random_streams(random_streams, tree.where())
   argument = model_arguments(args)
@@ -312,7 +312,7 @@ def _fold_call(
   name = site.name
   if intervention.on == "output":
     expected = intervention.edit(name, isolated.saved_arg, plain)
-    target = _get_part(plain, intervention.part, name, "output")
+    target = get_part(plain, intervention.part, name, "output")
     how, change = _change(intervention, name, target)
     trailing = _trailing(change, lambda a, b: bool(jnp.array_equal(a, b)))
     if how == "add":
@@ -324,7 +324,7 @@ def _fold_call(
   edited_input = intervention.edit(name, isolated.saved_arg, args[0])
   edited = dataclasses.replace(isolated.saved_arg, args=(edited_input, *args[1:]))
   expected = call({}, edited)
-  target = _get_part(args[0], intervention.part, name, "input")
+  target = get_part(args[0], intervention.part, name, "input")
   how, change = _change(intervention, name, target)
   trailing = _trailing(change, lambda a, b: bool(jnp.array_equal(a, b)))
   if how == "mul":

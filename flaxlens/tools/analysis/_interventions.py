@@ -32,9 +32,9 @@ from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._selectors import path_matches
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.errors import ArgumentError, SelectionError
-from flaxlens.tools._calling import model_arguments, takes_model_arguments
-from flaxlens.tools._index import MASK, bounded, checked, is_array
-from flaxlens.tools._index import split as _split_index
+from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
+from flaxlens.tools.analysis._index import MASK, bounded, checked, is_array
+from flaxlens.tools.analysis._index import split as _split_index
 
 # --- sites --------------------------------------------------------------------------------
 
@@ -63,7 +63,7 @@ def sites_of(root: CallNode) -> list[Site]:
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
-    >>> from flaxlens.tools._interventions import sites_of
+    >>> from flaxlens.tools.analysis._interventions import sites_of
     >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
     >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
     >>> [site.name for site in sites_of(tree)]
@@ -186,7 +186,7 @@ def _no_match(root: CallNode, at: Any, sites: list[Site]) -> str:
 
 # --- interventions ------------------------------------------------------------------------
 
-_KINDS = ("zero", "patch", "mean", "resample", "steer", "scale", "modify")
+KINDS = ("zero", "patch", "mean", "resample", "steer", "scale", "modify")
 
 
 class Intervention(Struct):
@@ -228,9 +228,9 @@ class Intervention(Struct):
 
   def __post_init__(self) -> None:
     maker = _maker(self.kind, self.at)
-    if self.kind not in _KINDS:
+    if self.kind not in KINDS:
       raise ArgumentError(
-        f"{maker}: unknown intervention kind {self.kind!r}; one of {_KINDS}. Make"
+        f"{maker}: unknown intervention kind {self.kind!r}; one of {KINDS}. Make"
         " interventions with fl.ablate, fl.patch, fl.steer, fl.scale or fl.modify."
       )
     if self.on not in ("output", "input"):
@@ -251,7 +251,7 @@ class Intervention(Struct):
 
   def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
     """`value` (the call's output or first argument) with this intervention applied."""
-    target = _get_part(value, self.part, site, self.on)
+    target = get_part(value, self.part, site, self.on)
     if not is_array(target):
       raise ArgumentError(
         f"{site}: the {self.on} is a {type(target).__name__}, not an array; pass part=..."
@@ -335,7 +335,7 @@ def _check_fits(site: str, operand: Any, target: Any, what: str, on: str) -> Non
       )
 
 
-def _get_part(value: Any, part: Any, site: str, on: str) -> Any:
+def get_part(value: Any, part: Any, site: str, on: str) -> Any:
   if part is None:
     return value
   try:
@@ -604,7 +604,7 @@ def modify(
 # --- running ------------------------------------------------------------------------------
 
 
-def _checked_interventions(interventions: Any, where: str) -> tuple[Intervention, ...]:
+def checked_interventions(interventions: Any, where: str) -> tuple[Intervention, ...]:
   """`interventions` as a tuple of `Intervention`s (one alone counts as a list of one);
   anything else refused naming `where` (`"fl.run"`)."""
   if isinstance(interventions, Intervention):
@@ -680,7 +680,7 @@ def _check_part(site: Site, intervention: Intervention) -> None:
         " its argument instead."
       )
     value = args[0]
-  target = _get_part(value, intervention.part, site.name, intervention.on)
+  target = get_part(value, intervention.part, site.name, intervention.on)
   if not isinstance(target, jax.ShapeDtypeStruct):
     raise ArgumentError(
       f"{site.name}: the {intervention.on} is {_describe(target)}, not one array; pass"
@@ -823,11 +823,11 @@ def run(
   check_tree(tree, "fl.run")
   if unreached not in ("raise", "ignore"):
     raise ArgumentError(f"fl.run: unreached= is 'raise' or 'ignore', got {unreached!r}.")
-  interventions = _checked_interventions(interventions, "fl.run")
+  interventions = checked_interventions(interventions, "fl.run")
   capture = _static_at(capture)
   if isinstance(capture, str) and capture == "all":
     capture = True
-  interventions, capture = _nodes_by_name(tree, interventions, capture)
+  interventions, capture = nodes_by_name(tree, interventions, capture)
   argument = model_arguments(args)
   random_streams = resolve_random_streams(random_streams, tree.where())
   if index is not None:
@@ -839,7 +839,7 @@ def run(
   return output if capture is None or capture is False else (output, captured)
 
 
-def _nodes_by_name(
+def nodes_by_name(
   tree: CallNode, interventions: tuple[Any, ...], capture: Any
 ) -> tuple[tuple[Any, ...], Any]:
   """The interventions and captured sites with every call node given as a site replaced
@@ -900,7 +900,7 @@ def capture(
   return run(
     tree,
     args,
-    interventions=_checked_interventions(interventions, "fl.capture"),
+    interventions=checked_interventions(interventions, "fl.capture"),
     capture=at,
     inputs=inputs,
     index=index,

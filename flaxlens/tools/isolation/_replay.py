@@ -205,7 +205,7 @@ def _compare_leaf(a: Any, b: Any) -> tuple[bool, float]:
   if a.dtype.hasobject:
     same = bool(np.all(a == b))
     return (same, 0.0) if same else _DIFFERENT
-  if np.array_equal(_bits(a), _bits(b)):
+  if np.array_equal(raw_bits(a), raw_bits(b)):
     return True, 0.0
   if a.dtype.kind in "iu":
     return False, float(np.max(np.abs(a.astype(np.int64) - b.astype(np.int64))))
@@ -220,6 +220,6 @@ def _compare_leaf(a: Any, b: Any) -> tuple[bool, float]:
   return False, float(np.max(np.abs(np.where(both, 0, a) - np.where(both, 0, b)), initial=0.0))
 
 
-def _bits(x: np.ndarray) -> np.ndarray:
+def raw_bits(x: np.ndarray) -> np.ndarray:
   """The raw bytes of an array, in C order (signed zeros and NaN payloads included)."""
   return np.ascontiguousarray(x).reshape(-1).view(np.uint8)

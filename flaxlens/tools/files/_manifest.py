@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from flaxlens.errors import ArtifactError
-from flaxlens.tools._codec import DTYPES, KEY_IMPLS, Found, validate
-from flaxlens.tools._policy import DEFAULT_PACKAGES, package_of
+from flaxlens.tools.files._codec import DTYPES, KEY_IMPLS, Found, validate
+from flaxlens.tools.files._policy import DEFAULT_PACKAGES, package_of
 
 FORMAT = "flaxlens-isolated"
 FORMAT_VERSION = 2

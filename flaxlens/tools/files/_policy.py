@@ -360,7 +360,7 @@ def import_folders(import_path: Any, where: str) -> tuple[str, ...]:
 
   Example:
     >>> import os
-    >>> from flaxlens.tools._policy import import_folders
+    >>> from flaxlens.tools.files._policy import import_folders
     >>> import_folders(["models"], "f") == (os.path.abspath("models"), os.getcwd())
     True
   """

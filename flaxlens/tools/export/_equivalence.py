@@ -24,8 +24,8 @@ from flaxlens.core._node import CallNode
 from flaxlens.core._recorder import is_key
 from flaxlens.core._variables import Parameter, Uninitialized, variables_in
 from flaxlens.errors import ArgumentError
-from flaxlens.tools._calling import model_arguments, takes_model_arguments
-from flaxlens.tools._replay import _bits
+from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
+from flaxlens.tools.isolation._replay import raw_bits
 
 
 class LeafComparison(NamedTuple):
@@ -274,7 +274,7 @@ def _compare_leaf(a: Any, b: Any) -> tuple[bool, float, float, str]:
   if a.dtype.hasobject:
     same = bool(np.all(a == b))
     return same, 0.0 if same else math.inf, 0.0 if same else math.inf, ""
-  if np.array_equal(_bits(a), _bits(b)):
+  if np.array_equal(raw_bits(a), raw_bits(b)):
     return True, 0.0, 0.0, ""
   wide = np.complex128 if a.dtype.kind == "c" else np.float64
   a, b = a.astype(wide), b.astype(wide)

@@ -40,8 +40,8 @@ from flaxlens.core._node import is_call_node, iter_call_nodes
 from flaxlens.core._recipe import recipe_of, submodel_from
 from flaxlens.core._variables import StateVariableValue
 from flaxlens.errors import ArtifactError
-from flaxlens.tools._codec import Decoder, Encoder, resolve_references
-from flaxlens.tools._manifest import (
+from flaxlens.tools.files._codec import Decoder, Encoder, resolve_references
+from flaxlens.tools.files._manifest import (
   FORMAT,
   FORMAT_VERSION,
   Manifest,
@@ -49,8 +49,8 @@ from flaxlens.tools._manifest import (
   parse_manifest,
   references_of,
 )
-from flaxlens.tools._policy import DEFAULT_PACKAGES, LoadPolicy, package_of
-from flaxlens.tools._replay import IsolatedSubmodel
+from flaxlens.tools.files._policy import DEFAULT_PACKAGES, LoadPolicy, package_of
+from flaxlens.tools.isolation._replay import IsolatedSubmodel
 
 MANIFEST = "manifest.json"
 ARRAYS = "arrays.npz"

@@ -29,7 +29,8 @@ import jax
 from flaxlens.core._checks import check_path, check_type
 from flaxlens.core._node import CallNode
 from flaxlens.errors import ArgumentError, ArtifactError
-from flaxlens.tools._artifact import (
+from flaxlens.tools.analysis._interventions import KINDS, Intervention, checked_interventions
+from flaxlens.tools.files._artifact import (
   DEFAULT_MAX_BYTES,
   MANIFEST,
   MAX_MANIFEST_BYTES,
@@ -42,9 +43,8 @@ from flaxlens.tools._artifact import (
   requires,
   write_atomically,
 )
-from flaxlens.tools._codec import Decoder, Encoder, Found, resolve_references, validate
-from flaxlens.tools._interventions import _KINDS, Intervention, _checked_interventions
-from flaxlens.tools._manifest import (
+from flaxlens.tools.files._codec import Decoder, Encoder, Found, resolve_references, validate
+from flaxlens.tools.files._manifest import (
   _ARRAY,
   _PACKAGE,
   _SHA256,
@@ -62,7 +62,7 @@ from flaxlens.tools._manifest import (
   checksum,
   read_json,
 )
-from flaxlens.tools._policy import (
+from flaxlens.tools.files._policy import (
   DEFAULT_PACKAGES,
   check_reference_syntax,
   package_of,
@@ -115,7 +115,7 @@ def save_interventions(
     True
   """
   where = "fl.save_interventions"
-  interventions = _checked_interventions(interventions, where)
+  interventions = checked_interventions(interventions, where)
   target = pathlib.Path(check_path(path, where, "Pass the directory to create."))
   check_type(
     overwrite, bool, where, "overwrite", "True or False", "Pass overwrite=True to replace."
@@ -291,7 +291,7 @@ def _array_value(value: Any, where: str, found: Found) -> None:
 
 _INTERVENTION = _object(
   {
-    "kind": _one_of(frozenset(_KINDS), "an intervention kind"),
+    "kind": _one_of(frozenset(KINDS), "an intervention kind"),
     "at": _at,
     "on": _one_of(frozenset({"output", "input"}), "what the edit acts on"),
     "part": _either(_const(None), _is(int, "an index"), _is(str, "a key")),

@@ -16,7 +16,7 @@ import treescope
 
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._checks import check_path
-from flaxlens.tools._summary import check_arguments, summary
+from flaxlens.tools.view._summary import check_arguments, summary
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }

@@ -38,14 +38,14 @@ from flaxlens.core._probes import Probing, scan_iterations
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._variables import bind_variables, unbind_variables
 from flaxlens.errors import ArgumentError, UnsupportedFlaxFeatureError
-from flaxlens.tools._calling import check_callable, model_arguments, takes_model_arguments
-from flaxlens.tools._interventions import (
+from flaxlens.tools.analysis._calling import check_callable, model_arguments, takes_model_arguments
+from flaxlens.tools.analysis._interventions import (
   Intervention,
   Site,
   _check_part,
-  _get_part,
   _make,
   _probes_for,
+  get_part,
   modify,
   select_sites,
   sites_of,
@@ -173,7 +173,7 @@ def _captured(copies: _Copies, argument: ArgsAndKwargs, part: Any, random_stream
   """The chosen sites' values (their `part`) in a run on `argument`, stacked over scans."""
   tree, sites = copies.fresh()
   _, cache = _run(tree, argument, (), tuple(s.node for s in sites), random_streams)
-  return [_get_part(cache[s.name], part, s.name, "output") for s in sites]
+  return [get_part(cache[s.name], part, s.name, "output") for s in sites]
 
 
 def _lead(site: Site, value: Any, part: Any) -> tuple[int, ...]:
@@ -181,7 +181,7 @@ def _lead(site: Site, value: Any, part: Any) -> tuple[int, ...]:
   if site.output is None:
     return ()
   treedef, leaves = site.output
-  once = _get_part(jax.tree_util.tree_unflatten(treedef, leaves), part, site.name, "output")
+  once = get_part(jax.tree_util.tree_unflatten(treedef, leaves), part, site.name, "output")
   return tuple(value.shape[: value.ndim - len(once.shape)])
 
 
@@ -510,7 +510,7 @@ def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, st
   def corrupted_metric(deltas: list) -> Any:
     copy, sites, edits, capture = _with_deltas(copies, leads, part, deltas, capture=True)
     output, cache = _run(copy, corrupted, edits, capture, streams)
-    values = [_get_part(cache[s.name], part, s.name, "output") for s in sites]
+    values = [get_part(cache[s.name], part, s.name, "output") for s in sites]
     return _metric_value(metric, output, scalar=True), values
 
   zeros = [jnp.zeros_like(v) for v in clean_values]
@@ -589,7 +589,7 @@ def _grad_at(tree, argument, chosen, loss, part, streams):
   def values() -> list:
     copy, sites = copies.fresh()
     _, cache = _run(copy, argument, (), tuple(s.node for s in sites), streams)
-    return [_get_part(cache[s.name], part, s.name, "output") for s in sites]
+    return [get_part(cache[s.name], part, s.name, "output") for s in sites]
 
   shapes = jax.eval_shape(values)
   _, sites = copies.fresh()

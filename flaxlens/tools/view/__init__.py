@@ -1,0 +1,1 @@
+"""What people look at: the text summary of a tree and its HTML view."""
