@@ -10,11 +10,16 @@ Captured values must leave the trace they were made in. A value captured in the 
 own trace is returned as is. A value captured inside a body that JAX stages separately
 (the body of `jax.lax.scan`, `jax.vmap`, `jax.checkpoint` that Flax's lifted transforms
 call, and user code that calls them) is carried out as an extra output of that body:
-while a capturing run is active those entry points are wrapped (in place, restored in
-`finally`) so that each body opens a `Channel` and returns what was captured in it
-beside its own output; `scan` and `vmap` stack it along a new leading axis. A value
-captured in a trace no channel stands for (a body staged by a transform flaxlens does
-not wrap) is not returned: the run raises `UnsupportedFlaxFeatureError` naming the site.
+while a capturing run is active, those names, looked up by the run's own code, give
+wrappers under which each body opens a `Channel` and returns what was captured in it
+beside its own output; `scan` and `vmap` stack it along a new leading axis. The
+interception is scoped (`_scoped.py`): JAX's functions stay in place, and a lookup from
+another thread, or from this thread outside a capturing run, gets the original object;
+the modules `jax` and `jax.lax` have a class of ours while at least one capturing run is
+active in any thread (reference-counted, restored by the last run in `finally`).
+A value captured in a trace no channel stands for (a body staged by a transform
+flaxlens does not wrap) is not returned: the run raises `UnsupportedFlaxFeatureError`
+naming the site.
 A probe whose call the run never made (another branch than conversion took) would drop
 its edits and captures: unless the run allows it, it raises `CallStructureError`.
 A probing made `indexed` also wraps scans when it captures nothing, and gives each scan
@@ -34,6 +39,7 @@ import jax
 
 from flaxlens import _flax_internals as fi
 from flaxlens.core._active import current_interceptor
+from flaxlens.core._scoped import ScopedAttributes
 from flaxlens.errors import CallStructureError, UnsupportedFlaxFeatureError
 
 
@@ -312,13 +318,21 @@ def _wrap_mapped(original: Callable[..., Any], axes_argument: str | None) -> Cal
   return transform
 
 
+_CARRYING_OUT = ScopedAttributes(
+  {
+    (jax.lax, "scan"): _wrap_scan,
+    (jax, "vmap"): lambda f: _wrap_mapped(f, "out_axes"),
+    (jax, "checkpoint"): lambda f: _wrap_mapped(f, None),
+    (jax, "remat"): lambda f: _wrap_mapped(f, None),
+  },
+  lambda: active_probing() is not None,
+)
+
+
 def carrying_out() -> Any:
-  """While active, staged bodies of JAX's scan, vmap and checkpoint carry captures out."""
-  return fi.patched(
-    {
-      (jax.lax, "scan"): _wrap_scan,
-      (jax, "vmap"): lambda f: _wrap_mapped(f, "out_axes"),
-      (jax, "checkpoint"): lambda f: _wrap_mapped(f, None),
-      (jax, "remat"): lambda f: _wrap_mapped(f, None),
-    }
-  )
+  """While active, staged bodies of JAX's scan, vmap and checkpoint carry captures out.
+
+  Only for lookups of `jax.lax.scan`, `jax.vmap`, `jax.checkpoint` and `jax.remat` made
+  in this thread while its innermost run captures (or is indexed); see `_scoped.py`.
+  """
+  return _CARRYING_OUT.installed()
