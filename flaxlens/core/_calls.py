@@ -36,8 +36,9 @@ from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._call_record import CallRecord, converting
 from flaxlens.core._inner_jit import RunToken, inner_jit
 from flaxlens.core._names import CallKey, Path
-from flaxlens.core._node import CallNode, is_call_node, pristine
+from flaxlens.core._node import CallNode, is_call_node
 from flaxlens.core._spec import CallSpec
+from flaxlens.core._walk import pristine
 from flaxlens.errors import CallStructureError, ReplacementError
 
 
@@ -300,7 +301,7 @@ class CallInterceptor:
       if child.path == path and child.method_name == name and self.same_module(child, module):
         return self.run_node(child, module, next_fun, args, kwargs)
       child = _MISSING  # A node of this tree made for another call: the calls changed.
-    spec = node._call_spec(key)
+    spec = node.call_spec(key)
     deleted = key not in node.submodule_calls and spec is not None
     if deleted and (spec.path, spec.method_name) == (path, name):
       child = None  # Conversion saw this very call: its entry was deleted.

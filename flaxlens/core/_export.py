@@ -10,7 +10,8 @@ exporting variables that would run without the patch. No Flax internals here.
 from __future__ import annotations
 
 from flaxlens.core._names import join_name
-from flaxlens.core._node import CallNode, is_call_node
+from flaxlens.core._node import CallNode
+from flaxlens.core._walk import Relation, calls
 from flaxlens.errors import ExportError
 
 
@@ -26,22 +27,17 @@ def patched_calls(root: CallNode) -> list[str]:
     ['layers_1.__call__']
   """
   found: list[str] = []
-
-  def walk(node: CallNode) -> None:
-    for key, child in node.submodule_calls.items():
-      if is_call_node(child) and child.origin == node.origin:
-        walk(child)
-        continue
-      spec = node._call_spec(key)
-      if spec is None:
-        found.append(f"{node.where()} call {key!r}")
-        continue
-      method = spec.method_name
-      if not isinstance(method, str):
-        method = getattr(method, "__name__", type(method).__name__)
-      found.append(f"{join_name(spec.path) or node.module_type.__name__}.{method}")
-
-  walk(root)
+  for call in calls(root):
+    if call.relation is not Relation.REPLACED:
+      continue
+    spec, node = call.spec, call.parent
+    if spec is None:
+      found.append(f"{node.where()} call {call.key!r}")
+      continue
+    method = spec.method_name
+    if not isinstance(method, str):
+      method = getattr(method, "__name__", type(method).__name__)
+    found.append(f"{join_name(spec.path) or node.module_type.__name__}.{method}")
   return found
 
 

@@ -1,9 +1,9 @@
-"""`CallNode`, the base class of converted calls, and walks over trees of them.
+"""`CallNode`, the base class of converted calls.
 
 A node stands for one call a Flax module made; its `submodule_calls` hold the calls made
 inside it, each a node or a replacement layer. Nodes of one conversion share an
-`origin`; `own_call_nodes` finds the nodes whose variables a run of a root uses, and
-`pristine` tells whether a subtree holds replaced calls. No Flax internals here.
+`origin`; which calls a run of a root makes through them is `core/_walk.py: calls`.
+No Flax internals here.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import jax
 
 from flaxlens.core._active import current_interceptor
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._cache import Derived
 from flaxlens.core._checks import refuse
 from flaxlens.core._layer import Layer
 from flaxlens.core._names import CallKey
-from flaxlens.core._readonly import ReadOnlyDict
 from flaxlens.core._spec import CallSpec
 from flaxlens.errors import ArgumentError, UnsupportedFlaxFeatureError
 
@@ -92,13 +92,12 @@ class CallNode(Layer):
     """Runs this node as the root of a run (its framework's node type implements it)."""
     raise NotImplementedError
 
-  def _call_spec(self, key: CallKey) -> CallSpec | None:
+  # `call_specs` by key (a static field: it never changes).
+  _flaxlens_specs = Derived("specs", lambda self: {spec.key: spec for spec in self.call_specs})
+
+  def call_spec(self, key: CallKey) -> CallSpec | None:
     """What conversion saw of the submodule call `key` (None if it did not see it)."""
-    specs = self.__dict__.get("_flaxlens_specs")
-    if specs is None:
-      specs = {spec.key: spec for spec in self.call_specs}
-      object.__setattr__(self, "_flaxlens_specs", specs)
-    return specs.get(key)
+    return self._flaxlens_specs.get(key)
 
   def _describe(self, key: CallKey) -> str:
     return f"{self.where()}: call {key!r}"
@@ -136,64 +135,3 @@ def iter_call_nodes(tree: Any) -> Iterator[CallNode]:
     if is_call_node(leaf):
       yield leaf
       yield from iter_call_nodes(leaf.submodule_calls)
-
-
-def _outer_call_nodes(tree: Any) -> Iterator[CallNode]:
-  for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_call_node):
-    if is_call_node(leaf):
-      yield leaf
-
-
-def own_call_nodes(root: CallNode) -> Iterator[CallNode]:
-  """The nodes whose variables a run of `root` uses, parents first.
-
-  These are `root`, its call-node children of the same conversion, and inside each
-  replacement layer the nodes that continue the replaced call (same conversion, same
-  module path and method). Other nodes held by replacement layers (of another tree, or
-  of another call of this one) run as trees of their own and keep their variables.
-  """
-  yield root
-  for key, child in root.submodule_calls.items():
-    if is_call_node(child) and child.origin == root.origin:
-      yield from own_call_nodes(child)
-      continue
-    spec = root._call_spec(key)
-    for node in _outer_call_nodes(child):
-      if node.origin == root.origin and (spec is None or spec.continued_by(node)):
-        yield from own_call_nodes(node)
-
-
-def pristine_tree(root: CallNode) -> bool:
-  """`pristine(root)`, worked out once per node object where it cannot change.
-
-  The calls of a converted tree are fixed once it is made (every `submodule_calls`
-  is read-only), so the answer is kept on the node; a hand-built node holding a plain
-  dict anywhere below it is walked again at every call.
-  """
-  known = root.__dict__.get("_flaxlens_pristine")
-  if known is not None:
-    return known
-  answer, fixed = _pristine_and_fixed(root)
-  if fixed:
-    object.__setattr__(root, "_flaxlens_pristine", answer)
-  return answer
-
-
-def _pristine_and_fixed(node: CallNode) -> tuple[bool, bool]:
-  fixed = isinstance(node.submodule_calls, ReadOnlyDict)
-  for child in node.submodule_calls.values():
-    if not (is_call_node(child) and child.origin == node.origin):
-      return False, fixed
-    answer, below = _pristine_and_fixed(child)
-    if not answer:
-      return False, fixed and below
-    fixed = fixed and below
-  return True, fixed
-
-
-def pristine(node: CallNode) -> bool:
-  """Whether no call under `node` has been replaced (by a layer or another tree's node)."""
-  return all(
-    is_call_node(c) and c.origin == node.origin and pristine(c)
-    for c in node.submodule_calls.values()
-  )

@@ -21,10 +21,11 @@ import numpy as np
 
 from flaxlens.core._adapter import adapter_of
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._cache import Derived
 from flaxlens.core._call_failure import explain
 from flaxlens.core._calls import CallInterceptor, Frame
 from flaxlens.core._inner_jit import RunToken
-from flaxlens.core._node import CallNode, own_call_nodes, pristine_tree
+from flaxlens.core._node import CallNode
 from flaxlens.core._probes import Probing, carrying_out
 from flaxlens.core._random import RandomStream
 from flaxlens.core._scope import fixed_scope_data
@@ -34,6 +35,7 @@ from flaxlens.core._variables import (
   AbstractVariableValue,
   check_storable,
 )
+from flaxlens.core._walk import calls_fixed, own_call_nodes
 from flaxlens.errors import ArgumentError, CallStructureError, FlaxlensError, VariableError
 
 
@@ -48,15 +50,11 @@ class Gathered:
     entry_ids: the ids of the entries (what a run's `RunToken` leaves out).
 
   Which entries a run gathers is worked out once per root node where it cannot change
-  (`_fixed_layout`); their values are read at every call.
+  (`_is_fixed`, kept with `core/_cache.py`); their values are read at every call.
   """
 
   def __init__(self, root: CallNode):
-    layout = root.__dict__.get("_flaxlens_gathered")
-    if layout is None:
-      layout = _Layout(root)
-      if _is_fixed(root):
-        object.__setattr__(root, "_flaxlens_gathered", layout)
+    layout = _LAYOUT(root)
     self.entries = layout.entries
     self.info = layout.info
     self.entry_ids = layout.entry_ids
@@ -106,9 +104,10 @@ def _is_fixed(root: CallNode) -> bool:
   swapped (values change, and are read at every call). A hand-built node or a
   replacement layer anywhere below is gathered afresh at every call.
   """
-  if not pristine_tree(root) or root.__dict__.get("_flaxlens_pristine") is not True:
-    return False
-  return all(fixed_scope_data(node.scope_data) for node in own_call_nodes(root))
+  return calls_fixed(root) and all(fixed_scope_data(n.scope_data) for n in own_call_nodes(root))
+
+
+_LAYOUT = Derived("gathered", _Layout, lambda root, _: _is_fixed(root))
 
 
 _ABSENT = object()

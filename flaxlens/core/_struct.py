@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Self
 
 import jax
 
+from flaxlens.core._cache import Derived, without_kept
 from flaxlens.core._selectors import select
 from flaxlens.errors import ArgumentError
 
@@ -61,27 +62,24 @@ class Struct:
   # flattened at every jitted call (frozen variable values).
   _flaxlens_flat_in_cpp: ClassVar[bool] = False
 
+  # `(children, static)`: the names of the fields that are pytree children and of the
+  # static ones, set on each subclass when it is made (flattening reads them every time).
+  _struct_fields: ClassVar[tuple[tuple[str, ...], tuple[str, ...]]] = ((), ())
+
   def __init_subclass__(cls, **kwargs: Any):
     super().__init_subclass__(**kwargs)
     dataclasses.dataclass(frozen=True, eq=False)(cls)
+    fields = dataclasses.fields(cls)
+    cls._struct_fields = (
+      tuple(f.name for f in fields if not f.metadata.get("static")),
+      tuple(f.name for f in fields if f.metadata.get("static")),
+    )
     if cls._flaxlens_flat_in_cpp:
       jax.tree_util.register_dataclass(cls)
       return
     jax.tree_util.register_pytree_with_keys(
       cls, cls.tree_flatten_with_keys, cls.tree_unflatten, cls.tree_flatten
     )
-
-  @classmethod
-  def _field_split(cls) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    split = cls.__dict__.get("_flaxlens_field_split")
-    if split is None:
-      fields = dataclasses.fields(cls)
-      split = (
-        tuple(f.name for f in fields if not f.metadata.get("static")),
-        tuple(f.name for f in fields if f.metadata.get("static")),
-      )
-      type.__setattr__(cls, "_flaxlens_field_split", split)
-    return split
 
   def attributes_dict(self) -> dict[str, Any]:
     """Returns the fields of this struct as a dict, in declaration order."""
@@ -116,34 +114,33 @@ class Struct:
     """Starts a selection whose only selected node is this whole struct."""
     return select(self)
 
+  # The treedef entries of the static fields: they never change, so the entries (and
+  # their hashes) are made once per instance, as jit hashes every treedef on every call.
+  _flaxlens_aux = Derived(
+    "aux", lambda self: tuple(_static_entry(getattr(self, n)) for n in self._struct_fields[1])
+  )
+
   def tree_flatten(self) -> tuple[list[Any], tuple[Any, ...]]:
-    children, static = self._field_split()
-    return [getattr(self, n) for n in children], self._static_aux(static)
+    return [getattr(self, n) for n in self._struct_fields[0]], self._flaxlens_aux
 
   def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
-    children, static = self._field_split()
-    keyed = [(self.key_for_field(n), getattr(self, n)) for n in children]
-    return keyed, self._static_aux(static)
+    keyed = [(self.key_for_field(n), getattr(self, n)) for n in self._struct_fields[0]]
+    return keyed, self._flaxlens_aux
 
-  def _static_aux(self, names: tuple[str, ...]) -> tuple[Any, ...]:
-    # Static fields never change, so their treedef entries (and hashes) are made once
-    # per instance: jit hashes every treedef on every call.
-    aux = self.__dict__.get("_flaxlens_aux")
-    if aux is None:
-      aux = tuple(_static_entry(getattr(self, n)) for n in names)
-      object.__setattr__(self, "_flaxlens_aux", aux)
-    return aux
+  def __getstate__(self) -> dict[str, Any]:
+    """The fields, without the values kept on this object (`core/_cache.py`)."""
+    return without_kept(self.__dict__)
 
   @classmethod
   def tree_unflatten(cls, aux_data: tuple[Any, ...], children: Any) -> Self:
-    child_names, static_names = cls._field_split()
+    child_names, static_names = cls._struct_fields
     values = dict(zip(child_names, children, strict=True))
     values.update(
       (n, v.value if type(v) is _StaticEntry else v)
       for n, v in zip(static_names, aux_data, strict=True)
     )
     obj = cls.from_attributes(**values)
-    object.__setattr__(obj, "_flaxlens_aux", aux_data)
+    Struct._flaxlens_aux.seed(obj, aux_data)
     return obj
 
   def treescope_color(self) -> str | None:

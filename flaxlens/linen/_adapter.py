@@ -20,10 +20,10 @@ from flaxlens.core._adapter import FrameworkAdapter, register_adapter
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._export import check_exportable
 from flaxlens.core._names import join_name, split_name
-from flaxlens.core._node import own_call_nodes
 from flaxlens.core._recorder import Execution, standalone
 from flaxlens.core._runtime import Gathered, private_value, resolve_random_streams
 from flaxlens.core._variables import StateVariable, Uninitialized
+from flaxlens.core._walk import own_call_nodes
 from flaxlens.errors import ArgumentError, ExportError, UnsupportedFlaxFeatureError
 from flaxlens.linen._collections import flatten_collections, nest_collections
 from flaxlens.linen._convert import unflaxify_linen

@@ -19,12 +19,13 @@ from flax import nnx
 from flaxlens import _flax_internals as fi
 from flaxlens.core._adapter import FrameworkAdapter, register_adapter
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._cache import Derived
 from flaxlens.core._export import check_exportable
 from flaxlens.core._names import join_name
-from flaxlens.core._node import pristine_tree
 from flaxlens.core._recorder import Execution, standalone
 from flaxlens.core._runtime import Gathered, private_value
 from flaxlens.core._variables import Uninitialized
+from flaxlens.core._walk import pristine_tree
 from flaxlens.errors import ExportError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.nnx._convert import label_of, unflaxify_nnx
 from flaxlens.nnx._definition import (
@@ -256,9 +257,6 @@ class _IdleCopies:
   def __init__(self) -> None:
     self._copies: list[PrivateCopy] = []
 
-  def __reduce__(self) -> tuple[Any, ...]:
-    return (_IdleCopies, ())
-
   def take(self) -> PrivateCopy | None:
     """An idle copy, only outside any JAX trace (the copy's variables were made there)."""
     if not self._copies or not fi.at_top_level():
@@ -273,12 +271,8 @@ class _IdleCopies:
       self._copies.append(copy)
 
 
-def _idle_copies(root: Any) -> _IdleCopies:
-  idle = root.__dict__.get("_flaxlens_idle_copies")
-  if idle is None:
-    idle = _IdleCopies()
-    object.__setattr__(root, "_flaxlens_idle_copies", idle)
-  return idle
+# The root node's own pool (a resource no copy of the node shares: `core/_cache.py`).
+_idle_copies = Derived("idle_copies", lambda root: _IdleCopies())
 
 
 def _may_keep(copy: PrivateCopy, root: Any, interceptor: Any, output: Any) -> bool:

@@ -21,9 +21,11 @@ from flax import nnx
 from flax.core import FrozenDict
 
 from flaxlens import _flax_internals as fi
+from flaxlens.core._cache import Derived
 from flaxlens.core._names import Path
-from flaxlens.core._node import CallNode, own_call_nodes
+from flaxlens.core._node import CallNode
 from flaxlens.core._runtime import private_value
+from flaxlens.core._walk import calls_fixed, own_call_nodes
 
 
 class _Marker:
@@ -418,11 +420,12 @@ def static_edits(root: CallNode) -> dict[Path, dict[str, Any]]:
   A subtree whose mode was changed on its own (`node.eval()` grafted back into the
   tree) holds definitions of another family than the root's; where they differ from
   the root's, their modules' static attributes are set on the rebuilt model (nodes
-  deeper in the tree win). Computed once per root node.
+  deeper in the tree win). Kept on a root node whose calls cannot change.
   """
-  cached = root.__dict__.get("_flaxlens_static_edits")
-  if cached is not None:
-    return cached
+  return _STATIC_EDITS(root)
+
+
+def _static_edits(root: CallNode) -> dict[Path, dict[str, Any]]:
   family = root.definition.family
   edits: dict[Path, dict[str, Any]] = {}
   base: dict[Path, dict[str, Any]] | None = None
@@ -438,8 +441,10 @@ def static_edits(root: CallNode) -> dict[Path, dict[str, Any]]:
       changed = {k: v for k, v in statics.items() if k not in before or not equal(before[k], v)}
       if changed:
         edits.setdefault(rel + sub, {}).update(changed)
-  object.__setattr__(root, "_flaxlens_static_edits", edits)
   return edits
+
+
+_STATIC_EDITS = Derived("static_edits", _static_edits, lambda root, _: calls_fixed(root))
 
 
 def apply_static_edits(model: Any, edits: dict[Path, dict[str, Any]]) -> None:

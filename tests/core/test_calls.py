@@ -1,5 +1,6 @@
 """The call dispatch both frameworks share: continuation, foreign trees, skipped and
-removed calls, and checks of replacement outputs, each against native Flax."""
+removed calls, and checks of replacement outputs, each against native Flax; and the one
+walk over a tree's calls (`core/_walk.py`) that every view of them is built on."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from flax import nnx
 from replacements import PlusOne
 
 import flaxlens as fl
+from flaxlens.core._export import patched_calls
+from flaxlens.core._walk import own_call_nodes
+from flaxlens.tools.analysis._interventions import sites_of
 
 from .models import X, scanned_tree
 
@@ -214,6 +218,33 @@ def test_a_node_of_another_tree_set_directly_replaces_the_call(fw):
   patched = replace(host.convert(X), host.key(2), teacher_node)
   expected = host.native(X, patch={2: lambda x, out: teacher.block(2, x)})
   assert_trees_equal(run(patched, X), expected)
+
+
+def test_the_views_of_a_tree_calls_agree_on_wrapped_foreign_and_own_calls(fw):
+  host, teacher = fw(0), fw(1)
+  tree = host.convert(X)
+  own = [tree.submodule_calls[host.key(i)] for i in range(3)]
+  teacher_node = teacher.convert(X).submodule_calls[teacher.key(1)]
+  patched = replace(tree, host.key(0), PlusOne(own[0]))  # wrapped: the call continues
+  patched = replace(patched, host.key(1), CallOther(teacher_node))  # another tree's node
+  nodes = list(own_call_nodes(patched))
+  sites = sites_of(patched)
+  names = [host.key(i)[1].removesuffix(".__call__") for i in range(3)]
+  assert [id(n) for n in nodes] == [id(patched), id(own[0]), id(own[2])]
+  assert [id(s.node) for s in sites] == [id(n) for n in nodes]
+  assert [s.name for s in sites[1:]] == [names[0], names[2]]
+  assert patched_calls(patched) == [host.key(0)[1], host.key(1)[1]]
+  # What the run does: the wrapped call and the own one run with the host's
+  # parameters, the foreign node with the teacher's; captured as Flax computes them.
+  first = host.block(0, X)
+  second = teacher.block(1, first + 1.0)
+  out, cache = fl.capture(patched, fl.ArgsAndKwargs.capture(X, n_blocks=3))
+  assert sorted(cache) == sorted(s.name for s in sites)
+  assert_trees_equal(cache[names[0]], first)
+  assert_trees_equal(cache[names[2]], host.block(2, second))
+  assert_trees_equal(
+    out, host.native(X, patch={0: lambda x, o: o + 1.0, 1: lambda x, o: teacher.block(1, x)})
+  )
 
 
 # --- calls the caller skips ----------------------------------------------------------------

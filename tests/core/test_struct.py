@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 from typing import Any
 
 import jax
@@ -12,6 +14,7 @@ import pytest
 import treescope
 
 import flaxlens as fl
+from flaxlens.core._cache import Derived
 
 
 class Pair(fl.Struct):
@@ -211,3 +214,39 @@ def test_select_starts_a_selection_at_the_struct_itself():
   selection = pair.select()
   assert isinstance(selection, fl.Selection)
   assert selection.get() is pair
+
+
+# --- values kept on a struct (core/_cache.py) ----------------------------------------------
+
+_worked_out: list[Any] = []
+
+
+def _total(pair: Pair) -> Any:
+  _worked_out.append(pair)
+  return pair.left + pair.right
+
+
+TOTAL = Derived("test_total", _total)
+TOTAL_WHILE_SMALL = Derived("test_total_while_small", _total, lambda pair, total: total < 10)
+
+
+@pytest.mark.parametrize(
+  "make_copy",
+  [copy.copy, copy.deepcopy, lambda p: pickle.loads(pickle.dumps(p))],
+  ids=["copy", "deepcopy", "pickle"],
+)
+def test_a_copy_of_a_struct_works_out_derived_values_afresh(make_copy):
+  pair = Pair(1, 2)
+  assert TOTAL(pair) == 3
+  other = make_copy(pair)
+  _worked_out.clear()
+  assert (TOTAL(other), TOTAL(other)) == (3, 3)
+  assert _worked_out == [other]
+  assert TOTAL(pair) == 3 and _worked_out == [other]
+
+
+def test_a_derived_value_that_does_not_last_is_worked_out_at_every_use():
+  small, large = Pair(1, 2), Pair(10, 20)
+  _worked_out.clear()
+  assert [TOTAL_WHILE_SMALL(p) for p in (small, small, large, large)] == [3, 3, 30, 30]
+  assert _worked_out == [small, large, large]

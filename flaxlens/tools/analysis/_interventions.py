@@ -26,11 +26,12 @@ import numpy as np
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._checks import check_items, refuse
 from flaxlens.core._jit import variable_jit
-from flaxlens.core._node import CallNode, check_tree, is_call_node
+from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probe, Probing
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._selectors import path_matches
 from flaxlens.core._struct import Struct, static_field
+from flaxlens.core._walk import Relation, calls
 from flaxlens.errors import ArgumentError, SelectionError
 from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.analysis._index import MASK, bounded, checked, is_array
@@ -69,23 +70,11 @@ def sites_of(root: CallNode) -> list[Site]:
     >>> [site.name for site in sites_of(tree)]
     ['Sequential.__call__', 'layers_0', 'layers_2']
   """
-  found: list[tuple[CallNode, Any]] = []
-
-  def walk(node: CallNode, spec: Any) -> None:
-    found.append((node, spec))
-    for key, child in node.submodule_calls.items():
-      spec = node._call_spec(key)
-      if is_call_node(child) and child.origin == node.origin:
-        walk(child, spec)
-        continue
-      for leaf in jax.tree_util.tree_leaves(child, is_leaf=is_call_node):
-        if is_call_node(leaf) and leaf.origin == node.origin and spec is not None:
-          if spec.continued_by(leaf):
-            walk(leaf, spec)
-
-  walk(root, None)
   sites, seen = [], {}
-  for node, spec in found:
+  for call in calls(root):
+    if call.relation is Relation.REPLACED:
+      continue
+    node, spec = call.layer, call.spec
     path, method = node.readable_path()
     if node is root or not path:  # The root, or a module applied on its own inside.
       name = f"{node.module_type.__name__}.{method}"

@@ -21,11 +21,12 @@ from flaxlens._unflaxify import unflaxify
 from flaxlens.core._adapter import FrameworkAdapter, adapter_of
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._checks import check_type
-from flaxlens.core._node import CallNode, is_call_node, pristine
+from flaxlens.core._node import CallNode, is_call_node
 from flaxlens.core._recorder import Execution, Recorder, standalone
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._selectors import Selection, select
 from flaxlens.core._variables import Uninitialized, bind_variables, unbind_variables
+from flaxlens.core._walk import pristine
 from flaxlens.errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.tools.isolation._replay import IsolatedSubmodel
 
