@@ -25,9 +25,9 @@ import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._checks import check_items, refuse
+from flaxlens.core._edit import EditedCall
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree, is_call_node
-from flaxlens.core._edit import EditedCall
 from flaxlens.core._probes import Probing
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._selectors import path_matches
