@@ -12,6 +12,7 @@ from types import ModuleType as _ModuleType
 from flaxlens._unflaxify import unflaxify as unflaxify
 from flaxlens.core import _render
 from flaxlens.core._args import ArgsAndKwargs as ArgsAndKwargs
+from flaxlens.core._edit import EditedCall as EditedCall
 from flaxlens.core._jit import variable_jit as variable_jit
 from flaxlens.core._layer import Layer as Layer
 from flaxlens.core._node import CallNode as CallNode
@@ -53,6 +54,7 @@ from flaxlens.tools.analysis._interventions import ablate as ablate
 from flaxlens.tools.analysis._interventions import capture as capture
 from flaxlens.tools.analysis._interventions import modify as modify
 from flaxlens.tools.analysis._interventions import patch as patch
+from flaxlens.tools.analysis._interventions import place as place
 from flaxlens.tools.analysis._interventions import run as run
 from flaxlens.tools.analysis._interventions import scale as scale
 from flaxlens.tools.analysis._interventions import steer as steer

@@ -70,6 +70,8 @@ PUBLIC = {
   "ablate",
   "capture",
   "modify",
+  "place",
+  "EditedCall",
   "patch",
   "run",
   "scale",

@@ -216,15 +216,16 @@ class CallInterceptor:
   def run_node(
     self, node: CallNode, module: Any, next_fun: Callable[..., Any], args: Any, kwargs: Any
   ) -> Any:
-    """Runs the call of `node` natively (probed, and recorded if it is the target).
+    """Runs the call of `node` natively (through the run's `EditedCall` for it, if any,
+    and recorded if it is the target).
 
     A plain call runs here rather than through `_run_node` and `run_frame`: JAX records
     the Python stack while it traces (Flax traces every parameter initializer at every
     apply), so each frame a nested call adds costs time.
     """
     probing = self.probing
-    probe = probing.probes.get(id(node)) if probing is not None else None
-    if probe is None and (self.recorder is None or node is not self.recorder.target):
+    edited = probing.edits.get(id(node)) if probing is not None else None
+    if edited is None and (self.recorder is None or node is not self.recorder.target):
       frame = Frame(node.path, node=node)
       self.frames.append(frame)
       try:
@@ -233,10 +234,12 @@ class CallInterceptor:
         self.frames.pop()
       self.check_reached(frame)
       return result
-    if probe is None:
+    if edited is None:
       return self._run_node(node, module, next_fun, args, kwargs)
-    return probing.run(
-      node, probe, lambda a, k: self._run_node(node, module, next_fun, a, k), args, kwargs
+    return edited.around(
+      lambda a: self._run_node(node, module, next_fun, tuple(a.args), dict(a.kwargs)),
+      ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs)),
+      probing,
     )
 
   def _run_node(

@@ -1,10 +1,11 @@
 """Probes: what one run of a tree does at chosen calls besides running them.
 
 A `Probing` is attached to a run's `CallInterceptor`. For each probed call node it holds
-a `Probe`: interventions to apply to the call's first argument and to its output, and
-whether to capture them. Interventions are plain functions of arrays, applied where the
-call runs (inside `nn.scan`/`nnx.scan` bodies at every iteration), so they are traced
-into the same program as the model.
+the `EditedCall` layer the call runs through (`core/_edit.py`, the same layer `fl.place`
+puts into a tree): the edits of the call's first argument and of its output, and
+whether to capture them. Edits are plain functions of arrays, applied where the call
+runs (inside `nn.scan`/`nnx.scan` bodies at every iteration), so they are traced into
+the same program as the model.
 
 Captured values must leave the trace they were made in. A value captured in the run's
 own trace is returned as is. A value captured inside a body that JAX stages separately
@@ -20,7 +21,7 @@ active in any thread (reference-counted, restored by the last run in `finally`).
 A value captured in a trace no channel stands for (a body staged by a transform
 flaxlens does not wrap) is not returned: the run raises `UnsupportedFlaxFeatureError`
 naming the site.
-A probe whose call the run never made (another branch than conversion took) would drop
+An edited call the run never made (another branch than conversion took) would drop
 its edits and captures: unless the run allows it, it raises `CallStructureError`.
 A probing made `indexed` also wraps scans when it captures nothing, and gives each scan
 body its iteration number, which edits read with `scan_iterations()` (to patch one
@@ -39,35 +40,9 @@ import jax
 
 from flaxlens import _flax_internals as fi
 from flaxlens.core._active import current_interceptor
+from flaxlens.core._edit import EditedCall
 from flaxlens.core._scoped import ScopedAttributes
 from flaxlens.errors import CallStructureError, UnsupportedFlaxFeatureError
-
-
-class Probe:
-  """What a run does at one call node.
-
-  Attributes:
-    name: the site's name in captured results.
-    before: functions `(argument, value) -> value` applied to the call's first
-      positional argument, in order.
-    after: functions `(argument, output) -> output` applied to the call's output.
-    output: whether to capture the output (after `after`).
-    input: whether to capture the positional arguments (after `before`).
-    shape: a function applied to every captured array (slicing, dtype), or None.
-    required: whether the run must make the call (else the edits and captures that
-      asked for it would be dropped unseen); see `Probing.results`.
-  """
-
-  __slots__ = ("name", "before", "after", "output", "input", "shape", "required")
-
-  def __init__(self, name: str):
-    self.name = name
-    self.before: list[Callable[[Any, Any], Any]] = []
-    self.after: list[Callable[[Any, Any], Any]] = []
-    self.output = False
-    self.input = False
-    self.shape: Callable[[Any], Any] | None = None
-    self.required = False
 
 
 class Channel:
@@ -84,8 +59,9 @@ class Probing:
   """The probes of one run and what they captured.
 
   Attributes:
-    probes: `{id(node): Probe}`.
-    capturing: whether any probe captures (then staged bodies are wrapped).
+    edits: `{id(node): EditedCall}`: the layer each probed call runs through
+      (`core/_edit.py`), overlaid on the tree for this run.
+    capturing: whether any edited call captures (then staged bodies are wrapped).
     indexed: whether edits read `scan_iterations()` (then staged bodies are wrapped).
     iterations: the iteration numbers of the scan bodies being traced, outermost first
       (None for a vmap body).
@@ -93,7 +69,7 @@ class Probing:
     stray: `{site: where}` for values captured in a trace no channel carries out.
     reached: the names of the probes whose calls the run made (traced, that is: a call
       in a scan body that runs no iteration, or in either branch of a `lax.cond`, counts).
-    unreached_fix: what the error for a required probe the run did not reach tells the
+    unreached_fix: what the error for a required call the run did not reach tells the
       user to do.
     every_call: whether a site names every call and the run must then see them all: a
       run whose calls part from conversion's (`diverged`) runs the calls beyond that
@@ -103,13 +79,13 @@ class Probing:
 
   def __init__(
     self,
-    probes: dict[int, Probe],
+    edits: dict[int, EditedCall],
     indexed: bool = False,
     unreached_fix: str = "Choose calls this run makes.",
     every_call: bool = False,
   ):
-    self.probes = probes
-    self.capturing = any(p.output or p.input for p in probes.values())
+    self.edits = edits
+    self.capturing = any(e.output or e.input for e in edits.values())
     self.indexed = indexed
     self.iterations: list[Any] = []
     self.channels: list[Channel] = []
@@ -120,37 +96,11 @@ class Probing:
     self.diverged: list[str] = []
     self.captured: dict[str, Any] = {}  # What the run captured, once it ran.
 
-  def run(self, node: Any, probe: Probe, run: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    """Runs one probed call: interventions on its input, the call, on its output."""
-    from flaxlens.core._args import ArgsAndKwargs
-
-    self.reached.add(probe.name)
-    if probe.before:
-      if not args:
-        raise UnsupportedFlaxFeatureError(
-          f"{node.where()}: an intervention on the input needs a positional argument,"
-          " and this call got none. Intervene on the output of the call before it."
-        )
-      first = args[0]
-      argument = ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs))
-      for fn in probe.before:
-        first = fn(argument, first)
-      args = (first, *args[1:])
-    if probe.input:
-      self.record(f"{probe.name}:input", args[0] if len(args) == 1 else tuple(args), probe)
-    output = run(args, kwargs)
-    if probe.after:
-      argument = ArgsAndKwargs(args=tuple(args), kwargs=dict(kwargs))
-      for fn in probe.after:
-        output = fn(argument, output)
-    if probe.output:
-      self.record(probe.name, output, probe)
-    return output
-
-  def record(self, name: str, value: Any, probe: Probe) -> None:
+  def record(self, name: str, value: Any, shape: Callable[[Any], Any] | None = None) -> None:
+    """Keeps `value` (its arrays, passed through `shape`) as the capture `name`."""
     value = jax.tree_util.tree_map(lambda x: x if _is_array(x) else None, value)
-    if probe.shape is not None:
-      value = jax.tree_util.tree_map(probe.shape, value)
+    if shape is not None:
+      value = jax.tree_util.tree_map(shape, value)
     channel = self.channels[-1]
     if fi.current_trace() == channel.trace:
       channel.values[name] = value
@@ -181,12 +131,12 @@ class Probing:
     """What the run captured, by site.
 
     Raises:
-      CallStructureError: for a required probe whose call the run did not make (it took
+      CallStructureError: for a required edited call the run did not make (it took
         another branch than conversion): its edits and captures would be dropped; or, when
         a site names every call, for calls the run made that conversion did not see.
       UnsupportedFlaxFeatureError: for values captured where they could not leave.
     """
-    missed = [p.name for p in self.probes.values() if p.required and p.name not in self.reached]
+    missed = [e.site for e in self.edits.values() if e.required and e.site not in self.reached]
     if missed:
       raise CallStructureError(
         f"This run did not make the call(s) {missed[:6]} that interventions or captures"

@@ -180,11 +180,11 @@ def _run_probed(
     carrying_out() if probing.capturing or probing.indexed else nullcontext(),
   ):
     with probing.channel():
-      probe = probing.probes.get(id(root))
-      if probe is None:
+      edited = probing.edits.get(id(root))
+      if edited is None:
         output = call(argument.args, argument.kwargs)
       else:
-        output = probing.run(root, probe, call, argument.args, argument.kwargs)
+        output = edited.around(lambda a: call(a.args, a.kwargs), argument, probing)
       probing.captured = probing.results()
   return output, updates[-1]
 

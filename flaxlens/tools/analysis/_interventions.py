@@ -25,9 +25,10 @@ import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._checks import check_items, refuse
+from flaxlens.core._edit import EditedCall
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree
-from flaxlens.core._probes import Probe, Probing
+from flaxlens.core._probes import Probing
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._selectors import path_matches
 from flaxlens.core._struct import Struct, static_field
@@ -612,45 +613,42 @@ def _probes_for(
   inputs: bool,
   shape: Callable[[Any], Any] | None,
   unreached: str = "raise",
-) -> dict[int, Probe]:
-  """One probe per probed call; `unreached="raise"` requires the run to make every call
-  a site names, save where the site is every call (`capture=True`, `"all"`, `"**"`)."""
+) -> dict[int, EditedCall]:
+  """The `EditedCall` each probed call runs through, by `id` of its node;
+  `unreached="raise"` requires the run to make every call a site names, save where the
+  site is every call (`capture=True`, `"all"`, `"**"`)."""
   sites = sites_of(tree)
-  probes: dict[int, Probe] = {}
+  found: dict[int, dict[str, Any]] = {}
 
-  def probe(site: Site) -> Probe:
-    found = probes.get(id(site.node))
-    if found is None:
-      found = probes[id(site.node)] = Probe(site.name)
-    return found
+  def probe(site: Site) -> dict[str, Any]:
+    fields = found.get(id(site.node))
+    if fields is None:
+      fields = found[id(site.node)] = {"node": site.node, "site": site.name, "edits": []}
+    return fields
 
   for intervention in interventions:
     required = unreached == "raise" and not _every_call(intervention.at)
     for site in select_sites(tree, intervention.at, sites):
       _check_part(site, intervention)
-      p = probe(site)
-      edit = _bound_edit(intervention, site.name)
-      (p.before if intervention.on == "input" else p.after).append(edit)
-      p.required = p.required or required
+      fields = probe(site)
+      fields["edits"].append(intervention)
+      fields["required"] = fields.get("required", False) or required
   if capture is not None and capture is not False:
     chosen = sites if capture is True else select_sites(tree, capture, sites)
     required = unreached == "raise" and not _every_call(capture)
     for site in chosen:
-      p = probe(site)
-      p.output = True
-      p.input = inputs
-      p.shape = None if shape is None else functools.partial(shape, site.name)
-      p.required = p.required or required
-  return probes
+      fields = probe(site)
+      fields.update(output=True, input=inputs)
+      fields["shape"] = None if shape is None else functools.partial(shape, site.name)
+      fields["required"] = fields.get("required", False) or required
+  return {
+    key: EditedCall(**{**fields, "edits": tuple(fields["edits"])}) for key, fields in found.items()
+  }
 
 
 def _every_call(at: Any) -> bool:
   """Whether a site is every call (what the run calls, then, not what conversion saw)."""
   return at is True or (isinstance(at, str) and at in ("all", "**"))
-
-
-def _bound_edit(intervention: Intervention, name: str) -> Callable[[Any, Any], Any]:
-  return lambda argument, value: intervention.edit(name, argument, value)
 
 
 def _check_part(site: Site, intervention: Intervention) -> None:
@@ -826,6 +824,68 @@ def run(
     tree, argument, interventions, capture, inputs, index, dtype, random_streams, unreached
   )
   return output if capture is None or capture is False else (output, captured)
+
+
+def place(tree: CallNode, interventions: Any, /) -> CallNode:
+  """The tree with each intervention placed as a layer wrapping the call it edits.
+
+  Each edited call's node is replaced by an `EditedCall` layer holding the node and
+  the interventions of that call: the same layer `fl.run` runs a call through, kept in
+  the tree. Calling the placed tree (or `fl.run`, `fl.capture` and `fl.variable_jit`
+  of it) applies the edits wherever their calls run, inside `nn.scan`/`nnx.scan` at
+  every iteration; the interventions' arrays are leaves of the tree, so
+  `fl.variable_jit` reuses one compiled program for new values. As with any replaced
+  call, a run that skips an edited call raises, and export refuses the tree (fold the
+  interventions into weights with `fl.fold` instead). `tree` is not modified.
+
+  Args:
+    tree: a converted tree.
+    interventions: `fl.ablate`, `fl.patch`, `fl.steer`, `fl.scale`, `fl.modify`
+      results (one, or a list), applied in order where several edit one call.
+
+  Returns:
+    The tree with the edited calls wrapped.
+
+  Raises:
+    SelectionError: a site matches no call.
+    ArgumentError: an intervention cannot apply to its site, or edits the root call
+      (which has no caller to hand it to a layer: pass it to `fl.run`).
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> steered = fl.place(tree, fl.steer("layers_0", jnp.ones(3), alpha=2.0))
+    >>> run = fl.variable_jit(lambda t, v: t(fl.ArgsAndKwargs.capture(v)))
+    >>> run(steered, x).shape
+    (1, 2)
+  """
+  check_tree(tree, "fl.place")
+  interventions = checked_interventions(interventions, "fl.place")
+  interventions, _ = nodes_by_name(tree, interventions, None)
+  layers = _probes_for(tree, interventions, None, False, None)
+  if id(tree) in layers:
+    raise ArgumentError(
+      f"fl.place: an intervention edits the root call {layers[id(tree)].site}, which has no"
+      " caller in the tree to hand it to a layer. Pass that intervention to fl.run"
+      " (interventions=[...]), or edit a call inside the model."
+    )
+
+  def rebuilt(x: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(
+      x, is_leaf=lambda y: y is not x and isinstance(y, Struct)
+    )
+    new = [rebuilt(leaf) if isinstance(leaf, Struct) else leaf for leaf in leaves]
+    if any(a is not b for a, b in zip(new, leaves, strict=True)):
+      x_new = jax.tree_util.tree_unflatten(treedef, new)
+    else:
+      x_new = x
+    layer = layers.get(id(x))
+    if layer is None:
+      return x_new
+    return dataclasses.replace(layer, node=x_new, required=False)
+
+  return rebuilt(tree)
 
 
 def nodes_by_name(
