@@ -17,7 +17,7 @@ import flaxlens as fl
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 WORKFLOW_PAGES = [
   "inspect.md",
-  "patch.md",
+  "replace.md",
   "interventions.md",
   "sweeps.md",
   "intervention-specs.md",

@@ -3,7 +3,7 @@
 Exporting writes a tree's variables back into its framework's own form (Linen: a
 variables dict, NNX: a module), so it can only express what variables express. A call
 replaced by a layer, wrapped by one, or replaced by a node of another tree is code, not
-weights: `check_exportable` refuses such a tree and lists every patched call, instead of
+weights: `check_exportable` refuses such a tree and lists every replaced call, instead of
 exporting variables that would run without the patch. No Flax internals here.
 """
 
@@ -15,15 +15,15 @@ from flaxlens.core._walk import Relation, calls
 from flaxlens.errors import ExportError
 
 
-def patched_calls(root: CallNode) -> list[str]:
+def replaced_calls(root: CallNode) -> list[str]:
   """How messages name each call under `root` that was replaced or wrapped, in call order.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
-    >>> from flaxlens.core._export import patched_calls
+    >>> from flaxlens.core._export import replaced_calls
     >>> model, x = nn.Sequential([nn.Dense(2), nn.Dense(2)]), jnp.ones((1, 2))
     >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
-    >>> patched_calls(tree.select().at_path("layers_1").apply(lambda n: fl.ArgsAndKwargs))
+    >>> replaced_calls(tree.select().at_path("layers_1").apply(lambda n: fl.ArgsAndKwargs))
     ['layers_1.__call__']
   """
   found: list[str] = []
@@ -42,17 +42,18 @@ def patched_calls(root: CallNode) -> list[str]:
 
 
 def check_exportable(root: CallNode) -> None:
-  """Refuses to export a tree holding structural patches, naming every patched call.
+  """Refuses to export a tree holding replaced calls, naming every one.
 
   Raises:
     ExportError: if a call under `root` was replaced or wrapped by a layer (or by a
       node of another tree).
   """
-  patched = patched_calls(root)
-  if patched:
+  replaced = replaced_calls(root)
+  if replaced:
     raise ExportError(
-      f"{root.where()}: the tree has structural patches that its variables cannot"
-      f" express, at {patched}: an export would run without them. Export the tree"
-      " before patching it, or make the change an edit of the variables"
+      f"{root.where()}: the tree has replaced calls (layers in place of calls, placed"
+      f" interventions) that its variables cannot express, at {replaced}: an export would"
+      " run without them. Export the tree before replacing calls, fold interventions"
+      " into weights with fl.fold, or make the change an edit of the variables"
       " (variable.value = ...)."
     )

@@ -8,7 +8,7 @@ one) runs as a tree of its own. `calls` yields one `Call` per call, in call orde
 every view of a tree's calls is built on it, so that none can disagree with another:
 the nodes whose variables a run gathers (`own_call_nodes`), whether a tree holds
 replaced calls (`pristine`, `pristine_tree`, `calls_fixed`), the calls an export refuses
-(`core/_export.py: patched_calls`), and the sites of interventions and captures
+(`core/_export.py: replaced_calls`), and the sites of interventions and captures
 (`tools/analysis/_interventions.py: sites_of`). No Flax internals here.
 """
 

@@ -13,7 +13,7 @@ from flax import nnx
 from replacements import PlusOne
 
 import flaxlens as fl
-from flaxlens.core._export import patched_calls
+from flaxlens.core._export import replaced_calls
 from flaxlens.core._walk import own_call_nodes
 from flaxlens.tools.analysis._interventions import sites_of
 
@@ -233,7 +233,7 @@ def test_the_views_of_a_tree_calls_agree_on_wrapped_foreign_and_own_calls(fw):
   assert [id(n) for n in nodes] == [id(patched), id(own[0]), id(own[2])]
   assert [id(s.node) for s in sites] == [id(n) for n in nodes]
   assert [s.name for s in sites[1:]] == [names[0], names[2]]
-  assert patched_calls(patched) == [host.key(0)[1], host.key(1)[1]]
+  assert replaced_calls(patched) == [host.key(0)[1], host.key(1)[1]]
   # What the run does: the wrapped call and the own one run with the host's
   # parameters, the foreign node with the teacher's; captured as Flax computes them.
   first = host.block(0, X)
