@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 
-from flaxlens import _flax_internals as fi
+from flaxlens._compat import patching, tracing
 from flaxlens.core._active import current_interceptor
 from flaxlens.errors import CallStructureError, UnsupportedFlaxFeatureError
 
@@ -70,7 +70,7 @@ class Channel:
   __slots__ = ("trace", "values")
 
   def __init__(self) -> None:
-    self.trace = fi.current_trace()
+    self.trace = tracing.current_trace()
     self.values: dict[str, Any] = {}
 
 
@@ -146,7 +146,7 @@ class Probing:
     if probe.shape is not None:
       value = jax.tree_util.tree_map(probe.shape, value)
     channel = self.channels[-1]
-    if fi.current_trace() == channel.trace:
+    if tracing.current_trace() == channel.trace:
       channel.values[name] = value
       self.stray.pop(name, None)
     else:
@@ -165,7 +165,7 @@ class Probing:
     """Adds values a staged body carried out to the channel of the current trace."""
     channel = self.channels[-1]
     for name, value in values.items():
-      if fi.current_trace() == channel.trace:
+      if tracing.current_trace() == channel.trace:
         channel.values[name] = value
         self.stray.pop(name, None)
       else:
@@ -314,7 +314,7 @@ def _wrap_mapped(original: Callable[..., Any], axes_argument: str | None) -> Cal
 
 def carrying_out() -> Any:
   """While active, staged bodies of JAX's scan, vmap and checkpoint carry captures out."""
-  return fi.patched(
+  return patching.patched(
     {
       (jax.lax, "scan"): _wrap_scan,
       (jax, "vmap"): lambda f: _wrap_mapped(f, "out_axes"),
