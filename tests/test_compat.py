@@ -120,6 +120,8 @@ def test_the_supported_window_is_the_one_pyproject_declares():
     f"{p} {lowest[p]}–{series[p]}" if p in lowest else f"{p} {series[p]}" for p in ("flax", "jax")
   )
   assert _compat.SUPPORTED == expected
+  for requirement in re.findall(r"'([^']+)'", _compat.INSTALL):  # What the error says to run.
+    assert f'"{requirement}"' in pyproject
 
 
 def test_every_declared_internal_is_listed_in_the_compat_docs():

@@ -30,10 +30,10 @@ from flaxlens.errors import UnsupportedFlaxFeatureError
 
 # The versions flaxlens is tested with; pyproject.toml's dependencies say the same.
 SUPPORTED = "flax 0.12.6–0.12.x with jax 0.10.x"
-_INSTALL = "pip install 'flax>=0.12.6,<0.13' 'jax>=0.10.0,<0.11' 'jaxlib>=0.10.0,<0.11'"
+INSTALL = "pip install 'flax>=0.12.6,<0.13' 'jax>=0.10.0,<0.11' 'jaxlib>=0.10.0,<0.11'"
 
 
-def installed_versions() -> str:
+def _installed_versions() -> str:
   """The installed Flax and JAX versions, as `"flax X with jax Y"`."""
   versions = []
   for package in ("flax", "jax"):
@@ -47,8 +47,8 @@ def installed_versions() -> str:
 def unsupported(name: str) -> UnsupportedFlaxFeatureError:
   """The error for an internal the installed Flax or JAX lacks (or has changed)."""
   return UnsupportedFlaxFeatureError(
-    f"flaxlens uses {name}, which the installed {installed_versions()} does not have:"
-    f" flaxlens supports {SUPPORTED}. Install versions in that window ({_INSTALL})."
+    f"flaxlens uses {name}, which the installed {_installed_versions()} does not have:"
+    f" flaxlens supports {SUPPORTED}. Install versions in that window ({INSTALL})."
   )
 
 
