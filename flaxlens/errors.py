@@ -7,9 +7,10 @@ the class subclasses that built-in too, so older `except` clauses keep working.
 
 - `UnsupportedFlaxFeatureError` (also `NotImplementedError`): the model or the call
   uses something flaxlens cannot convert or run exactly (lazy initialization, a call
-  that changes static attributes, a call inside `nn.scan`/`nnx.vmap` run on its own).
-  Fix: the message names the construct and what to do instead (initialize first, call
-  the enclosing tree, ...).
+  that changes static attributes, a call inside `nn.scan`/`nnx.vmap` run on its own),
+  or the installed Flax or JAX lacks an internal flaxlens needs (raised at its first use,
+  naming it and the supported versions). Fix: the message names the construct and what
+  to do instead (initialize first, call the enclosing tree, install a supported Flax).
 - `CallStructureError`: a run of the tree made other submodule calls than conversion
   saw where that matters: a replaced call was not made, a call that an intervention or
   capture names was not made (`fl.run`, `fl.capture`, sweeps), calls no longer line up

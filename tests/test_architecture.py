@@ -20,6 +20,13 @@ flaxlens/). The rules:
   do not. Attributes of objects (`node._private()`) are not visible to this check.
 - `core` and `tools` are framework-neutral: nothing in them imports from `linen` or
   `nnx`. The composition root (`flaxlens/__init__.py`, `flaxlens/_unflaxify.py`) may.
+- No Flax or JAX internal is imported outside `flaxlens/_compat/`: no `flax`/`jax` module
+  path with a component starting with `_` (`jax._src...`), none of `INTERNAL_MODULES`
+  (`from flax.nnx import graphlib` too), no `from flax... import _name`, and no such
+  path reached as an attribute of an imported Flax or JAX name (`nnx.graph.flatten`,
+  `nn._x`). Inside `flaxlens/_compat/` an internal is not imported either: it is named
+  as data (`Internal("flax.nnx.graphlib", "flatten")`) and looked up on first use, so
+  importing flaxlens never fails on one; and only `_compat` makes `Internal`s.
 """
 
 from __future__ import annotations
@@ -29,6 +36,25 @@ import dataclasses
 import pathlib
 
 import pytest
+
+# Flax and JAX modules that are not public API (besides any path with a `_` component).
+INTERNAL_MODULES = (
+  "jax.interpreters",
+  "flax.core.lift",
+  "flax.core.scope",
+  "flax.linen.module",
+  "flax.linen.transforms",
+  "flax.nnx.compat",
+  "flax.nnx.graph",
+  "flax.nnx.graphlib",
+  "flax.nnx.pytreelib",
+  "flax.nnx.reprlib",
+  "flax.nnx.transforms",
+  "flax.nnx.variablelib",
+  "flax.typing",
+)
+INTERNAL_ROOTS = ("flax", "jax")
+COMPAT = "flaxlens._compat"
 
 SOURCE = pathlib.Path(__file__).resolve().parents[1] / "flaxlens"
 PACKAGES = ("core", "linen", "nnx", "tools")
@@ -200,6 +226,78 @@ def adapters_imported_by_neutral_layers(imports: dict[str, list[Import]]) -> lis
   ]
 
 
+def _internal_prefix(path: str) -> str | None:
+  """The shortest prefix of a dotted Flax/JAX path that is internal, or None."""
+  parts = path.split(".")
+  if parts[0] not in INTERNAL_ROOTS:
+    return None
+  for end in range(2, len(parts) + 1):
+    prefix = ".".join(parts[:end])
+    last = parts[end - 1]
+    if (last.startswith("_") and not last.startswith("__")) or any(
+      prefix == m or prefix.startswith(m + ".") for m in INTERNAL_MODULES
+    ):
+      return prefix
+  return None
+
+
+def _internals_of(module: str, path: pathlib.Path) -> list[str]:
+  """`"module:line uses flax.x._y"` for each Flax/JAX internal the module's code names."""
+  tree = ast.parse(path.read_text(), str(path))
+  found: set[tuple[int, str]] = set()
+  aliases: dict[str, str] = {}  # a local name bound to a Flax or JAX object
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        found.add((node.lineno, alias.name))
+        if alias.asname:
+          aliases[alias.asname] = alias.name
+        else:
+          root = alias.name.split(".")[0]
+          aliases[root] = root
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      for alias in node.names:
+        found.add((node.lineno, f"{node.module}.{alias.name}"))
+        aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute):
+      chain = [node.attr]
+      value = node.value
+      while isinstance(value, ast.Attribute):
+        chain.append(value.attr)
+        value = value.value
+      if isinstance(value, ast.Name) and value.id in aliases:
+        found.add((node.lineno, ".".join([aliases[value.id], *reversed(chain)])))
+  uses = {(line, _internal_prefix(name)) for line, name in found}
+  return [f"{module}:{line} uses {name}" for line, name in sorted(u for u in uses if u[1])]
+
+
+def flax_internals_used(source: pathlib.Path) -> dict[str, list[str]]:
+  """Each module of the package at `source`, with the Flax/JAX internals it names."""
+  return {module: _internals_of(module, path) for module, path in _module_names(source).items()}
+
+
+def _in_compat(module: str) -> bool:
+  return module == COMPAT or module.startswith(COMPAT + ".")
+
+
+def internals_outside_compat(
+  internals: dict[str, list[str]], imports: dict[str, list[Import]]
+) -> list[str]:
+  """Internals named outside `_compat`, and `Internal`s made there from `_compat`'s class."""
+  found = [use for module, uses in internals.items() if not _in_compat(module) for use in uses]
+  found += [
+    str(i)
+    for i in _all(imports)
+    if not _in_compat(i.importer) and i.module == COMPAT and i.name == "Internal"
+  ]
+  return found
+
+
+def internals_imported_in_compat(internals: dict[str, list[str]]) -> list[str]:
+  return [use for module, uses in internals.items() if _in_compat(module) for use in uses]
+
+
 @pytest.fixture(scope="module")
 def imports() -> dict[str, list[Import]]:
   return read_imports(SOURCE)
@@ -262,3 +360,51 @@ def test_no_private_name_is_imported_across_core_linen_nnx_and_tools(imports):
 def test_core_and_tools_do_not_import_the_framework_adapters(imports):
   found = adapters_imported_by_neutral_layers(imports)
   assert not found, "core/ or tools/ importing linen/ or nnx/:\n" + "\n".join(map(str, found))
+
+
+def test_the_internals_rule_finds_each_form_of_internal_use(tmp_path):
+  """Imports of `_` paths, listed modules and `_` names, attribute paths, `Internal`s."""
+  source = _write(
+    tmp_path,
+    {
+      "__init__.py": "",
+      "_compat/__init__.py": "class Internal:\n  pass\n",
+      "_compat/nnx_graph.py": (
+        "from flax.nnx import graphlib\nfrom flaxlens._compat import Internal\n"
+      ),
+      "core/__init__.py": "",
+      "core/_a.py": (
+        "import jax\nfrom jax._src import core\nfrom flax.linen import module as m\n"
+        "def f():\n  from flax.core.lift import _partial_pack\n  return jax._src.core\n"
+      ),
+      "nnx/__init__.py": "",
+      "nnx/_b.py": (
+        "import flax.linen as nn\nfrom flax import nnx\n"
+        "from flaxlens._compat import Internal\n"
+        "x = nnx.graph.flatten, nn._private, nnx.Module, jax.core.Tracer, nn.__name__\n"
+      ),
+    },
+  )
+  internals = flax_internals_used(source)
+  assert internals_outside_compat(internals, read_imports(source)) == [
+    "flaxlens.core._a:2 uses jax._src",
+    "flaxlens.core._a:3 uses flax.linen.module",
+    "flaxlens.core._a:5 uses flax.core.lift",
+    "flaxlens.core._a:6 uses jax._src",
+    "flaxlens.nnx._b:4 uses flax.linen._private",
+    "flaxlens.nnx._b:4 uses flax.nnx.graph",
+    "flaxlens.nnx._b:3 imports flaxlens._compat.Internal",
+  ]
+  assert internals_imported_in_compat(internals) == [
+    "flaxlens._compat.nnx_graph:1 uses flax.nnx.graphlib"
+  ]
+
+
+def test_no_flax_or_jax_internal_is_used_outside_compat(imports):
+  found = internals_outside_compat(flax_internals_used(SOURCE), imports)
+  assert not found, "Flax/JAX internals outside flaxlens/_compat:\n" + "\n".join(found)
+
+
+def test_compat_names_internals_as_data_never_imports_them():
+  found = internals_imported_in_compat(flax_internals_used(SOURCE))
+  assert not found, "imports of internals in flaxlens/_compat (use Internal):\n" + "\n".join(found)

@@ -38,7 +38,7 @@ from typing import Any
 
 import jax
 
-from flaxlens import _flax_internals as fi
+from flaxlens._compat import tracing
 from flaxlens.core._active import current_interceptor
 from flaxlens.core._edit import EditedCall
 from flaxlens.core._scoped import ScopedAttributes
@@ -51,7 +51,7 @@ class Channel:
   __slots__ = ("trace", "values")
 
   def __init__(self) -> None:
-    self.trace = fi.current_trace()
+    self.trace = tracing.current_trace()
     self.values: dict[str, Any] = {}
 
 
@@ -102,7 +102,7 @@ class Probing:
     if shape is not None:
       value = jax.tree_util.tree_map(shape, value)
     channel = self.channels[-1]
-    if fi.current_trace() == channel.trace:
+    if tracing.current_trace() == channel.trace:
       channel.values[name] = value
       self.stray.pop(name, None)
     else:
@@ -121,7 +121,7 @@ class Probing:
     """Adds values a staged body carried out to the channel of the current trace."""
     channel = self.channels[-1]
     for name, value in values.items():
-      if fi.current_trace() == channel.trace:
+      if tracing.current_trace() == channel.trace:
         channel.values[name] = value
         self.stray.pop(name, None)
       else:

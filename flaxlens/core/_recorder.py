@@ -7,7 +7,7 @@ leaves, and the arguments and output are kept with them. Inside compiled bodies
 (`nn.scan`, `nnx.vmap`, inner jits) these are tracers, so they leave through
 `jax.debug.callback` (`deliver`), once per iteration or batch member. The adapter turns
 each `Execution` into a standalone submodel (`standalone`). Flax internals: only
-`runs_compiled`, through `flaxlens._flax_internals`.
+`runs_compiled`, through `flaxlens._compat.tracing`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flaxlens import _flax_internals as fi
+from flaxlens._compat import tracing
 from flaxlens.core._adapter import adapter_of
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._calls import CallInterceptor
@@ -72,7 +72,7 @@ class Recorder:
     static_before, before = adapter.record_before(interceptor, node, module, args, kwargs)
     output = run()
     static_after, after = adapter.record_after(node, module, output)
-    finish = functools.partial(self._finish, static_before, static_after, fi.runs_compiled())
+    finish = functools.partial(self._finish, static_before, static_after, tracing.runs_compiled())
     deliver((tuple(args), dict(kwargs), before, output, after), finish)
     return output
 

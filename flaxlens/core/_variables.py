@@ -6,7 +6,7 @@ such a tree through a JAX transformation, `unbind_variables` swaps every variabl
 slot that only remembers its label and returns the variables beside the tree;
 `bind_variables` puts them (or fresh copies made from frozen values) back. A variable
 reachable twice (shared weights) becomes two slots with one label, so sharing survives
-the round trip. No Flax internals here.
+the round trip. JAX's trace state is read through `flaxlens._compat.tracing`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core as jax_core
 
+from flaxlens._compat.tracing import current_trace
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.errors import ArgumentError, VariableError
 
 _label_counter = itertools.count()
 _PARAMETER_COLOR, _STATE_VARIABLE_COLOR = "#cde8ff", "#ffe2c2"
-
-
-def _current_trace() -> Any:
-  return jax_core.get_opaque_trace_state(convention="flaxlens")
 
 
 def _holds_tracer(value: Any) -> bool:
@@ -50,7 +46,7 @@ def check_storable(variable: AbstractVariable, value: Any, where: str | None = N
   Raises:
     VariableError: naming the variable, `where` it happened and what to use instead.
   """
-  if not _holds_tracer(value) or variable._trace == _current_trace():
+  if not _holds_tracer(value) or variable._trace == current_trace():
     return
   at = f"{where}: " if where else ""
   raise VariableError(
@@ -78,7 +74,7 @@ class AbstractVariable:
     if not isinstance(label, str):
       raise ArgumentError(f"A variable label must be a string, got {label!r}.")
     self._label = label
-    self._trace = _current_trace()
+    self._trace = current_trace()
     self._value = value
 
   @property
@@ -105,7 +101,7 @@ class AbstractVariable:
 
   def __setstate__(self, state: dict[str, Any]) -> None:
     self._label = state["label"]
-    self._trace = _current_trace()
+    self._trace = current_trace()
     self._value = state["value"]
 
   @value.setter

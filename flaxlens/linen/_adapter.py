@@ -4,8 +4,8 @@ A Linen variable's key is `(collection, path)`. A run applies the root's module 
 with `module.apply` on the gathered variables (mutable: the collections holding state
 variables and those named at conversion) and returns the updated collections. An
 isolated execution is rebuilt from the module's variables, its scope's rng state (keys,
-lazy suffixes and counters) and its arguments. Flax internals used: see
-`flaxlens._flax_internals`.
+lazy suffixes and counters) and its arguments. Flax internals used: through
+`flaxlens._compat` (`linen_apply`, `linen_modules`, `linen_rngs`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import flax.linen as nn
 
-from flaxlens import _flax_internals as fi
+from flaxlens._compat import linen_apply, linen_modules, linen_rngs
 from flaxlens.core._adapter import FrameworkAdapter, register_adapter
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._export import check_exportable
@@ -27,7 +27,7 @@ from flaxlens.core._walk import own_call_nodes
 from flaxlens.errors import ArgumentError, ExportError, UnsupportedFlaxFeatureError
 from flaxlens.linen._collections import flatten_collections, nest_collections
 from flaxlens.linen._convert import unflaxify_linen
-from flaxlens.linen._interceptor import LinenInterceptor
+from flaxlens.linen._interceptor import LinenInterceptor, changed_fields
 from flaxlens.linen._node import AdoptedModule, InterceptedFlaxModuleMethod, RngSnapshot
 
 
@@ -81,10 +81,12 @@ class LinenAdapter(FrameworkAdapter):
     start = root.scope_data.rngs  # An isolated call's start: rng state, adopted modules.
     snapshot = start if random_streams is None else None
     adopted = start.adopted_as_flax(rngs=snapshot is not None) if start is not None else ()
-    capture = interceptor.capture_only_native(fi.capture_filter(root.capture_intermediates))
+    capture = interceptor.capture_only_native(
+      linen_modules.capture_filter(root.capture_intermediates)
+    )
 
     def run(argument: ArgsAndKwargs) -> tuple[Any, dict[Any, Any]]:
-      result = fi.apply_fresh(
+      result = linen_apply.apply_fresh(
         root.module,
         variables,
         *argument.args,
@@ -107,29 +109,29 @@ class LinenAdapter(FrameworkAdapter):
   def record_before(
     self, interceptor: Any, node: Any, module: Any, args: Any, kwargs: Any
   ) -> tuple[Any, Any]:
-    keys, suffixes, counters = fi.rng_snapshot(module)
-    held = fi.held_elsewhere(module)
+    keys, suffixes, counters = linen_rngs.rng_snapshot(module)
+    held = linen_modules.held_elsewhere(module)
     adopted_static, adopted_keys = [], []
     for where, other in held:  # They draw from their own scopes: keep those states too.
-      other_keys, other_suffixes, other_counters = fi.rng_snapshot(other)
+      other_keys, other_suffixes, other_counters = linen_rngs.rng_snapshot(other)
       other_suffixes = tuple(sorted(other_suffixes.items()))
       adopted_static.append((where, other.name, other_suffixes, other_counters))
       adopted_keys.append(other_keys)
     static = (
-      fi.unbound_clone(module),  # With any settings edited in the node applied.
+      linen_modules.unbound_clone(module),  # With any settings edited in the node applied.
       node.method_name,
       tuple(sorted(suffixes.items())),
       counters,
       interceptor.mutable,
       node.capture_intermediates,
       tuple(adopted_static),
-      fi.compact_state(module, node.method_name),
+      linen_modules.compact_state(module, node.method_name),
     )
-    return static, (fi.call_variables(module, held), keys, tuple(adopted_keys))
+    return static, (linen_modules.call_variables(module, held), keys, tuple(adopted_keys))
 
   def record_after(self, node: Any, module: Any, output: Any) -> tuple[Any, Any]:
-    after = fi.call_variables(module)
-    capture = fi.capture_filter(node.capture_intermediates)
+    after = linen_modules.call_variables(module)
+    capture = linen_modules.capture_filter(node.capture_intermediates)
     if capture is not None and capture(module, node.method_name):
       # Flax sows a captured output after the interceptor returns; add it as Flax will.
       sown = after.setdefault("intermediates", {})
@@ -137,7 +139,7 @@ class LinenAdapter(FrameworkAdapter):
     return None, after
 
   def check_isolatable(self, node: Any) -> None:
-    if fi.lifted_function_body(node.module, node.method_name):
+    if linen_modules.lifted_function_body(node.module, node.method_name):
       name = type(node.module).__name__
       inside = ", ".join(c.where() for c in node.submodule_calls.values() if hasattr(c, "where"))
       raise UnsupportedFlaxFeatureError(
@@ -252,7 +254,7 @@ class LinenAdapter(FrameworkAdapter):
       if n is not node
       and n.converted_module is not None
       and n.module is not n.converted_module
-      and fi.changed_fields(n.module, n.converted_module)
+      and changed_fields(n.module, n.converted_module)
     ]
     if edited:
       raise ExportError(
@@ -275,7 +277,7 @@ def _describe_rngs(snapshot: RngSnapshot, encode: Callable[[Any, str], Any]) -> 
   data = {
     "keys": encode(dict(snapshot.keys), "rng keys"),
     "suffixes": encode(dict(snapshot.suffixes), "rng suffixes"),
-    "counters": fi.counters_to_data(snapshot.counters),
+    "counters": linen_rngs.counters_to_data(snapshot.counters),
   }
   if snapshot.adopted:
     data["adopted"] = [
@@ -295,7 +297,7 @@ def _rebuild_rngs(
   return RngSnapshot(
     keys=decode(data["keys"], f"{where}.keys"),
     suffixes=tuple(sorted(decode(data["suffixes"], f"{where}.suffixes").items())),
-    counters=fi.counters_from_data(data["counters"]),
+    counters=linen_rngs.counters_from_data(data["counters"]),
     adopted=tuple(
       AdoptedModule(
         path=tuple(a["path"]),

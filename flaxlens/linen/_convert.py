@@ -8,8 +8,8 @@ collections) holding the caller's own buffer, owned by the calls of its module. 
 re-checks every parameter's shape against its initializer at every apply; while
 converting, each distinct initializer (same function object, equal arguments) is
 evaluated once and its shapes compared for every parameter, raising Flax's own
-`ScopeParamShapeError` (`_flax_internals.param_checks_once`). Flax internals used: see
-`flaxlens._flax_internals`.
+`ScopeParamShapeError` (`_compat.linen_apply.param_checks_once`). Flax internals used: through
+`flaxlens._compat` (`linen_apply`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 from flax import errors as flax_errors
 
-from flaxlens import _flax_internals as fi
+from flaxlens._compat import linen_apply
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._call_record import CallRecord
 from flaxlens.core._convert import build_nodes, record_calls
@@ -71,8 +71,8 @@ def unflaxify_linen(
     adopted = keys.adopted_as_flax() if isinstance(keys, RngSnapshot) else ()
     cursor = keys.compact_cursor if isinstance(keys, RngSnapshot) else None
     keys = None if snapshot is not None else keys
-    with interceptor.active(), fi.param_checks_once():
-      result = fi.apply_fresh(
+    with interceptor.active(), linen_apply.param_checks_once():
+      result = linen_apply.apply_fresh(
         module,
         vs,
         *args,

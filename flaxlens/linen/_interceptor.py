@@ -4,11 +4,12 @@ Flax calls the interceptor for every module method call (`nn.intercept_methods`)
 names the call within its caller and hands it to the framework-neutral dispatch of
 `CallInterceptor`. It also keys Flax's `nn.jit` caches on the run, and applies settings
 edited in a node's module (`module.clone(dtype=...)`) for the duration of its call.
-Flax internals used: see `flaxlens._flax_internals`.
+Flax internals used: through `flaxlens._compat` (`linen_modules`, `linen_lift`, `tracing`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,7 +18,7 @@ import flax.linen as nn
 import jax
 from flax import errors as flax_errors
 
-from flaxlens import _flax_internals as fi
+from flaxlens._compat import linen_lift, linen_modules, tracing
 from flaxlens.core._active import current_interceptor
 from flaxlens.core._call_record import CallRecord
 from flaxlens.core._calls import CallInterceptor
@@ -52,14 +53,14 @@ class LinenInterceptor(CallInterceptor):
     if current_interceptor() is not self or context.method_name == "setup":
       return next_fun(*args, **kwargs)
     module = context.module
-    if fi.is_setup_check(module):
+    if linen_modules.is_setup_check(module):
       return next_fun(*args, **kwargs)
     if self._inlined_body:
       # The body of an nn.jit this run inlines (see `active`): jits inside it compile.
       self._inlined_body = False
       with jax.disable_jit(False):
         return self.intercept(next_fun, args, kwargs, context)
-    path = self.prefix + fi.module_path(module)
+    path = self.prefix + linen_modules.module_path(module)
     if self.building:  # Conversion runs every call natively (no `native` frame).
       output = self.dispatch(module, path, context.method_name, next_fun, args, kwargs)
       self._not_run = None
@@ -104,7 +105,7 @@ class LinenInterceptor(CallInterceptor):
     inlined: list[Any] = []
 
     def start() -> Any:
-      context = self.inner_jit(fi.current_trace())
+      context = self.inner_jit(tracing.current_trace())
       key = context.__enter__()
       opened.append(context)
       inline = None
@@ -124,9 +125,9 @@ class LinenInterceptor(CallInterceptor):
     try:
       with (
         super().active(),
-        fi.intercept_methods(self.intercept),
-        fi.linen_jit_keys(start, finish),
-        fi.linen_lifted_calls(self._lifted_call),
+        nn.intercept_methods(self.intercept),
+        linen_lift.jit_keys(start, finish),
+        linen_lift.lifted_calls(self._lifted_call),
       ):
         yield
     finally:
@@ -137,16 +138,16 @@ class LinenInterceptor(CallInterceptor):
       self._inlined_body = False
 
   def reported_name(self, method: Any) -> str | None:
-    return fi.reported_method_name(method)
+    return linen_modules.reported_method_name(method)
 
   def _lifted_call(self) -> None:
     """A lifted transform starts a call: its body's traces are one call of this frame."""
     if current_interceptor() is self and self.frames:
-      self.frames[-1].lifted_call(fi.current_trace())
+      self.frames[-1].lifted_call(tracing.current_trace())
 
   def new_record(self, module: Any, path: Path, name: str) -> CallRecord:
-    record = CallRecord(fi.unbound_clone(module), path, name)
-    lifted_by = fi.lifting_transforms(module)
+    record = CallRecord(linen_modules.unbound_clone(module), path, name)
+    lifted_by = linen_modules.lifting_transforms(module)
     record.extra["lifted_by"] = lifted_by
     record.extra["sliced"] = any(t not in _SHAPE_PRESERVING_LIFTS for t in lifted_by)
     return record
@@ -167,7 +168,7 @@ class LinenInterceptor(CallInterceptor):
     fields = self.edited_fields(node, module)
     if not fields:
       return super().run_node(node, module, next_fun, args, kwargs)
-    with fi.fields_set(module, fields):
+    with linen_modules.fields_set(module, fields):
       try:
         return super().run_node(node, module, next_fun, args, kwargs)
       except _UNFIT_EDIT as e:
@@ -195,9 +196,9 @@ class LinenInterceptor(CallInterceptor):
         f" {node.module.name!r}; a node's module can only change its settings"
         " (module.clone(dtype=...)). To run other code here, replace the call with a layer."
       )
-    fields = fi.changed_fields(node.module, recorded)
+    fields = changed_fields(node.module, recorded)
     held = [n for n, v in fields.items() if isinstance(v, nn.Module)]
-    if held or (fields and fi.defines_setup(module)):
+    if held or (fields and defines_setup(module)):
       what = f"the submodules {held}" if held else "settings of a module with setup()"
       raise FlaxlensError(
         f"{where}: the edit changes {what}, which Flax has used before the call starts"
@@ -205,6 +206,29 @@ class LinenInterceptor(CallInterceptor):
         " submodules' own nodes, or convert a model built with the new settings."
       )
     return fields
+
+
+def changed_fields(module: nn.Module, recorded: nn.Module) -> dict[str, Any]:
+  """The dataclass fields (settings) of `module` whose values differ from `recorded`'s."""
+  changed = {}
+  for field in dataclasses.fields(module):
+    if field.name == "parent" or not field.init:
+      continue
+    new, old = getattr(module, field.name), getattr(recorded, field.name)
+    if new is old:
+      continue
+    try:
+      same = bool(new == old)
+    except Exception:
+      same = False
+    if not same:
+      changed[field.name] = new
+  return changed
+
+
+def defines_setup(module: nn.Module) -> bool:
+  """Whether the module's class has a `setup` (which Flax runs before any interceptor)."""
+  return type(module).setup is not nn.Module.setup
 
 
 # Lifted transforms that run their body on the whole variables (no slicing).

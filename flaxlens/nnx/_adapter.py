@@ -5,7 +5,7 @@ private copy of the root's module from its `GraphDef` and the gathered values, m
 its modules for the `NNXInterceptor`, calls the method and reads the copy's state back.
 An isolated execution is rebuilt from the module's `GraphDef` and variable values at the
 start of the call (NNX keeps random state in variables, so no rng state is needed).
-Flax internals used: see `flaxlens._flax_internals`.
+Flax internals used: through `flaxlens._compat` (`nnx_graph`, `tracing`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from flaxlens import _flax_internals as fi
+from flaxlens._compat import nnx_graph, tracing
 from flaxlens.core._adapter import FrameworkAdapter, register_adapter
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._cache import Derived
@@ -142,7 +142,7 @@ class NNXAdapter(FrameworkAdapter):
     side_inputs: dict[str, Any],
   ) -> tuple[Any, tuple[Any, ...]]:
     graphdef = decode(recipe["graphdef"], "recipe.graphdef")
-    if not isinstance(graphdef, nnx.graph.GraphDef):
+    if not isinstance(graphdef, nnx.GraphDef):
       raise TypeError("the recipe's graphdef is not an NNX GraphDef")
     module = nnx.merge(graphdef, list(decode(recipe["leaves"], "recipe.leaves")))
     if not isinstance(module, nnx.Module):
@@ -209,10 +209,10 @@ def _update_in_place(node: Any, into: Any, model: Any) -> None:
   nnx.update(into, nnx.state(model))
   for path, module in nnx.iter_modules(model):
     target = navigate(into, tuple(path))
-    current = fi.nnx_static_attributes(target)
-    for name, value in fi.nnx_static_attributes(module).items():
+    current = nnx_graph.static_attributes(target)
+    for name, value in nnx_graph.static_attributes(module).items():
       if name not in current or not equal(current[name], value):
-        fi.nnx_set_static(target, name, value)
+        nnx_graph.set_static(target, name, value)
 
 
 def _same_kind(a: nnx.Variable, b: nnx.Variable) -> bool:
@@ -259,7 +259,7 @@ class _IdleCopies:
 
   def take(self) -> PrivateCopy | None:
     """An idle copy, only outside any JAX trace (the copy's variables were made there)."""
-    if not self._copies or not fi.at_top_level():
+    if not self._copies or not tracing.at_top_level():
       return None
     try:
       return self._copies.pop()  # Atomic: two threads never get the same copy.

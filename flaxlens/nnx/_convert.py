@@ -8,7 +8,7 @@ becomes a node; every NNX variable becomes a `Parameter` (`nnx.Param`) or a
 `StateVariable` (any other type, grouped by its collection: see
 `InterceptedFlaxScopeData`) holding the user's own array, owned by the calls of its
 module, and variables the call creates start as `Uninitialized`. Flax internals
-used: see `flaxlens._flax_internals`.
+used: through `flaxlens._compat` (`nnx_graph`, `nnx_variables`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from flax import nnx
 
-from flaxlens import _flax_internals as fi
+from flaxlens._compat import nnx_graph, nnx_variables
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._call_record import CallRecord
 from flaxlens.core._convert import build_nodes, record_calls
@@ -56,10 +56,10 @@ def unflaxify_nnx(
       f" got {type(method).__name__}."
     )
 
-  graphdef, variables = fi.nnx_flatten(model)
+  graphdef, variables = nnx_graph.flatten(model)
   given = dict(variables)
   for path, variable in given.items():
-    mode = fi.nnx_variable_mode(variable)
+    mode = nnx_variables.variable_mode(variable)
     if mode is not None:
       raise UnsupportedFlaxFeatureError(
         f"{where}: the variable {join_name(path)!r} is in {mode} mode, which flaxlens"
@@ -74,11 +74,11 @@ def unflaxify_nnx(
 
   def run(interceptor: NNXInterceptor, inputs: Any) -> None:
     leaves, args, kwargs = inputs
-    copy, made = fi.nnx_merge_indexed(graphdef, list(leaves))
+    copy, made = nnx_graph.merge_indexed(graphdef, list(leaves))
     interceptor.instrument(nnx.iter_modules(copy), ())
-    statics = {p: fi.nnx_static_attributes(m) for p, m in interceptor.by_path.items()}
+    statics = {p: nnx_graph.static_attributes(m) for p, m in interceptor.by_path.items()}
     metadata = [
-      (v, dict(fi.nnx_variable_metadata(v))) for v in made.values() if isinstance(v, nnx.Variable)
+      (v, dict(nnx_variables.metadata(v))) for v in made.values() if isinstance(v, nnx.Variable)
     ]
     with interceptor.active():
       call_method(copy, method, args, kwargs)
@@ -110,7 +110,7 @@ def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict
   `init_cache`) is a created variable, not a change.
   """
   for path, module in modules.items():
-    old, new = before[path], fi.nnx_static_attributes(module)
+    old, new = before[path], nnx_graph.static_attributes(module)
     for name in sorted(set(old) | set(new)):
       if name in old and name not in new and name in vars(module):
         continue
@@ -173,7 +173,7 @@ def _build_tree(
       collection = None
       entry = Parameter(variable.get_raw_value(), label=label)
     else:
-      collection = fi.nnx_collection_name(type(variable))
+      collection = nnx_variables.collection_name(type(variable))
       entry = StateVariable(Uninitialized() if is_new else variable.get_raw_value(), label=label)
     name = scopes.add(path, collection, entry)
     owner = scopes.owner(path)

@@ -6,7 +6,8 @@ find in the copy (its modules, its variables by path) is worked out once per def
 (`_Layout`) and looked up in the objects the merge made (`PrivateCopy`), instead of
 walking the copy's graph at every call. Static attributes changed on a subtree alone
 (`node.eval()` grafted back into a tree) are found by `static_edits` and set on the
-rebuilt copy. Flax internals used: see `flaxlens._flax_internals`.
+rebuilt copy. Flax internals used:
+through `flaxlens._compat` (`nnx_graph`, `nnx_variables`, `tracing`).
 """
 
 from __future__ import annotations
@@ -20,29 +21,13 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.core import FrozenDict
 
-from flaxlens import _flax_internals as fi
+from flaxlens._compat import nnx_graph, nnx_variables, tracing
+from flaxlens._compat.nnx_graph import leaf_paths
 from flaxlens.core._cache import Derived
 from flaxlens.core._names import Path
 from flaxlens.core._node import CallNode
 from flaxlens.core._runtime import private_value
 from flaxlens.core._walk import calls_fixed, own_call_nodes
-
-
-class _Marker:
-  __slots__ = ("index",)
-
-  def __init__(self, index: int):
-    self.index = index
-
-
-def leaf_paths(graphdef: Any) -> tuple[Path, ...]:
-  """The variable paths of `graphdef`, in the order `nnx.merge` takes a list of leaves."""
-  count = fi.nnx_leaf_count(graphdef)
-  probe = nnx.merge(graphdef, [_Marker(i) for i in range(count)])
-  paths: list[Path] = [()] * count
-  for path, variable in nnx.to_flat_state(nnx.state(probe)):
-    paths[variable.get_raw_value().index] = tuple(path)
-  return tuple(paths)
 
 
 def abstract(value: Any) -> Any:
@@ -139,7 +124,7 @@ class NNXModuleDef:
   def _resolve(self) -> None:
     assert self._source is not None
     source, path = self._source
-    graphdef, variables = fi.nnx_flatten(navigate(source.template(), path))
+    graphdef, variables = nnx_graph.flatten(navigate(source.template(), path))
     self._abstract_leaves = tuple(abstract(v.get_raw_value()) for _, v in variables)
     self._leaf_paths = tuple(p for p, _ in variables)
     self._graphdef = graphdef
@@ -178,7 +163,9 @@ class NNXModuleDef:
     """The static attributes of each module of the definition, by relative path."""
     if self._statics is None:
       template = nnx.merge(self.graphdef, [None] * len(self.leaf_paths))
-      self._statics = {tuple(p): fi.nnx_static_attributes(m) for p, m in nnx.iter_modules(template)}
+      self._statics = {
+        tuple(p): nnx_graph.static_attributes(m) for p, m in nnx.iter_modules(template)
+      }
     return self._statics
 
   def rebuild(self, values: dict[Path, Any], created: dict[Path, Any]) -> PrivateCopy:
@@ -196,7 +183,7 @@ class NNXModuleDef:
       private_value(values[p]) if p in values else jax.tree_util.tree_map(_zeros, a)
       for p, a in zip(self.leaf_paths, self.abstract_leaves, strict=True)
     ]
-    model, made = fi.nnx_merge_indexed(self.graphdef, leaves)
+    model, made = nnx_graph.merge_indexed(self.graphdef, leaves)
     if self._layout is None:
       self._layout = _Layout(model, made)
     for path, variable in created.items():
@@ -210,7 +197,7 @@ class NNXModuleDef:
       and not created
       and not orphans
       and len(copy.variables) == len(self.leaf_paths)
-      and fi.at_top_level()
+      and tracing.at_top_level()
     )
     return copy
 
@@ -253,9 +240,9 @@ def _fixed_unless_set(path: Path, value: Any, made: Mapping[int, int]) -> bool:
     return id(value) in made
   if isinstance(value, tuple | FrozenDict) or value is None:
     return True
-  if path and isinstance(path[-1], str) and path[-1].startswith("_pytree__"):
+  if path and nnx_graph.is_bookkeeping(path[-1]):
     return True
-  return not fi.nnx_is_graph_container(value)
+  return not nnx_graph.is_graph_container(value)
 
 
 class PrivateCopy:
@@ -332,7 +319,7 @@ class PrivateCopy:
       (node, tuple(vars(node)), tuple(vars(node).values())) for node in self._nodes
     ]
     if self.reusable and self._metadata is None:
-      self._metadata = tuple(dict(fi.nnx_variable_metadata(v)) for _, v in self.variables)
+      self._metadata = tuple(dict(nnx_variables.metadata(v)) for _, v in self.variables)
 
   def state(self) -> dict[Path, Any]:
     """`{path: raw value}` of the copy's variables now, orphans left out.
@@ -366,15 +353,15 @@ class PrivateCopy:
   def refill(self, values: Mapping[Path, Any]) -> None:
     """Gives an intact, emptied copy the values of another call (see `NNXAdapter`)."""
     for path, variable in self.variables:
-      fi.nnx_set_raw_value(variable, private_value(values[path]))
+      nnx_variables.set_raw_value(variable, private_value(values[path]))
 
   def empty(self) -> None:
     """Drops the copy's references to the run: its arrays, and the sites of its modules
     (whose token holds the run's side inputs), so a kept copy holds no memory."""
     for _, variable in self.variables:
-      fi.nnx_set_raw_value(variable, None)
+      nnx_variables.set_raw_value(variable, None)
     for _, module in self.modules:
-      fi.nnx_set_site(module, None)
+      nnx_graph.set_site(module, None)
     self._attributes = None
 
   def _unchanged(self) -> bool:
@@ -392,7 +379,7 @@ def metadata_changed(before: Mapping[str, Any], variable: Any) -> bool:
   comparison that raises (arrays held as metadata) counts as a change.
   """
   try:
-    return bool(fi.nnx_variable_metadata(variable) != before)
+    return bool(nnx_variables.metadata(variable) != before)
   except Exception:
     return True
 
@@ -452,7 +439,7 @@ def apply_static_edits(model: Any, edits: dict[Path, dict[str, Any]]) -> None:
   for path, attributes in edits.items():
     module = navigate(model, path)
     for name, value in attributes.items():
-      fi.nnx_set_static(module, name, value)
+      nnx_graph.set_static(module, name, value)
 
 
 def _zeros(leaf: Any) -> Any:
@@ -473,7 +460,7 @@ def plain_module(graphdef: Any, leaves: list[Any]) -> Any:
   """A plain NNX module (no run site) from a split of a module of a run."""
   module = nnx.merge(graphdef, leaves)
   for _, sub in nnx.iter_modules(module):
-    fi.nnx_clear_site(sub)
+    nnx_graph.clear_site(sub)
   return module
 
 

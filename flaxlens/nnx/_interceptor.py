@@ -2,7 +2,8 @@
 
 NNX has no interception hook. While a run is active, the methods of the copy's classes
 are wrapped in place and report the calls of modules that carry a site of the run; see
-`NNXInterceptor`. Flax internals used: see `flaxlens._flax_internals`.
+`NNXInterceptor`. Flax internals used: through
+`flaxlens._compat` (`nnx_graph`, `nnx_jit`, `patching`, `tracing`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
-from flaxlens import _flax_internals as fi
+from flaxlens._compat import nnx_graph, nnx_jit, patching, tracing
 from flaxlens.core._active import is_active
 from flaxlens.core._call_record import CallRecord
 from flaxlens.core._calls import CallInterceptor
@@ -48,7 +49,7 @@ class _Site(NamedTuple):
 
 
 def _is_flax_base(cls: type) -> bool:
-  return cls in fi.nnx_flax_bases() or cls.__module__ in _STDLIB_MODULES
+  return cls in nnx_graph.flax_bases() or cls.__module__ in _STDLIB_MODULES
 
 
 def _is_method(attr: Any) -> bool:
@@ -100,7 +101,7 @@ def _reporting(definer: type, name: str, method: Any) -> Callable[..., Any]:
   def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
     cls = type(self)
     bound = method.__get__(self, cls)
-    site = fi.nnx_site(self)
+    site = nnx_graph.site(self)
     if site is None:
       return bound(*args, **kwargs)  # Not a run's module.
     found = definers.get(cls)
@@ -154,7 +155,7 @@ class NNXInterceptor(CallInterceptor):
       path = prefix + tuple(rel)
       self.by_path[path] = module
       self.classes.add(type(module))
-      fi.nnx_set_site(module, _Site(path, self.token))
+      nnx_graph.set_site(module, _Site(path, self.token))
       self.modules[id(module)] = module
 
   def mark(self, sites: Iterable[tuple[Path, Any]], classes: frozenset[type]) -> None:
@@ -162,14 +163,14 @@ class NNXInterceptor(CallInterceptor):
     classes are `classes`; only the sites are set (`by_path` is for conversions)."""
     token = self.token
     for path, module in sites:
-      fi.nnx_set_site(module, _Site(path, token))
+      nnx_graph.set_site(module, _Site(path, token))
     self.classes |= classes
 
   @contextmanager
   def active(self) -> Iterator[None]:
     methods = {pair for cls in self.classes for pair in _reported(cls)}
     wrappers = {(definer, name): _report(definer, name) for definer, name in methods}
-    with fi.patched(wrappers), fi.nnx_jit_keys(self._jit_call), super().active():
+    with patching.patched(wrappers), nnx_jit.jit_keys(self._jit_call), super().active():
       yield
 
   def _jit_call(self, call: Callable[[], Any], arguments: Any, inline: Callable[[], Any]) -> Any:
@@ -190,15 +191,15 @@ class NNXInterceptor(CallInterceptor):
     ]
     if not ours or not self.frames:
       return call()
-    sites = [fi.nnx_site(m) for m in ours]
-    with self.inner_jit(fi.current_trace()) as key:
+    sites = [nnx_graph.site(m) for m in ours]
+    with self.inner_jit(tracing.current_trace()) as key:
       for module, site in zip(ours, sites, strict=True):
-        fi.nnx_set_site(module, site._replace(jit=key[1]))
+        nnx_graph.set_site(module, site._replace(jit=key[1]))
       try:
         return call()
       finally:
         for module, site in zip(ours, sites, strict=True):
-          fi.nnx_set_site(module, site)
+          nnx_graph.set_site(module, site)
 
   def new_record(self, module: Any, path: Path, name: str) -> CallRecord:
     record = CallRecord(type(module), path, name)
@@ -217,5 +218,5 @@ def _is_module(x: Any) -> bool:
 
 
 def _site_of(module: Any, interceptor: NNXInterceptor) -> _Site | None:
-  site = fi.nnx_site(module)
+  site = nnx_graph.site(module)
   return site if site is not None and site.token.interceptor is interceptor else None

@@ -1,9 +1,10 @@
 """Flax's parameter shape checks during Linen conversion, against `module.apply`.
 
-Conversion checks each distinct initializer once (`_flax_internals.param_checks_once`);
-these tests hold it to Flax's own check: the same `ScopeParamShapeError` for any
-mismatch, no mismatch hidden by an earlier check, and Flax's `Scope.param` untouched
-outside the converting thread and after a conversion that raises.
+Conversion checks each distinct initializer once
+(`flaxlens._compat.linen_apply.param_checks_once`); these tests hold it to Flax's own
+check: the same `ScopeParamShapeError` for any mismatch, no mismatch hidden by an earlier
+check, and Flax's `Scope.param` untouched outside the converting thread and after a
+conversion that raises.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ every referenced package against the loading policy (`_policy`), streams and ver
 every array, and only then imports the checked references and rebuilds the submodel
 exactly as isolation built it. docs/artifacts.md documents the format and the policy.
 Writes go to a temporary directory renamed into place, so a crash leaves no half
-artifact. Flax internals: the rng counters' encoding, through `flaxlens._flax_internals`.
+artifact. Flax internals: the rng counters' encoding, through `flaxlens._compat`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ is constructed or called; objects from user-allowed packages are trusted in ever
 (a class named as a Flax module must still be one), objects from the default packages
 only in the vetted roles below. Where an allowed module is found is `import_folders`'
 rule (the user's `import_path` folders, the current folder, then `sys.path`), the one
-the CLI follows for a TARGET's module too. No Flax internals.
+the CLI follows for a TARGET's module too. Flax internals: the classes a `GraphDef` is
+made of, through `flaxlens._compat.nnx_graph`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from flaxlens._compat import nnx_graph
 from flaxlens.core._checks import check_items, refuse
 from flaxlens.core._variables import Uninitialized
 from flaxlens.errors import ArgumentError, ArtifactError
@@ -98,19 +100,14 @@ def _vetted_bases() -> dict[str, tuple[type, ...]]:
   import flax.linen as nn
   from flax import nnx
   from flax.core import frozen_dict, meta
-  from flax.nnx import graphlib, pytreelib
-  from flax.typing import HashableMapping
 
-  graph_data = tuple(
-    getattr(graphlib, name)
-    for name in ("GraphDef", "NodeDef", "VariableDef", "NodeAttr", "Static", "ArrayRefDef")
-  )
-  graph_nodes = (nn.Module, nnx.Pytree, nnx.Variable, graphlib.GenericPytree)
+  graph_data = tuple(internal() for internal in nnx_graph.GRAPH_DATA)
+  graph_nodes = (nn.Module, nnx.Pytree, nnx.Variable, nnx_graph.GENERIC_PYTREE())
   return {
     # A class used as a value (a module field, a GraphDef node type, a pytree node type).
-    "type": (*graph_nodes, pytreelib.PytreeState, enum.Enum),
+    "type": (*graph_nodes, nnx_graph.PYTREE_STATE(), enum.Enum),
     "dataclass": (nn.Module, meta.AxisMetadata, *graph_data, Uninitialized),
-    "mapping": (frozen_dict.FrozenDict, HashableMapping),
+    "mapping": (frozen_dict.FrozenDict, nnx_graph.HASHABLE_MAPPING()),
   }
 
 

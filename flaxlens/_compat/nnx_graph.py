@@ -1,0 +1,169 @@
+"""NNX's graph as flaxlens reads it: flatten and merge orders, static attributes, sites.
+
+Checked with flax 0.12.6–0.12.8. NNX has no interception hook (flax issue 4666), so
+flaxlens marks the modules of a private copy with a site attribute. Instance attributes
+that are not data ride in the `GraphDef` as static values, so a module re-created inside
+`nnx.scan`, `nnx.vmap`, `nnx.remat` or `nnx.jit` still knows its path and run; the
+attribute's name starts with `_pytree__`, NNX's own bookkeeping prefix, which NNX's
+reprs skip and `nnx.bridge.ToNNX` does not take for a Linen collection.
+
+What else is read here: the leaf order of `flax.nnx.graphlib.flatten` (what `nnx.split`
+runs first, the order `GraphDef.num_leaves` counts and a list of leaves is merged in);
+the `flax.nnx.graphlib.IndexMap` that `flax.nnx.graphlib.unflatten(index_ref=...)`
+fills while merging; a pytree module's `_pytree__nodes` and `_pytree__is_pytree` (which
+attributes are data), `flax.nnx.graphlib.get_node_impl` and `is_node` (what NNX
+traverses); `nnx.merge` taking any objects as leaves; the base classes whose methods
+are NNX's own (`flax.nnx.reprlib`); and, for the artifact load policy, the classes a
+`GraphDef` is made of (`flax.nnx.graphlib.NodeDef`, ...), `GenericPytree`,
+`flax.nnx.pytreelib.PytreeState` and `flax.typing.HashableMapping`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from flax import nnx
+
+from flaxlens._compat import Internal, unsupported
+
+FLATTEN = Internal("flax.nnx.graphlib", "flatten")
+UNFLATTEN = Internal("flax.nnx.graphlib", "unflatten")
+INDEX_MAP = Internal("flax.nnx.graphlib", "IndexMap")
+GET_NODE_IMPL = Internal("flax.nnx.graphlib", "get_node_impl")
+IS_NODE = Internal("flax.nnx.graphlib", "is_node")
+REPRESENTABLE = Internal("flax.nnx.reprlib", "Representable")
+SEQUENCE_REPR_MIXIN = Internal("flax.nnx.reprlib", "SequenceReprMixin")
+MAPPING_REPR_MIXIN = Internal("flax.nnx.reprlib", "MappingReprMixin")
+GRAPH_DATA = tuple(
+  Internal("flax.nnx.graphlib", name)
+  for name in ("GraphDef", "NodeDef", "VariableDef", "NodeAttr", "Static", "ArrayRefDef")
+)
+GENERIC_PYTREE = Internal("flax.nnx.graphlib", "GenericPytree")
+PYTREE_STATE = Internal("flax.nnx.pytreelib", "PytreeState")
+HASHABLE_MAPPING = Internal("flax.typing", "HashableMapping")
+
+BOOKKEEPING_PREFIX = "_pytree__"
+SITE_ATTRIBUTE = BOOKKEEPING_PREFIX + "flaxlens_site"
+
+
+@functools.cache
+def flax_bases() -> tuple[type, ...]:
+  """Classes whose methods are NNX's own machinery (or container API), not layer calls."""
+  return (
+    nnx.Module,
+    nnx.Pytree,
+    nnx.Object,
+    nnx.List,
+    nnx.Dict,
+    REPRESENTABLE(),
+    SEQUENCE_REPR_MIXIN(),
+    MAPPING_REPR_MIXIN(),
+  )
+
+
+def set_site(module: Any, site: Any) -> None:
+  """Stores `site` on `module` as a static attribute (it bypasses `Pytree.__setattr__`)."""
+  object.__setattr__(module, SITE_ATTRIBUTE, site)
+
+
+def clear_site(module: Any) -> None:
+  """Removes the site stored by `set_site`, if any."""
+  vars(module).pop(SITE_ATTRIBUTE, None)
+
+
+def site(module: Any) -> Any:
+  """The site stored by `set_site`, or None."""
+  return vars(module).get(SITE_ATTRIBUTE)
+
+
+def is_bookkeeping(name: Any) -> bool:
+  """Whether an attribute name is NNX's own bookkeeping (or flaxlens's site), not data."""
+  return isinstance(name, str) and name.startswith(BOOKKEEPING_PREFIX)
+
+
+def flatten(module: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
+  """`nnx.split(module)`'s `GraphDef` and `(path, variable)` pairs, in the order that
+  `nnx.merge(graphdef, leaves)` takes a list of leaves.
+  """
+  graphdef, flat = FLATTEN()(module)
+  return graphdef, [(tuple(path), variable) for path, variable in flat]
+
+
+def static_attributes(module: Any) -> dict[str, Any]:
+  """The module's own static attributes, as its `GraphDef` records them.
+
+  A pytree module (the default) keeps which attributes are data in `_pytree__nodes`,
+  set when they are assigned (`nnx.data(...)` marks a dict of variables as data, as
+  `nnx.bridge.ToNNX` does for Linen collections); other modules' attributes are data
+  when `graphlib` flattens them as nodes or leaves. NNX's `_pytree__` bookkeeping is
+  left out.
+  """
+  try:
+    nodes = module._pytree__nodes if module._pytree__is_pytree else None
+  except AttributeError as e:
+    raise unsupported("flax.nnx.Pytree._pytree__nodes and _pytree__is_pytree") from e
+  get_node_impl = GET_NODE_IMPL() if nodes is None else None
+  static = {}
+  for name, value in vars(module).items():
+    if name.startswith(BOOKKEEPING_PREFIX):
+      continue
+    if nodes is not None:
+      data = nodes.get(name, False)
+    else:
+      data = get_node_impl(value) is not None or nnx.is_data(value)
+    if not data:
+      static[name] = value
+  return static
+
+
+def set_static(module: Any, name: str, value: Any) -> None:
+  """Sets a static attribute of an NNX module, leaving its data/static record unchanged."""
+  object.__setattr__(module, name, value)
+
+
+def merge_indexed(graphdef: Any, leaves: list[Any]) -> tuple[Any, Mapping[int, Any]]:
+  """`nnx.merge(graphdef, leaves)`, and the objects it made by their `GraphDef` index.
+
+  `nnx.merge` of a list calls `graphlib.unflatten` with a fresh `IndexMap`, into which
+  it puts every graph node (module, `nnx.Rngs`, ...) and variable it creates under the
+  node's index; passing that map in keeps it. Empty for a tree-mode `GraphDef`, which
+  has no indices.
+  """
+  made = INDEX_MAP()()
+  return UNFLATTEN()(graphdef, leaves, index_ref=made), made
+
+
+def is_graph_container(value: Any) -> bool:
+  """Whether NNX traverses `value` as a node of the graph (module, list, dict, ...)."""
+  return IS_NODE()(value)
+
+
+def leaf_count(graphdef: Any) -> int:
+  """How many variables `nnx.merge(graphdef, leaves)` takes (`GraphDef.num_leaves`)."""
+  try:
+    return graphdef.num_leaves
+  except AttributeError as e:
+    raise unsupported("flax.nnx.GraphDef.num_leaves") from e
+
+
+class _Marker:
+  __slots__ = ("index",)
+
+  def __init__(self, index: int):
+    self.index = index
+
+
+def leaf_paths(graphdef: Any) -> tuple[tuple[Any, ...], ...]:
+  """The variable paths of `graphdef`, in the order `nnx.merge` takes a list of leaves.
+
+  Merged with a marker object per leaf (NNX keeps any object as a variable's value),
+  then read back from the merged module's state.
+  """
+  count = leaf_count(graphdef)
+  probe = nnx.merge(graphdef, [_Marker(i) for i in range(count)])
+  paths: list[tuple[Any, ...]] = [()] * count
+  for path, variable in nnx.to_flat_state(nnx.state(probe)):
+    paths[variable.get_raw_value().index] = tuple(path)
+  return tuple(paths)

@@ -1,0 +1,58 @@
+"""`nnx.jit`'s wrapper classes, whose calls a run takes over while it is active.
+
+Checked with flax 0.12.6–0.12.8. `nnx.jit` returns a
+`flax.nnx.transforms.compilation.JitWrapped` (a `SimpleJitWrapped` for `graph=False` or
+`graph_updates=False`), whose `fun` is the function it wraps, and caches its trace on
+the `GraphDef`s of its arguments. While a run is active their `__call__` is replaced
+in place (see `patching.patched`) so that the run can put the jitted call's key into
+the site attributes of the modules passed, or run the function inline.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from flaxlens._compat import Internal
+from flaxlens._compat.patching import patched
+
+JIT_WRAPPED_CALL = Internal("flax.nnx.transforms.compilation", "JitWrapped.__call__")
+SIMPLE_JIT_WRAPPED_CALL = Internal("flax.nnx.transforms.compilation", "SimpleJitWrapped.__call__")
+
+_nnx_local = threading.local()
+
+
+def _nnx_jit_call(original: Callable[..., Any]) -> Callable[..., Any]:
+  def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+    handlers = getattr(_nnx_local, "handlers", None)
+    if not handlers:
+      return original(self, *args, **kwargs)
+    return handlers[-1](
+      lambda: original(self, *args, **kwargs),
+      (args, kwargs),
+      lambda: self.fun(*args, **kwargs),
+    )
+
+  return call
+
+
+@contextmanager
+def jit_keys(handler: Callable[[Callable[[], Any], Any], Any]) -> Iterator[None]:
+  """While active in this thread, `nnx.jit` calls run as `handler(call, arguments, inline)`.
+
+  `inline()` calls the function `nnx.jit` wraps (its `fun`) directly, untraced.
+  """
+  replacements = {
+    JIT_WRAPPED_CALL.site(): _nnx_jit_call,
+    SIMPLE_JIT_WRAPPED_CALL.site(): _nnx_jit_call,
+  }
+  if not hasattr(_nnx_local, "handlers"):
+    _nnx_local.handlers = []
+  _nnx_local.handlers.append(handler)
+  try:
+    with patched(replacements):
+      yield
+  finally:
+    _nnx_local.handlers.pop()
