@@ -58,7 +58,23 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="tiny sizes, few reps, print only")
   parser.add_argument("--out", help=f"where to write the report ('-': print only; default {DOC})")
+  names = [case.__name__.rpartition(".")[2] for case in CASES]
+  parser.add_argument(
+    "--cases",
+    help=f"comma-separated cases to run (default: all; {', '.join(names)}); a partial run"
+    " prints only",
+  )
   args = parser.parse_args(argv)
+  cases = CASES
+  if args.cases:
+    chosen = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+      parser.error(f"unknown case(s) {unknown}; choose from {names}")
+    cases = tuple(case for case, name in zip(CASES, names, strict=True) if name in chosen)
+    if args.out not in (None, "-"):
+      parser.error("a partial run (--cases) is not the benchmark; it prints only.")
+    args.out = "-"
   out = args.out or ("-" if args.quick else str(DOC))
   if args.quick and out != "-" and Path(out).resolve() == DOC:
     parser.error(f"--quick numbers are not the benchmark; it does not write {DOC}.")
@@ -70,10 +86,11 @@ def main(argv: list[str] | None = None) -> None:
 
   subjects = make_subjects(sizes, progress)
   rows: list[Row] = []
-  for case in CASES:
+  for case in cases:
     rows += case.measure(subjects, sizes, progress)
 
   command = "python bench/run.py" + (" --quick" if args.quick else "")
+  command += f" --cases {args.cases}" if args.cases else ""
   text = render(rows, sizes, command, time.perf_counter() - started)
   missed = [row for row in rows if row.verdict.startswith("MISS") and row.analysis]
   if missed:
