@@ -35,6 +35,7 @@ from flaxlens.tools.analysis._interventions import (
   run,
   select_sites,
   sites_of,
+  where_mask,
 )
 from flaxlens.tools.isolation._isolate import isolate
 from flaxlens.tools.isolation._replay import IsolatedSubmodel
@@ -350,7 +351,9 @@ def _change(intervention: Intervention, site: str, target: Any) -> tuple[str, An
     how, value, neutral = "mul", jnp.zeros((), target.dtype), 1
   value = jnp.broadcast_to(value, target.shape)
   if intervention.index is not None:
-    value = jnp.where(intervention._mask(site, target), value, jnp.asarray(neutral, value.dtype))
+    value = jnp.where(
+      where_mask(intervention, site, target), value, jnp.asarray(neutral, value.dtype)
+    )
   return how, value
 
 
