@@ -170,8 +170,8 @@ def _call_at(tree: CallNode, at: Any, where: str) -> tuple[CallNode, Any]:
     raise SelectionError(
       f"{where} isolates one call, but {_shown_at(at)} selects {len(nodes)}"
       + (f": {named}{' ...' if len(nodes) > 8 else ''}" if nodes else "")
-      + ". Narrow it to one call (a longer path, or the call node itself:"
-      " tree.select().at_path(...).get_sequence()[i])."
+      + ". Give exactly one call: a longer path, or the call node itself"
+      " (tree.select().at_path(...).get_sequence()[i])."
     )
   if not is_call_node(nodes[0]):
     raise SelectionError(
