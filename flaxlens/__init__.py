@@ -1,91 +1,177 @@
 """flaxlens: turn any Flax model into an explicit tree of layers you can see and edit.
 
 Each public name is imported once below, as `from module import name as name` (the
-explicit re-export type checkers honour), and `__all__` lists exactly those names. The
-modules they come from are private and may change; `flaxlens.errors` is public too, its
-docstring says when each error is raised and what to do.
+explicit re-export type checkers honour), grouped by job in the order of the API
+reference (docs/api.md), and `__all__` lists exactly those names, in the same groups.
+The modules they come from are private and may change; `flaxlens.errors` is public too,
+its docstring says when each error is raised and what to do.
 """
 
+# isort: off
 from importlib import metadata as _metadata
-from types import ModuleType as _ModuleType
 
-from flaxlens._unflaxify import unflaxify as unflaxify
 from flaxlens.core import _render
+
+# Converting and calling a model.
+from flaxlens._unflaxify import unflaxify as unflaxify
 from flaxlens.core._args import ArgsAndKwargs as ArgsAndKwargs
-from flaxlens.core._edit import EditedCall as EditedCall
-from flaxlens.core._jit import variable_jit as variable_jit
-from flaxlens.core._layer import Layer as Layer
-from flaxlens.core._node import CallNode as CallNode
 from flaxlens.core._random import RandomStream as RandomStream
+from flaxlens.core._node import CallNode as CallNode
+from flaxlens.linen._node import InterceptedFlaxModuleMethod as InterceptedFlaxModuleMethod
+from flaxlens.nnx._node import InterceptedNNXModuleMethod as InterceptedNNXModuleMethod
 from flaxlens.core._scope import InterceptedFlaxScopeData as InterceptedFlaxScopeData
-from flaxlens.core._selectors import Selection as Selection
-from flaxlens.core._selectors import select as select
+
+# Trees: structs, layers, selections.
 from flaxlens.core._struct import Struct as Struct
 from flaxlens.core._struct import static_field as static_field
+from flaxlens.core._layer import Layer as Layer
+from flaxlens.core._selectors import Selection as Selection
+from flaxlens.core._selectors import select as select
+
+# Variables.
+from flaxlens.core._variables import Parameter as Parameter
+from flaxlens.core._variables import StateVariable as StateVariable
 from flaxlens.core._variables import AbstractVariable as AbstractVariable
 from flaxlens.core._variables import AbstractVariableSlot as AbstractVariableSlot
 from flaxlens.core._variables import AbstractVariableValue as AbstractVariableValue
-from flaxlens.core._variables import Parameter as Parameter
 from flaxlens.core._variables import ParameterSlot as ParameterSlot
 from flaxlens.core._variables import ParameterValue as ParameterValue
-from flaxlens.core._variables import StateVariable as StateVariable
 from flaxlens.core._variables import StateVariableSlot as StateVariableSlot
 from flaxlens.core._variables import StateVariableValue as StateVariableValue
 from flaxlens.core._variables import Uninitialized as Uninitialized
 from flaxlens.core._variables import bind_variables as bind_variables
+from flaxlens.core._variables import unbind_variables as unbind_variables
 from flaxlens.core._variables import freeze_variables as freeze_variables
 from flaxlens.core._variables import relabel_variables as relabel_variables
-from flaxlens.core._variables import unbind_variables as unbind_variables
 from flaxlens.core._variables import variables_in as variables_in
+from flaxlens.core._jit import variable_jit as variable_jit
+
+# Inspecting.
+from flaxlens.tools.view._summary import summary as summary
+from flaxlens.tools.view._html import to_html as to_html
+
+# Capturing and intervening.
+from flaxlens.tools.analysis._interventions import run as run
+from flaxlens.tools.analysis._interventions import capture as capture
+from flaxlens.tools.analysis._interventions import Intervention as Intervention
+from flaxlens.tools.analysis._interventions import ablate as ablate
+from flaxlens.tools.analysis._interventions import patch as patch
+from flaxlens.tools.analysis._interventions import steer as steer
+from flaxlens.tools.analysis._interventions import scale as scale
+from flaxlens.tools.analysis._interventions import modify as modify
+from flaxlens.tools.analysis._interventions import place as place
+from flaxlens.core._edit import EditedCall as EditedCall
+from flaxlens.tools.analysis._sweeps import sweep as sweep
+from flaxlens.tools.analysis._sweeps import SweepResult as SweepResult
+from flaxlens.tools.analysis._sweeps import attribute as attribute
+from flaxlens.tools.analysis._sweeps import grad_at as grad_at
+from flaxlens.tools.files._specs import save_interventions as save_interventions
+from flaxlens.tools.files._specs import load_interventions as load_interventions
+
+# Exporting and comparing.
+from flaxlens.tools.export._fold import fold as fold
+from flaxlens.tools.export._equivalence import check_equivalence as check_equivalence
+from flaxlens.tools._compare import EquivalenceReport as EquivalenceReport
+from flaxlens.tools.export._saving import save_exported as save_exported
+from flaxlens.tools.export._saving import load_exported as load_exported
+
+# Isolating, saving and replaying.
+from flaxlens.tools.isolation._isolate import isolate as isolate
+from flaxlens.tools.isolation._replay import IsolatedSubmodel as IsolatedSubmodel
+from flaxlens.tools.files._artifact import save_isolated as save_isolated
+from flaxlens.tools.files._artifact import load_isolated as load_isolated
+from flaxlens.tools.files._codec import register_value_codec as register_value_codec
+
+# Errors.
+from flaxlens.errors import FlaxlensError as FlaxlensError
 from flaxlens.errors import ArgumentError as ArgumentError
 from flaxlens.errors import ArtifactError as ArtifactError
-from flaxlens.errors import CallStructureError as CallStructureError
 from flaxlens.errors import ExportError as ExportError
-from flaxlens.errors import FlaxlensError as FlaxlensError
 from flaxlens.errors import ModelCallError as ModelCallError
+from flaxlens.errors import CallStructureError as CallStructureError
 from flaxlens.errors import ReplacementError as ReplacementError
 from flaxlens.errors import SelectionError as SelectionError
 from flaxlens.errors import UnsupportedFlaxFeatureError as UnsupportedFlaxFeatureError
 from flaxlens.errors import VariableError as VariableError
-from flaxlens.linen._node import InterceptedFlaxModuleMethod as InterceptedFlaxModuleMethod
-from flaxlens.nnx._node import InterceptedNNXModuleMethod as InterceptedNNXModuleMethod
-from flaxlens.tools.analysis._interventions import Intervention as Intervention
-from flaxlens.tools.analysis._interventions import ablate as ablate
-from flaxlens.tools.analysis._interventions import capture as capture
-from flaxlens.tools.analysis._interventions import modify as modify
-from flaxlens.tools.analysis._interventions import patch as patch
-from flaxlens.tools.analysis._interventions import place as place
-from flaxlens.tools.analysis._interventions import run as run
-from flaxlens.tools.analysis._interventions import scale as scale
-from flaxlens.tools.analysis._interventions import steer as steer
-from flaxlens.tools.analysis._sweeps import SweepResult as SweepResult
-from flaxlens.tools.analysis._sweeps import attribute as attribute
-from flaxlens.tools.analysis._sweeps import grad_at as grad_at
-from flaxlens.tools.analysis._sweeps import sweep as sweep
-from flaxlens.tools.export._equivalence import EquivalenceReport as EquivalenceReport
-from flaxlens.tools.export._equivalence import check_equivalence as check_equivalence
-from flaxlens.tools.export._fold import fold as fold
-from flaxlens.tools.export._saving import load_exported as load_exported
-from flaxlens.tools.export._saving import save_exported as save_exported
-from flaxlens.tools.files._artifact import load_isolated as load_isolated
-from flaxlens.tools.files._artifact import save_isolated as save_isolated
-from flaxlens.tools.files._codec import register_value_codec as register_value_codec
-from flaxlens.tools.files._specs import load_interventions as load_interventions
-from flaxlens.tools.files._specs import save_interventions as save_interventions
-from flaxlens.tools.isolation._isolate import isolate as isolate
-from flaxlens.tools.isolation._isolate import isolate_calls as isolate_calls
-from flaxlens.tools.isolation._isolate import isolate_submodel as isolate_submodel
-from flaxlens.tools.isolation._replay import IsolatedSubmodel as IsolatedSubmodel
-from flaxlens.tools.isolation._replay import ReplayReport as ReplayReport
-from flaxlens.tools.view._html import to_html as to_html
-from flaxlens.tools.view._summary import summary as summary
+# isort: on
 
 __version__ = _metadata.version("flaxlens")
 
-__all__ = sorted(
-  name
-  for name, value in globals().items()
-  if not name.startswith("_") and not isinstance(value, _ModuleType)
-)
+__all__ = [
+  # Converting and calling a model.
+  "unflaxify",
+  "ArgsAndKwargs",
+  "RandomStream",
+  "CallNode",
+  "InterceptedFlaxModuleMethod",
+  "InterceptedNNXModuleMethod",
+  "InterceptedFlaxScopeData",
+  # Trees: structs, layers, selections.
+  "Struct",
+  "static_field",
+  "Layer",
+  "Selection",
+  "select",
+  # Variables.
+  "Parameter",
+  "StateVariable",
+  "AbstractVariable",
+  "AbstractVariableSlot",
+  "AbstractVariableValue",
+  "ParameterSlot",
+  "ParameterValue",
+  "StateVariableSlot",
+  "StateVariableValue",
+  "Uninitialized",
+  "bind_variables",
+  "unbind_variables",
+  "freeze_variables",
+  "relabel_variables",
+  "variables_in",
+  "variable_jit",
+  # Inspecting.
+  "summary",
+  "to_html",
+  # Capturing and intervening.
+  "run",
+  "capture",
+  "Intervention",
+  "ablate",
+  "patch",
+  "steer",
+  "scale",
+  "modify",
+  "place",
+  "EditedCall",
+  "sweep",
+  "SweepResult",
+  "attribute",
+  "grad_at",
+  "save_interventions",
+  "load_interventions",
+  # Exporting and comparing.
+  "fold",
+  "check_equivalence",
+  "EquivalenceReport",
+  "save_exported",
+  "load_exported",
+  # Isolating, saving and replaying.
+  "isolate",
+  "IsolatedSubmodel",
+  "save_isolated",
+  "load_isolated",
+  "register_value_codec",
+  # Errors.
+  "FlaxlensError",
+  "ArgumentError",
+  "ArtifactError",
+  "ExportError",
+  "ModelCallError",
+  "CallStructureError",
+  "ReplacementError",
+  "SelectionError",
+  "UnsupportedFlaxFeatureError",
+  "VariableError",
+]
 
 _render.register_handlers()

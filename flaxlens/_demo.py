@@ -142,7 +142,7 @@ def demo() -> int:
   # 5. Isolate, save, replay in a fresh process.
   console.print("\n[bold]5. Isolate[/]: Block_1 with its inputs, saved and replayed elsewhere ...")
   with console.status("isolating, saving and replaying in a new process ..."):
-    isolated = fl.isolate(model, variables, tokens, at="Block_1")
+    isolated = fl.isolate(tree, tokens, "Block_1")
     path = os.path.join(out_dir, "block_1")
     fl.save_isolated(isolated, path)
     replayed = subprocess.run(

@@ -88,6 +88,7 @@ def replay(
   could not be replayed.
   """
   from rich.console import Console
+  from rich.markup import escape
 
   import flaxlens as fl
 
@@ -102,13 +103,18 @@ def replay(
   except Exception as e:
     print(f"flaxlens replay: the saved call raised {type(e).__name__}: {e}", file=sys.stderr)
     return 2
-  for leaf, same in report.identical.items():
-    verdict = "[green]match[/]" if same else f"[red]{report.verdict(leaf)}[/]"
-    console.print(f"{leaf}  {verdict}", highlight=False)
-  console.print("[bold green]exact replay[/]" if report.exact else "[bold red]replay differs[/]")
-  if report.note and not report.exact:
+  width = max((len(row.name) for row in report.rows), default=0)
+  for row in report.rows:
+    if row.bitwise:
+      verdict = "[green]match[/]"
+    else:
+      note = f" ({escape(row.note)})" if row.note else ""
+      verdict = f"[red]MISMATCH max abs {row.max_abs:.3g}{note}[/]"
+    console.print(f"{escape(row.name):<{width}}  {verdict}", highlight=False)
+  console.print("[bold green]exact replay[/]" if report else "[bold red]replay differs[/]")
+  if report.note and not report:
     console.print(f"note: {report.note}", highlight=False)
-  return 0 if report.exact else 1
+  return 0 if report else 1
 
 
 def check(first: str, second: str) -> int:

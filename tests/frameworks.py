@@ -175,16 +175,12 @@ class Framework(abc.ABC):
     """Calls `tree` as the case calls its model; `kwargs` override the call's keywords."""
     return tree(self.argument(case, **kwargs), **self.side_inputs(case))
 
-  def isolate(self, case: Any, path: str | None) -> fl.IsolatedSubmodel:
-    """Isolates the call at `path` (None: the root call) of the case's converted tree."""
+  def isolate(self, case: Any, path: str | None, **options: Any) -> Any:
+    """`fl.isolate` of the call at `path` (None: the root call) of the case's converted
+    tree, on the case's arguments; `options` are `fl.isolate`'s (`every=True`)."""
     tree = self.convert(case)
-    selection = tree.select() if path is None else tree.select().at_path(path)
-    return fl.isolate_submodel(selection, self.argument(case), **self.side_inputs(case))
-
-  def isolate_model(self, case: Any, at: str) -> fl.IsolatedSubmodel:
-    """`fl.isolate` of the case's plain model: `unflaxify`'s arguments and the path."""
-    args, kwargs = self.unflaxify_arguments(case)
-    return fl.isolate(*args, at=at, **kwargs)
+    at = tree if path is None else path
+    return fl.isolate(tree, self.argument(case), at, **options, **self.side_inputs(case))
 
 
 class _Linen(Framework):
@@ -193,9 +189,12 @@ class _Linen(Framework):
   node_type = fl.InterceptedFlaxModuleMethod
 
   def unflaxify_arguments(self, case, **overrides):
-    options = dict(method=case.method, rngs=case.rngs, mutable=case.mutable)
-    if case.capture_intermediates:  # an option `fl.isolate` does not take
-      options["capture_intermediates"] = case.capture_intermediates
+    options = dict(
+      method=case.method,
+      rngs=case.rngs,
+      mutable=case.mutable,
+      capture_intermediates=case.capture_intermediates,
+    )
     return (case.module, case.variables, *case.args), {**options, **overrides, **case.kwargs}
 
   def argument(self, case, **kwargs):

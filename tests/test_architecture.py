@@ -17,7 +17,16 @@ flaxlens/). The rules:
   _gather` and `_calls._gather` (an attribute of an imported module) cross when the two
   modules are in different packages; `from flaxlens.core import _calls` (a private module
   of another package, for its public names) and `from flaxlens.core._calls import gather`
-  do not. Attributes of objects (`node._private()`) are not visible to this check.
+  do not. Attributes of objects (`node._private()`) are the next rule's.
+- No private attribute is reached across those units either: `x._name` (one underscore,
+  not `self._name` or `cls._name`) in a module of one unit, where flaxlens defines
+  `_name` on a class (a method, a class attribute or field, `self._name = ...`, a
+  `setattr(obj, "_name", ...)`) only in modules of other units. Only names flaxlens
+  defines count: `module._state` of a Flax module is not ours. A private module-level
+  name reached as an attribute of its module (`_calls._gather`) is the import rule's; such
+  names are not counted here, since an object that is not a module cannot hold them (Flax's
+  `module._state` and a NamedTuple's `site._replace` share their names with module-level
+  functions of flaxlens).
 - `core` and `tools` are framework-neutral: nothing in them imports from `linen` or
   `nnx`. The composition root (`flaxlens/__init__.py`, `flaxlens/_unflaxify.py`) may.
 - No Flax or JAX internal is imported outside `flaxlens/_compat/`: no `flax`/`jax` module
@@ -220,6 +229,77 @@ def private_names_across_packages(imports: dict[str, list[Import]]) -> list[Impo
   ]
 
 
+@dataclasses.dataclass(frozen=True)
+class Access:
+  """`module` (line `line`) reads `text` (`node._mask`), whose attribute flaxlens defines
+  only in the units `owners`."""
+
+  module: str
+  line: int
+  text: str
+  owners: tuple[str, ...]
+
+  def __str__(self) -> str:
+    return f"{self.module}:{self.line} reads {self.text}, defined only in {', '.join(self.owners)}"
+
+
+def _private(name: str) -> bool:
+  return name.startswith("_") and not name.startswith("__")
+
+
+def _on_self(node: ast.AST) -> bool:
+  return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def _class_attributes(tree: ast.Module) -> set[str]:
+  """The private attributes a module defines on classes and instances."""
+  found: set[str] = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ClassDef):
+      for item in node.body:
+        if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+          found.add(item.name)
+        targets = item.targets if isinstance(item, ast.Assign) else []
+        targets += [item.target] if isinstance(item, ast.AnnAssign) else []
+        found.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      found.update(
+        n.attr
+        for t in targets
+        for n in ast.walk(t)
+        if isinstance(n, ast.Attribute) and _on_self(n.value)
+      )
+    elif isinstance(node, ast.Call) and len(node.args) >= 2:
+      setter = node.func
+      named = node.args[1]
+      if (
+        (isinstance(setter, ast.Name) and setter.id == "setattr")
+        or (isinstance(setter, ast.Attribute) and setter.attr == "__setattr__")
+      ) and isinstance(named, ast.Constant):
+        found.add(named.value)
+  return {name for name in found if isinstance(name, str) and _private(name)}
+
+
+def private_attributes_across_packages(source: pathlib.Path) -> list[Access]:
+  """Each `x._name` read in one unit whose attribute flaxlens defines only in others."""
+  trees = {m: ast.parse(p.read_text(), str(p)) for m, p in _module_names(source).items()}
+  owners: dict[str, set[str]] = {}
+  for module, tree in trees.items():
+    for name in _class_attributes(tree):
+      owners.setdefault(name, set()).add(_unit(module))
+  found = []
+  for module, tree in trees.items():
+    for node in ast.walk(tree):
+      if not isinstance(node, ast.Attribute) or _on_self(node.value):
+        continue
+      units = owners.get(node.attr, set())
+      if _private(node.attr) and units and _unit(module) not in units:
+        access = Access(module, node.lineno, ast.unparse(node), tuple(sorted(units)))
+        found.append(((module, node.lineno, node.col_offset), access))
+  return [access for _, access in sorted(found, key=lambda item: item[0])]
+
+
 def adapters_imported_by_neutral_layers(imports: dict[str, list[Import]]) -> list[Import]:
   return [
     i for i in _all(imports) if _layer(i.importer) in NEUTRAL and _layer(i.module) in ADAPTERS
@@ -345,6 +425,52 @@ def test_each_rule_finds_its_violation_in_a_package_that_breaks_it(tmp_path):
   assert list(map(str, adapters_imported_by_neutral_layers(imports))) == [
     "flaxlens.core._a:3 imports flaxlens.linen._x._p"
   ]
+
+
+def test_the_attribute_rule_finds_private_attributes_read_across_units(tmp_path):
+  """Methods, class attributes, `self._x =` and `setattr` define; reads on `self`, of
+  names the reader's unit also defines, or of names flaxlens never defines, pass."""
+  source = _write(
+    tmp_path,
+    {
+      "__init__.py": "",
+      "core/__init__.py": "",
+      "core/_a.py": (
+        "class Node:\n"
+        "  _kind = 'call'\n"
+        "  def __init__(self):\n"
+        "    self._slot = 1\n"
+        "    object.__setattr__(self, '_frozen', 2)\n"
+        "  def _spec(self):\n"
+        "    return self._slot, self._kind\n"
+        "  def _shared(self):\n"
+        "    return 0\n"
+        "def _helper(node):\n"
+        "  return node._external\n"
+      ),
+      "tools/__init__.py": "",
+      "tools/job/__init__.py": "",
+      "tools/job/_b.py": (
+        "class Tool:\n"
+        "  def _shared(self):\n"
+        "    return self._own\n"
+        "def use(node, module):\n"
+        "  return (node._spec(), node._slot, node._kind, node._frozen, node._shared(),\n"
+        "          module._state, module._helper, node.__dict__)\n"
+      ),
+    },
+  )
+  assert list(map(str, private_attributes_across_packages(source))) == [
+    "flaxlens.tools.job._b:5 reads node._spec, defined only in core",
+    "flaxlens.tools.job._b:5 reads node._slot, defined only in core",
+    "flaxlens.tools.job._b:5 reads node._kind, defined only in core",
+    "flaxlens.tools.job._b:5 reads node._frozen, defined only in core",
+  ]
+
+
+def test_no_private_attribute_is_read_across_core_linen_nnx_root_and_tools_jobs():
+  found = private_attributes_across_packages(SOURCE)
+  assert not found, "private attributes across units:\n" + "\n".join(map(str, found))
 
 
 def test_no_import_cycle_between_flaxlens_modules(imports):

@@ -23,7 +23,7 @@ def tree():
 
 @pytest.fixture(scope="module")
 def isolated():
-  return fl.isolate(MODEL, VARIABLES, X, at="")
+  return fl.isolate(fl.unflaxify(MODEL, VARIABLES, X), X, "")
 
 
 # (function, argument named in the message, the call with one wrong argument)
@@ -64,14 +64,9 @@ CASES = [
   ),
   ("fl.load_isolated", "path", lambda tree, iso, tmp: fl.load_isolated(None)),
   ("fl.load_isolated", "max_bytes", lambda tree, iso, tmp: fl.load_isolated(tmp, max_bytes=None)),
-  ("select().at_path", "pattern", lambda tree, iso, tmp: fl.isolate(MODEL, VARIABLES, X, at=None)),
-  ("fl.isolate_calls", "argument", lambda tree, iso, tmp: fl.isolate_calls(tree.select(), None)),
-  ("fl.isolate_calls", "argument", lambda tree, iso, tmp: fl.isolate_submodel(tree.select(), X)),
-  (
-    "fl.isolate_calls",
-    "selection",
-    lambda tree, iso, tmp: fl.isolate_calls(tree, fl.ArgsAndKwargs.capture(X)),
-  ),
+  ("fl.isolate", "at", lambda tree, iso, tmp: fl.isolate(tree, X, None)),
+  ("fl.isolate", "tree", lambda tree, iso, tmp: fl.isolate(MODEL, X, "")),
+  ("fl.isolate", "every", lambda tree, iso, tmp: fl.isolate(tree, X, "", every="yes")),
 ]
 
 

@@ -194,7 +194,7 @@ def test_isolating_after_plain_runs_records_the_call(fw):
     _call(tree)
   selection = tree.select().at_path(fw.inner_path)
   second = tree.select().at_keypaths(selection.keypaths[1:])
-  isolated = fl.isolate_submodel(second, fl.ArgsAndKwargs.capture(X))
+  isolated = fl.isolate(tree, X, second)
   hidden = jax.nn.relu(fw.inner(X))
   assert_trees_equal(isolated.saved_output, fw.inner(hidden))
   assert isolated.replay()

@@ -18,84 +18,21 @@ import pytest
 import flaxlens as fl
 from flaxlens import errors
 
-PUBLIC = {
-  # Converting and calling a model.
-  "unflaxify",
-  "ArgsAndKwargs",
-  "RandomStream",
-  "CallNode",
-  "InterceptedFlaxModuleMethod",
-  "InterceptedFlaxScopeData",
-  "InterceptedNNXModuleMethod",
-  # Trees: structs, layers, selections.
-  "Struct",
-  "static_field",
-  "Layer",
-  "Selection",
-  "select",
-  # Variables.
-  "AbstractVariable",
-  "AbstractVariableSlot",
-  "AbstractVariableValue",
-  "Parameter",
-  "ParameterSlot",
-  "ParameterValue",
-  "StateVariable",
-  "StateVariableSlot",
-  "StateVariableValue",
-  "Uninitialized",
-  "bind_variables",
-  "freeze_variables",
-  "relabel_variables",
-  "unbind_variables",
-  "variables_in",
-  "variable_jit",
-  # Tools: isolate, artifacts, summary, the web page.
-  "IsolatedSubmodel",
-  "EquivalenceReport",
-  "check_equivalence",
-  "fold",
-  "ReplayReport",
-  "isolate",
-  "isolate_calls",
-  "isolate_submodel",
-  "load_isolated",
-  "load_exported",
-  "save_exported",
-  "save_isolated",
-  "register_value_codec",
-  "summary",
-  # interventions and captures
-  "Intervention",
-  "ablate",
-  "capture",
-  "modify",
-  "place",
-  "EditedCall",
-  "patch",
-  "run",
-  "scale",
-  "steer",
-  "load_interventions",
-  "save_interventions",
-  "to_html",
-  # sweeps, attribution patching, gradients at calls
-  "SweepResult",
-  "attribute",
-  "grad_at",
-  "sweep",
-  # Errors.
-  "FlaxlensError",
-  "ArgumentError",
-  "ArtifactError",
-  "CallStructureError",
-  "ExportError",
-  "ModelCallError",
-  "ReplacementError",
-  "SelectionError",
-  "UnsupportedFlaxFeatureError",
-  "VariableError",
-}
+API_PAGE = Path(__file__).parents[1] / "docs" / "api.md"
+
+
+def _documented() -> list[tuple[str, str]]:
+  """`(section, name)` for each `::: flaxlens.NAME` of the API reference, in page order."""
+  found, section = [], ""
+  for line in API_PAGE.read_text().splitlines():
+    if line.startswith("## "):
+      section = line[3:]
+    elif line.startswith("::: flaxlens."):
+      found.append((section, line.removeprefix("::: flaxlens.")))
+  return found
+
+
+PUBLIC = {name for _, name in _documented()}
 
 # Data users receive from flaxlens (and may test with isinstance) but never build or
 # call, so they need no example of their own.
@@ -112,12 +49,28 @@ RECEIVED_ONLY = {
 }
 
 
-def test_all_is_exactly_the_documented_public_set():
-  assert sorted(fl.__all__) == sorted(PUBLIC)
+def test_all_lists_the_names_the_api_reference_documents_in_its_order():
+  assert fl.__all__ == [name for _, name in _documented()]
 
 
 def test_every_public_name_is_listed_once():
   assert len(fl.__all__) == len(set(fl.__all__))
+  assert len(_documented()) == len(PUBLIC)
+
+
+def test_all_is_grouped_by_the_sections_of_the_api_reference():
+  source = inspect.getsource(fl)
+  listed = source[source.index("__all__ = [") :]
+  comments = [line.strip()[2:] for line in listed.splitlines() if line.strip().startswith("# ")]
+  sections = list(dict.fromkeys(section for section, _ in _documented()))
+  assert [c.rstrip(".") for c in comments] == sections
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_every_public_name_is_importable(name):
+  namespace = {}
+  exec(f"from flaxlens import {name}", namespace)
+  assert namespace[name] is getattr(fl, name)
 
 
 def test_metadata_classes_are_not_public_but_stay_importable():

@@ -23,11 +23,10 @@ def measure(subjects: list[Subject], sizes: Sizes, progress: Progress) -> list[R
   x = tokens(sizes)
   tree = fl.unflaxify(model, variables, x)
   name = f"LinenBlock_{max(sizes.layers // 2 - 1, 0)}"
-  block = tree.select().at_path(name)
 
   def isolate_replay() -> Sample:
     start = time.perf_counter()
-    isolated = fl.isolate_submodel(block, fl.ArgsAndKwargs.capture(x))
+    isolated = fl.isolate(tree, x, name)
     isolated_at = time.perf_counter()
     jax.block_until_ready(
       isolated.submodel.stateless_call(
@@ -45,7 +44,7 @@ def measure(subjects: list[Subject], sizes: Sizes, progress: Progress) -> list[R
   return [
     Row(
       NAME,
-      f"Linen: fl.isolate_submodel({name}) + replay / one module.apply",
+      f"Linen: fl.isolate(tree, x, {name!r}) + replay / one module.apply",
       "isolate_replay",
       ratio=ratios(ours, native),
       measured=f"{seconds(median(ours))} vs {seconds(median(native))}",

@@ -45,15 +45,6 @@ class FrameworkAdapter(abc.ABC):
   def convert(self, model: Any, *args: Any, **kwargs: Any) -> CallNode:
     """Records the calls of `model` on the example arguments and builds their nodes."""
 
-  @abc.abstractmethod
-  def example_call(
-    self, args: tuple[Any, ...], options: dict[str, Any]
-  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """`(call_args, side_inputs)` of the call `convert(model, *args, **options)` saw.
-
-    Linen drops the variables from `args` and passes `rngs` as `random_streams`.
-    """
-
   # --- running --------------------------------------------------------------------------
 
   @abc.abstractmethod

@@ -48,12 +48,6 @@ class LinenAdapter(FrameworkAdapter):
       )
     return unflaxify_linen(model, *args, **kwargs)
 
-  def example_call(
-    self, args: tuple[Any, ...], options: dict[str, Any]
-  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    rngs = options.get("rngs")
-    return args[1:], ({"random_streams": rngs} if rngs is not None else {})
-
   def entries(self, node: Any, base: tuple[Any, ...]) -> Iterator[tuple[Any, Any, Any]]:
     data = node.scope_data
     for name, entry in data.parameters.items():

@@ -55,11 +55,6 @@ class NNXAdapter(FrameworkAdapter):
   def convert(self, model: Any, *args: Any, **kwargs: Any) -> InterceptedNNXModuleMethod:
     return unflaxify_nnx(model, *args, **kwargs)
 
-  def example_call(
-    self, args: tuple[Any, ...], options: dict[str, Any]
-  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return args, {}
-
   def entries(self, node: Any, base: tuple[Any, ...]) -> Iterator[tuple[Any, Any, Any]]:
     data = node.scope_data
     for spec in node.specs:

@@ -60,27 +60,28 @@ FLAX_MODULES = {
 def test_flax_module_settings_round_trip_without_allowing_anything(tmp_path, name):
   module = FLAX_MODULES[name]
   x = X[:, None, :] if name.startswith("partial") else X
-  isolated = fl.isolate(module, module.init(jax.random.key(0), x), x, at="")
+  isolated = fl.isolate(fl.unflaxify(module, module.init(jax.random.key(0), x), x), x, "")
   fl.save_isolated(isolated, tmp_path / "a")
   loaded = fl.load_isolated(tmp_path / "a")
   assert repr(loaded.submodel.module) == repr(module)  # A partial compares by identity.
-  assert loaded.replay().exact
+  assert loaded.replay().bitwise
 
 
 def test_a_dataclass_config_and_a_namedtuple_of_an_allowed_package_round_trip(tmp_path):
   module = ConfiguredBlock(BlockConfig(5, nn.silu), Widths(6, 1))
-  isolated = fl.isolate(module, module.init(jax.random.key(0), X), X, at="")
+  isolated = fl.isolate(fl.unflaxify(module, module.init(jax.random.key(0), X), X), X, "")
   fl.save_isolated(isolated, tmp_path / "a")
   assert read_manifest(tmp_path / "a")["requires"] == ["artifacts"]
   loaded = fl.load_isolated(tmp_path / "a", allow=["artifacts"])
   assert loaded.submodel.module.config == module.config
   assert loaded.submodel.module.widths == module.widths
-  assert loaded.replay().exact
+  assert loaded.replay().bitwise
 
 
 def test_a_config_of_a_package_not_allowed_is_refused(tmp_path):
   module = ConfiguredBlock(BlockConfig(5))
-  fl.save_isolated(fl.isolate(module, module.init(jax.random.key(0), X), X, at=""), tmp_path / "a")
+  tree = fl.unflaxify(module, module.init(jax.random.key(0), X), X)
+  fl.save_isolated(fl.isolate(tree, X, ""), tmp_path / "a")
   with pytest.raises(fl.ArtifactError, match=r"allow=\['artifacts'\]"):
     fl.load_isolated(tmp_path / "a")
 
@@ -178,7 +179,8 @@ HF = ["bert", "gpt2", "t5", "llama", "vit", "clip", "whisper"]
 def _save_hf_block(name, path):
   module, args, kwargs, at = _hf_blocks()[name]
   variables = module.init(jax.random.key(0), *args, **kwargs)
-  fl.save_isolated(fl.isolate(module, variables, *args, at=at, **kwargs), path)
+  tree = fl.unflaxify(module, variables, *args, **kwargs)
+  fl.save_isolated(fl.isolate(tree, fl.ArgsAndKwargs.capture(*args, **kwargs), at), path)
 
 
 def _replay_in_fresh_process(path, *flags):

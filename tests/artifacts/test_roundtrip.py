@@ -85,12 +85,9 @@ def test_a_failed_save_leaves_no_artifact_behind(tmp_path):
   scale = 3.0
   module = Closure(act=lambda y: y * scale)
   x = jnp.ones((1, 2))
-  isolated = fl.isolate(module, module.init(jax.random.key(0), x), x, at="Dense_0")
-  fl.save_isolated(isolated, tmp_path / "ok")
-  whole = fl.isolate_submodel(
-    fl.unflaxify(module, module.init(jax.random.key(0), x), x).select(),
-    fl.ArgsAndKwargs.capture(x),
-  )
+  tree = fl.unflaxify(module, module.init(jax.random.key(0), x), x)
+  fl.save_isolated(fl.isolate(tree, x, "Dense_0"), tmp_path / "ok")
+  whole = fl.isolate(tree, x, "")
   with pytest.raises(fl.ArtifactError, match="module.act.*cannot be referenced"):
     fl.save_isolated(whole, tmp_path / "bad")
   assert sorted(os.listdir(tmp_path)) == ["ok"]
@@ -142,7 +139,7 @@ class Helped(nn.Module):
 def test_a_loaded_helper_call_makes_its_variables_as_inside_its_compact_method(tmp_path):
   model, x = Helped(), jnp.ones((2, 3))
   variables = model.init(jax.random.key(0), x)
-  isolated = fl.isolate(model, variables, x, at=".helper")
+  isolated = fl.isolate(fl.unflaxify(model, variables, x), x, ".helper")
   fl.save_isolated(isolated, tmp_path / "helper")
   loaded = fl.load_isolated(tmp_path / "helper", allow=[Helped.__module__.split(".")[0]])
   assert_trees_equal(loaded.saved_output, isolated.saved_output)

@@ -45,7 +45,7 @@ def test_each_call_of_a_dropout_called_twice_draws_its_own_mask():
   masks = []
   for key in tree.submodule_calls:
     selection = tree.select().at(lambda t, k=key: t.submodule_calls[k])
-    isolated = fl.isolate_submodel(selection, fl.ArgsAndKwargs.capture(x), random_streams=rngs)
+    isolated = fl.isolate(tree, x, selection, random_streams=rngs)
     assert isolated.replay()
     masks.append(isolated.saved_output)
   assert not np.array_equal(masks[0], masks[1])
@@ -76,11 +76,10 @@ def test_python_valued_arguments_stay_python_values_and_replay_under_jit():
   module, x = Outer(), jnp.ones((2, 4))
   variables = module.init(jax.random.key(0), x)
   tree = fl.unflaxify(module, variables, x)
-  isolated = fl.isolate_submodel(tree.select().at_path("inner"), fl.ArgsAndKwargs.capture(x))
+  isolated = fl.isolate(tree, x, "inner")
   kwargs = isolated.saved_arg.kwargs
   assert kwargs["train"] is True and kwargs["name_tag"] == "a" and kwargs["mode"] is Mode.FAST
-  report = isolated.replay(jit=True)
-  assert max(report.max_abs_diff.values()) < 1e-6
+  assert isolated.replay(jit=True).max_abs < 1e-6
 
 
 class JittedOuter(nn.Module):
@@ -92,7 +91,7 @@ class JittedOuter(nn.Module):
 
 def test_python_valued_arguments_stay_python_values_under_the_default_compiled_replay():
   module, x = JittedOuter(), jnp.ones((2, 4))
-  isolated = fl.isolate(module, module.init(jax.random.key(0), x), x, at="inner")
+  isolated = fl.isolate(fl.unflaxify(module, module.init(jax.random.key(0), x), x), x, "inner")
   kwargs = isolated.saved_arg.kwargs
   assert isolated.recorded_compiled
   assert kwargs["train"] is True and kwargs["name_tag"] == "a" and kwargs["mode"] is Mode.FAST
@@ -107,17 +106,18 @@ def test_an_isolated_call_with_an_edited_setting_replays_with_it(cases):
     .at_path("Dense_1")
     .apply(lambda n: dataclasses.replace(n, module=n.module.clone(dtype=jnp.bfloat16)))
   )
-  isolated = fl.isolate_submodel(tree.select().at_path("Dense_1"), LINEN.argument(case))
+  isolated = fl.isolate(tree, LINEN.argument(case), "Dense_1")
   assert isolated.submodel.module.dtype == jnp.bfloat16
   assert isolated.saved_output.dtype == jnp.bfloat16
   assert isolated.replay()
 
 
-def test_isolate_takes_capture_intermediates_as_a_conversion_option():
+def test_a_call_of_a_tree_converted_with_capture_intermediates_isolates_as_it_ran():
   model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
   x = jnp.ones((1, 3))
   variables = model.init(jax.random.key(0), x)
-  isolated = fl.isolate(model, variables, x, at="layers_2", capture_intermediates=True)
+  tree = fl.unflaxify(model, variables, x, capture_intermediates=True)
+  isolated = fl.isolate(tree, x, "layers_2")
   _, state = model.apply(variables, x, capture_intermediates=True)
   assert (isolated.saved_output == state["intermediates"]["layers_2"]["__call__"][0]).all()
   assert isolated.replay()
@@ -165,7 +165,7 @@ class Holder(nn.Module):
 def test_a_module_handed_down_at_any_depth_draws_the_keys_it_drew_in_the_model(model):
   x, rngs = jnp.ones((4, 8)), {"dropout": jax.random.key(3)}
   _, state = model.apply({}, x, rngs=rngs, capture_intermediates=True)
-  isolated = fl.isolate(model, {}, x, at="child", rngs=rngs)
+  isolated = fl.isolate(fl.unflaxify(model, {}, x, rngs=rngs), x, "child", random_streams=rngs)
   assert_trees_equal(isolated.saved_output, state["intermediates"]["child"]["__call__"][0])
   assert isolated.replay()
 
@@ -194,7 +194,8 @@ def test_what_a_handed_module_sows_is_in_the_isolated_state_as_the_model_leaves_
   variables = {"params": model.init(jax.random.key(0), x)["params"]}
   rngs = {"dropout": jax.random.key(2)}
   _, sown = model.apply(variables, x, rngs=rngs, mutable=["intermediates"])
-  isolated = fl.isolate(model, variables, x, at="child", rngs=rngs, mutable=["intermediates"])
+  tree = fl.unflaxify(model, variables, x, rngs=rngs, mutable=["intermediates"])
+  isolated = fl.isolate(tree, x, "child", random_streams=rngs)
   final = {v.label: v.value for v in isolated.final_var_values}
   assert len(sown["intermediates"]["sowing"]["y"]) == 2
   assert_trees_equal(final["intermediates:inner/y"], sown["intermediates"]["sowing"]["y"])
@@ -225,7 +226,8 @@ def test_a_norm_wrapper_of_a_layer_bound_in_its_parent_replays_exactly(path):
   _, state = model.apply(
     variables, x, train=True, mutable=["batch_stats"], capture_intermediates=True
   )
-  isolated = fl.isolate(model, variables, x, at=path, train=True, mutable=["batch_stats"])
+  tree = fl.unflaxify(model, variables, x, train=True, mutable=["batch_stats"])
+  isolated = fl.isolate(tree, fl.ArgsAndKwargs.capture(x, train=True), path)
   assert_trees_equal(isolated.saved_output, state["intermediates"][path]["__call__"][0])
   assert isolated.replay()
 
@@ -254,7 +256,8 @@ def test_a_spectral_norm_whose_stats_the_call_creates_draws_them_as_the_model_do
   params = {"params": model.init(jax.random.key(0), x)["params"]}
   rngs = {"params": jax.random.key(5)}
   _, created = model.apply(params, x, rngs=rngs, mutable=["batch_stats"])
-  isolated = fl.isolate(model, params, x, at="SpectralNorm_0", rngs=rngs, mutable=["batch_stats"])
+  tree = fl.unflaxify(model, params, x, rngs=rngs, mutable=["batch_stats"])
+  isolated = fl.isolate(tree, x, "SpectralNorm_0", random_streams=rngs)
   final = {v.label: v.value for v in isolated.final_var_values}
   native_u = created["batch_stats"]["SpectralNorm_0"]["Dense_0/kernel/u"]
   assert_trees_equal(final["batch_stats:Dense_0~1kernel~1u"], native_u)
@@ -280,11 +283,7 @@ def test_the_helper_calls_inside_a_norm_wrapper_replay_as_they_ran(cases, name, 
 
   with nn.intercept_methods(record):
     case.apply()
-  found = fl.isolate_calls(
-    LINEN.convert(case).select().at_path(f"{wrapper}.{method}"),
-    LINEN.argument(case),
-    **LINEN.side_inputs(case),
-  )
+  found = LINEN.isolate(case, f"{wrapper}.{method}", every=True)
   assert len(found) == len(seen) > 0
   for isolated, output in zip(found, seen, strict=True):
     assert_trees_equal(isolated.saved_output, output)

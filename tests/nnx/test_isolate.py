@@ -47,7 +47,7 @@ def test_a_saved_nnx_call_loads_and_replays_exactly(cases, tmp_path, name, path)
 
 def test_a_saved_scan_iteration_loads_and_replays_exactly(cases, tmp_path):
   case = cases["scan"]
-  found = fl.isolate_calls(NNX.convert(case).select().at_path("blocks/linear"), NNX.argument(case))
+  found = NNX.isolate(case, "blocks/linear", every=True)
   fl.save_isolated(found[2], tmp_path / "iteration")
   loaded = fl.load_isolated(tmp_path / "iteration", allow=["nnx"])
   assert loaded.call_number == 2

@@ -47,7 +47,7 @@ def main() -> None:
   native_jitted = jax.jit(module.apply)(variables, x)
   print("jit exact:", bool(np.array_equal(jitted, native_jitted)))
   print("jit sharding:", jitted.sharding.is_equivalent_to(native_jitted.sharding, jitted.ndim))
-  print("isolate exact:", bool(fl.isolate(module, variables, x, at="Dense_1").replay()))
+  print("isolate exact:", bool(fl.isolate(tree, x, "Dense_1").replay()))
 
 
 if __name__ == "__main__":

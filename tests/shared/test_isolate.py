@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from comparisons import assert_trees_equal
@@ -102,7 +106,7 @@ def test_isolating_does_not_modify_the_tree_or_the_model(corpora, fw, name, path
   before = fw.model_state(case)
   tree = fw.convert(case)
   values = {v.label: v.value for v in fl.variables_in(tree)}
-  fl.isolate_submodel(tree.select().at_path(path), fw.argument(case), **fw.side_inputs(case))
+  fl.isolate(tree, fw.argument(case), path, **fw.side_inputs(case))
   assert all(v.value is values[v.label] for v in fl.variables_in(tree))
   assert_trees_equal(fw.model_state(case), before)
 
@@ -118,8 +122,7 @@ def test_a_call_inside_scan_gives_one_exact_submodel_per_iteration(
   corpora, fw, path, iterations, stacked_kernel
 ):
   case = corpora[fw]["scan"]
-  tree = fw.convert(case)
-  found = fl.isolate_calls(tree.select().at_path(path), fw.argument(case), **fw.side_inputs(case))
+  found = fw.isolate(case, path, every=True)
   assert [i.call_number for i in found] == list(range(iterations))
   assert all(i.replay() for i in found)
   kernels = [fw.parameters(i.submodel)["kernel"].value for i in found]
@@ -135,40 +138,80 @@ def test_a_call_inside_scan_gives_one_exact_submodel_per_iteration(
 def test_a_call_inside_vmap_gives_one_submodel_per_member_equal_up_to_rounding(
   corpora, fw, name, path
 ):
-  case = corpora[fw][name]
-  tree = fw.convert(case)
-  found = fl.isolate_calls(tree.select().at_path(path), fw.argument(case), **fw.side_inputs(case))
+  found = fw.isolate(corpora[fw][name], path, every=True)
   assert len(found) == 3
-  assert all(max(i.replay().max_abs_diff.values()) < 1e-5 for i in found)
+  assert all(i.replay().max_abs < 1e-5 for i in found)
 
 
 @pytest.mark.parametrize(
   "fw, path, message",
   [
-    (LINEN, "layers/Dense_0", "ran 3 times.*isolate_calls"),
-    (NNX, "blocks/linear", "ran 4 times.*isolate_calls"),
+    (LINEN, "layers/Dense_0", "ran 3 times.*pass every=True"),
+    (NNX, "blocks/linear", "ran 4 times.*pass every=True"),
   ],
 )
-def test_several_executions_need_isolate_calls(corpora, fw, path, message):
+def test_a_call_run_several_times_is_refused_without_every(corpora, fw, path, message):
   with pytest.raises(fl.FlaxlensError, match=message):
     fw.isolate(corpora[fw]["scan"], path)
 
 
 @pytest.mark.parametrize(
-  "fw, name, pattern, count", [(LINEN, "mlp", "Dense_*", 2), (NNX, "list", "layers/*", 3)]
+  "fw, name, pattern, named",
+  [
+    (LINEN, "mlp", "Dense_*", "selects 2: Dense_0.__call__, Dense_1.__call__"),
+    (NNX, "list", "layers/*", "selects 3: layers/0.__call__, layers/1.__call__, layers/2"),
+  ],
 )
-def test_a_selection_of_several_calls_is_refused(corpora, fw, name, pattern, count):
+def test_a_pattern_matching_several_calls_is_refused_naming_them(corpora, fw, name, pattern, named):
   case = corpora[fw][name]
-  with pytest.raises(fl.FlaxlensError, match=f"exactly one call; this one selects {count}"):
-    fl.isolate_submodel(fw.convert(case).select().at_path(pattern), fw.argument(case))
+  with pytest.raises(
+    fl.SelectionError, match=f"the path '{re.escape(pattern)}' {re.escape(named)}"
+  ):
+    fl.isolate(fw.convert(case), fw.argument(case), pattern)
 
 
 @pytest.mark.parametrize("fw, path", [(LINEN, "Dense_0"), (NNX, "hidden")])
 def test_a_selection_of_no_call_is_refused(corpora, fw, path):
   case = corpora[fw]["mlp"]
-  selection = fw.convert(case).select().at_path(path).where(lambda _: False)
-  with pytest.raises(fl.FlaxlensError, match="selects 0"):
-    fl.isolate_submodel(selection, fw.argument(case))
+  tree = fw.convert(case)
+  selection = tree.select().at_path(path).where(lambda _: False)
+  with pytest.raises(fl.SelectionError, match="the selection selects 0"):
+    fl.isolate(tree, fw.argument(case), selection)
+
+
+@pytest.mark.parametrize("fw, path", [(LINEN, "Dense_0"), (NNX, "hidden")])
+def test_a_selection_of_another_tree_is_refused(corpora, fw, path):
+  case = corpora[fw]["mlp"]
+  other = fw.convert(case).select().at_path(path)
+  with pytest.raises(fl.ArgumentError, match="fl.isolate: at is a selection of another tree"):
+    fl.isolate(fw.convert(case), fw.argument(case), other)
+
+
+@pytest.mark.parametrize("fw, path", [(LINEN, "Dense_0"), (NNX, "hidden")])
+def test_a_call_node_of_another_tree_is_refused(corpora, fw, path):
+  case = corpora[fw]["mlp"]
+  node = fw.convert(case).select().at_path(path).get()
+  with pytest.raises(fl.SelectionError, match="is not a call of"):
+    fl.isolate(fw.convert(case), fw.argument(case), node)
+
+
+@pytest.mark.parametrize("fw, path", [(LINEN, "Dense_0"), (NNX, "hidden")])
+def test_a_plain_flax_model_is_refused_showing_how_to_convert_it(corpora, fw, path):
+  case = corpora[fw]["mlp"]
+  model = fw.unflaxify_arguments(case)[0][0]
+  with pytest.raises(fl.ArgumentError, match=r"tree must be a converted tree") as refused:
+    fl.isolate(model, fw.argument(case), path)
+  assert "fl.isolate(fl.unflaxify(model, variables, x), x, " in str(refused.value)
+
+
+def test_the_old_call_with_the_model_arguments_spread_is_refused_showing_the_new_one():
+  module, x = nn.Dense(2), jnp.ones((1, 3))
+  variables = module.init(jax.random.key(0), x)
+  with pytest.raises(fl.ArgumentError, match="multiple values for argument 'at'") as refused:
+    fl.isolate(module, variables, x, at="")
+  assert str(refused.value).endswith(
+    'For example: fl.isolate(fl.unflaxify(model, variables, x), x, "Block_0/Dense_1").'
+  )
 
 
 @pytest.mark.parametrize("fw", [LINEN, NNX])
@@ -176,7 +219,8 @@ def test_a_call_not_made_in_this_run_is_reported(corpora, fw):
   case = corpora[fw]["branch"]
   tree = fw.convert(case)
   with pytest.raises(fl.FlaxlensError, match="never called"):
-    fl.isolate_submodel(tree.select().at_path("a"), fw.argument(case, mode="b"))
+    fl.isolate(tree, fw.argument(case, mode="b"), "a")
+  assert fl.isolate(tree, fw.argument(case, mode="b"), "a", every=True) == ()
 
 
 @pytest.mark.parametrize(
@@ -188,8 +232,9 @@ def test_a_call_not_made_in_this_run_is_reported(corpora, fw):
 )
 def test_the_second_call_of_a_shared_module_replays_exactly(corpora, fw, name, key, kernel):
   case = corpora[fw][name]
-  second = fw.convert(case).select().at(lambda t: t.submodule_calls[key])
-  isolated = fl.isolate_submodel(second, fw.argument(case), **fw.side_inputs(case))
+  tree = fw.convert(case)
+  second = tree.submodule_calls[key]
+  isolated = fl.isolate(tree, fw.argument(case), second, **fw.side_inputs(case))
   assert isolated.replay()
   assert_trees_equal(fw.parameters(isolated.submodel)["kernel"].value, fw.model_state(case)[kernel])
 
@@ -197,10 +242,17 @@ def test_the_second_call_of_a_shared_module_replays_exactly(corpora, fw, name, k
 @pytest.mark.parametrize(
   "fw, name, path", [(LINEN, "dropout", "Dropout_0"), (NNX, "convnet_train", "drop")]
 )
-def test_isolate_from_a_plain_model_in_one_call(corpora, fw, name, path):
-  isolated = fw.isolate_model(corpora[fw][name], path)
-  assert isolated.replay()
-  assert str(isolated.replay()).endswith("exact replay")
+def test_the_call_can_be_named_by_path_selection_or_node_alike(corpora, fw, name, path):
+  case = corpora[fw][name]
+  tree = fw.convert(case)
+  selection = tree.select().at_path(path)
+  found = [
+    fl.isolate(tree, fw.argument(case), at, **fw.side_inputs(case))
+    for at in (path, selection, selection.get())
+  ]
+  for isolated in found:
+    assert isolated.replay()
+    assert_trees_equal(isolated.saved_output, found[0].saved_output)
 
 
 @pytest.mark.parametrize("fw, path", [(LINEN, "Dense_1"), (NNX, "out")])
@@ -209,8 +261,9 @@ def test_a_replay_report_names_the_leaf_that_differs(corpora, fw, path):
   tampered = isolated.select().at(lambda i: i.saved_output).apply(lambda y: y + 0.5)
   report = tampered.replay()
   assert not report
-  assert report.max_abs_diff["['output']"] == pytest.approx(0.5)
-  assert "MISMATCH" in str(report)
+  (row,) = [r for r in report.rows if not r.bitwise]
+  assert row.name == "output" and row.max_abs == pytest.approx(0.5)
+  assert "output  " in str(report) and "NOT bitwise equal: 1 of" in str(report)
 
 
 @pytest.mark.parametrize(
@@ -241,7 +294,7 @@ def test_a_shared_dropout_called_from_its_second_parent_replays_its_second_mask(
   second = next(k for k in tree.submodule_calls if k[1].startswith("second."))
   call = next(k for k in tree.submodule_calls[second].submodule_calls if "drop." in k[1])
   selection = tree.select().at(lambda t: t.submodule_calls[second].submodule_calls[call])
-  isolated = fl.isolate_submodel(selection, fw.argument(case), **fw.side_inputs(case))
+  isolated = fl.isolate(tree, fw.argument(case), selection, **fw.side_inputs(case))
   assert_trees_equal(isolated.saved_output, captured[drop][1])
   assert not np.array_equal(captured[drop][0], captured[drop][1])
   assert isolated.replay()

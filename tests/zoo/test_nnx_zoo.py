@@ -85,7 +85,7 @@ class _ZeroMLP(nnx.Module):
 
 def test_one_decoder_layer_isolates_and_replays_exactly(llama):
   model, args = llama
-  isolated = fl.isolate(model, *args, at="layers/0")
+  isolated = fl.isolate(fl.unflaxify(model, *args), args, "layers/0")
   assert isolated.replay()
 
 

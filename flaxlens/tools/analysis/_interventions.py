@@ -249,7 +249,7 @@ class Intervention(Struct):
       )
     new = self._compute(site, argument, target)
     if self.index is not None:
-      mask = self._mask(site, target)
+      mask = where_mask(self, site, target)
       new = jnp.where(mask, new, target)
     return _set_part(value, self.part, new.astype(target.dtype))
 
@@ -281,26 +281,30 @@ class Intervention(Struct):
       )
     return out
 
-  def _mask(self, site: str, target: Any) -> Any:
-    """The boolean mask of `where=` over `target`, after checking it fits (index rules)."""
-    shape = tuple(target.shape)
-    if self.index == MASK:
-      mask = self.where_arrays[0]
-      if mask.ndim > target.ndim:
-        raise ArgumentError(
-          f"{site}: the mask of where= has rank {mask.ndim} (shape {tuple(mask.shape)}), more"
-          f" than the {self.on}'s rank {target.ndim} (shape {shape}). Give a"
-          f" boolean mask that broadcasts to {shape}."
-        )
-      _check_fits(site, mask, target, "the mask of where=", self.on)
-      if not math.prod(shape):
-        raise ArgumentError(
-          f"{site}: the {self.on} of shape {shape} is empty, so where= selects nothing."
-          " There is nothing to edit; leave the intervention out."
-        )
-      return mask
-    index = checked(self.index, self.where_arrays, shape, f"{site}: where=", self.on)
-    return jnp.zeros(shape, bool).at[index].set(True)
+
+def where_mask(intervention: Intervention, site: str, target: Any) -> Any:
+  """The boolean mask of `intervention`'s `where=` over `target`, after checking it fits
+  (index rules); `site` names the call in messages."""
+  shape = tuple(target.shape)
+  if intervention.index == MASK:
+    mask = intervention.where_arrays[0]
+    if mask.ndim > target.ndim:
+      raise ArgumentError(
+        f"{site}: the mask of where= has rank {mask.ndim} (shape {tuple(mask.shape)}), more"
+        f" than the {intervention.on}'s rank {target.ndim} (shape {shape}). Give a"
+        f" boolean mask that broadcasts to {shape}."
+      )
+    _check_fits(site, mask, target, "the mask of where=", intervention.on)
+    if not math.prod(shape):
+      raise ArgumentError(
+        f"{site}: the {intervention.on} of shape {shape} is empty, so where= selects nothing."
+        " There is nothing to edit; leave the intervention out."
+      )
+    return mask
+  index = checked(
+    intervention.index, intervention.where_arrays, shape, f"{site}: where=", intervention.on
+  )
+  return jnp.zeros(shape, bool).at[index].set(True)
 
 
 def _check_fits(site: str, operand: Any, target: Any, what: str, on: str) -> None:

@@ -3,7 +3,7 @@
 `fold` copies a tree and rewrites each intervention as an edit of the parameters of the
 call it acts on, so that the copy, run plainly, computes what the tree computes with the
 interventions, and exports back to Flax (`tree.export()`). It decides nothing from class
-names: each call is cut out on the example inputs (`isolate_calls`), the edit is reduced
+names: each call is cut out on the example inputs (`isolate`), the edit is reduced
 to arrays along the value's trailing (feature) axes, and a candidate parameter is kept
 only if the call with that parameter edited reproduces the intervened call within the
 tolerance; the whole folded tree is then checked against the intervened run. No Flax
@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._runtime import resolve_random_streams
-from flaxlens.core._selectors import select
 from flaxlens.core._variables import Parameter, bind_variables, unbind_variables, variables_in
 from flaxlens.errors import ExportError
+from flaxlens.tools._compare import EquivalenceReport, compare_trees
 from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.analysis._interventions import (
   Intervention,
@@ -35,9 +35,9 @@ from flaxlens.tools.analysis._interventions import (
   run,
   select_sites,
   sites_of,
+  where_mask,
 )
-from flaxlens.tools.export._equivalence import EquivalenceReport, _compare_trees
-from flaxlens.tools.isolation._isolate import isolate_calls
+from flaxlens.tools.isolation._isolate import isolate
 from flaxlens.tools.isolation._replay import IsolatedSubmodel
 
 _OPERANDS = {"steer": ("vector", "alpha"), "scale": ("factor",)}  # as the makers name them
@@ -55,7 +55,7 @@ class _Tolerance:
   rtol: float
 
   def report(self, expected: Any, actual: Any, a: str, b: str) -> EquivalenceReport:
-    return EquivalenceReport(a=a, b=b, outputs=_compare_trees(expected, actual), state=())
+    return EquivalenceReport(a=a, b=b, outputs=compare_trees(expected, actual), state=())
 
   def close(self, expected: Any, actual: Any) -> bool:
     return self.report(expected, actual, "", "").close(self.atol, self.rtol)
@@ -245,8 +245,7 @@ def _fold_one(
         f"{site.node.where()} runs inside nn.scan/nn.vmap (or nnx.scan/nnx.vmap), whose"
         " parameters are stacked per iteration and edited alike at every one"
       )
-    selection = select(root).at_subtrees_where(lambda x, node=site.node: x is node)
-    for isolated in isolate_calls(selection, argument, random_streams=streams):
+    for isolated in isolate(root, argument, site.node, every=True, random_streams=streams):
       proposed = _fold_call(site, isolated, intervention, tolerance)
       for name, value in proposed.items():
         label = site.node.scope_data.parameters[name].label
@@ -352,7 +351,9 @@ def _change(intervention: Intervention, site: str, target: Any) -> tuple[str, An
     how, value, neutral = "mul", jnp.zeros((), target.dtype), 1
   value = jnp.broadcast_to(value, target.shape)
   if intervention.index is not None:
-    value = jnp.where(intervention._mask(site, target), value, jnp.asarray(neutral, value.dtype))
+    value = jnp.where(
+      where_mask(intervention, site, target), value, jnp.asarray(neutral, value.dtype)
+    )
   return how, value
 
 

@@ -70,7 +70,7 @@ def save_isolated(
   that loading will need to be allowed (`load_isolated(path, allow=[...])`).
 
   Args:
-    isolated: from `fl.isolate_submodel` (Linen or NNX calls).
+    isolated: from `fl.isolate` (Linen or NNX calls).
     path: the artifact directory to create.
     overwrite: replace an existing flaxlens artifact at `path`; anything else there (a
       file, a symlink, a directory that is not an artifact) is never replaced.
@@ -86,7 +86,8 @@ def save_isolated(
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp, tempfile
     >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
     >>> x = jnp.ones((1, 3))
-    >>> isolated = fl.isolate(model, model.init(jax.random.key(0), x), x, at="layers_2")
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> isolated = fl.isolate(tree, x, "layers_2")
     >>> path = tempfile.mkdtemp() + "/dense"
     >>> fl.save_isolated(isolated, path)
     >>> fl.save_isolated(isolated, path, overwrite=True)
@@ -99,7 +100,7 @@ def save_isolated(
     "fl.save_isolated",
     "isolated",
     "an fl.IsolatedSubmodel",
-    "Pass what fl.isolate, fl.isolate_submodel or fl.isolate_calls returns.",
+    "Pass what fl.isolate returns.",
   )
   target = pathlib.Path(check_path(path, "fl.save_isolated", "Pass the directory to create."))
   check_type(
@@ -308,7 +309,8 @@ def load_isolated(
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp, tempfile
     >>> model = nn.Sequential([nn.Dense(4), nn.gelu, nn.Dense(2)])
     >>> x = jnp.ones((1, 3))
-    >>> isolated = fl.isolate(model, model.init(jax.random.key(0), x), x, at="")
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> isolated = fl.isolate(tree, x, "")
     >>> path = tempfile.mkdtemp() + "/mlp"
     >>> fl.save_isolated(isolated, path)
     >>> loaded = fl.load_isolated(path, max_bytes=2**20)

@@ -100,7 +100,8 @@ def register_value_codec(
     ...   from_data=lambda cls, data: cls(*data))
     >>> model = nn.Dropout(fractions.Fraction(1, 4), deterministic=False)
     >>> x, rngs = jnp.ones((2, 3)), {"dropout": jax.random.key(1)}
-    >>> isolated = fl.isolate(model, {}, x, at="", rngs=rngs)
+    >>> tree = fl.unflaxify(model, {}, x, rngs=rngs)
+    >>> isolated = fl.isolate(tree, x, "", random_streams=rngs)
     >>> path = tempfile.mkdtemp() + "/dropout"
     >>> fl.save_isolated(isolated, path)
     >>> loaded = fl.load_isolated(path, allow=["fractions"])
