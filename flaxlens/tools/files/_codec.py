@@ -5,11 +5,11 @@ containers, arrays and keys (by name in an array table) by a tag, functions and 
 by import reference, and every other object through a registered `ValueCodec` (enums,
 NamedTuples, mappings, dataclasses and Flax modules, `functools.partial`, dtypes, Hugging
 Face configs; `register_value_codec` adds more) as `{"object": codec, "class": ref, "data":
-value}`, the `values` schema of `schemas/`. Loading is in two steps: once the schema has
-accepted the JSON, `collect` lists each reference with the role it plays and checks each
-object's codec, without importing anything; `Decoder`
-then rebuilds values from references the loading policy (`_policy`) has already
-imported and checked. No Flax internals here; Flax modules are dataclasses like any other.
+value}`, as the `values` schema of `schemas/` states. Loading is in two steps: once the
+schema has accepted the JSON, `collect` lists each reference with the role it plays and
+checks each object's codec, without importing anything; `Decoder` then rebuilds values
+from references the loading policy (`_policy`) has already imported and checked. No Flax
+internals here; Flax modules are dataclasses like any other.
 """
 
 from __future__ import annotations
