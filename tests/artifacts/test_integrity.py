@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 import flaxlens as fl
 from flaxlens import cli
 
-from .conftest import read_manifest, write_manifest
+from .conftest import (
+  ARRAYS,
+  read_arrays,
+  read_manifest,
+  split_arrays_file,
+  write_arrays,
+  write_arrays_file,
+  write_manifest,
+)
 
 
 def test_an_edited_manifest_fails_its_checksum(artifact):
@@ -30,22 +38,26 @@ def test_a_missing_array_checksum_is_malformed(artifact):
   manifest = read_manifest(artifact)
   del manifest["arrays"]["a0"]["sha256"]
   write_manifest(artifact, manifest)
-  with pytest.raises(fl.ArtifactError, match=r"manifest.arrays.a0 lacks fields \['sha256'\]"):
+  with pytest.raises(fl.ArtifactError, match=r"at \$\.arrays\.a0: 'sha256' is a required"):
     fl.load_isolated(artifact)
 
 
 @pytest.mark.parametrize("change", ["reshaped", "int32", "uint8"])
 def test_the_array_checksum_covers_shape_and_dtype(artifact, change):
-  """Changes that keep the byte count, so that only the checksum can tell."""
+  """Changes that keep the bytes, made to the manifest and the arrays file alike, so that
+  only the checksum can tell."""
   manifest = read_manifest(artifact)
   name = next(n for n, a in manifest["arrays"].items() if a["dtype"] == "float32")
   info = manifest["arrays"][name]
+  arrays = read_arrays(artifact)
   size = int(np.prod(info["shape"]))
   if change == "reshaped":
-    info["shape"] = [1, size] if info["shape"] == [size] else [size]
+    arrays[name] = arrays[name].reshape([1, size] if info["shape"] == [size] else [size])
   else:
-    info["dtype"], info["shape"] = change, [size * (4 if change == "uint8" else 1)]
+    arrays[name] = arrays[name].reshape(-1).view(change)
+  info["dtype"], info["shape"] = arrays[name].dtype.name, list(arrays[name].shape)
   write_manifest(artifact, manifest)
+  write_arrays(artifact, arrays)
   with pytest.raises(fl.ArtifactError, match=f"'{name}' does not match its checksum"):
     fl.load_isolated(artifact)
 
@@ -58,7 +70,8 @@ def test_the_array_checksum_covers_shape_and_dtype(artifact, change):
     (True, "not a positive integer"),
     (2.0, "not a positive integer"),
     ("2", "not a positive integer"),
-    (1, "format 1, which has no manifest checksum"),
+    (1, "format 1; this flaxlens reads format 3 only"),
+    (2, r"format 2; this flaxlens reads format 3 only \(arrays in arrays.safetensors, not"),
     (99, "format 99, newer"),
   ],
 )
@@ -71,19 +84,19 @@ def test_an_unknown_format_version_is_refused(artifact, version, message):
 
 
 def test_a_tampered_array_fails_its_checksum(artifact):
-  with np.load(artifact / "arrays.npz", allow_pickle=False) as npz:
-    arrays = {name: npz[name].copy() for name in npz.files}
-  name = next(n for n, a in arrays.items() if a.size)
-  arrays[name][0] ^= 1
-  np.savez(artifact / "arrays.npz", **arrays)
+  header, data = split_arrays_file(artifact)
+  name, entry = next((n, e) for n, e in header.items() if e["data_offsets"][1])
+  flipped = bytearray(data)
+  flipped[entry["data_offsets"][0]] ^= 1
+  write_arrays_file(artifact, header, bytes(flipped))
   with pytest.raises(fl.ArtifactError, match=f"array '{name}' does not match its checksum"):
     fl.load_isolated(artifact)
 
 
 def test_a_truncated_array_file_is_reported(artifact):
-  data = (artifact / "arrays.npz").read_bytes()
-  (artifact / "arrays.npz").write_bytes(data[: len(data) // 2])
-  with pytest.raises(fl.ArtifactError, match="arrays.npz is (corrupted or truncated|smaller)"):
+  data = (artifact / ARRAYS).read_bytes()
+  (artifact / ARRAYS).write_bytes(data[: len(data) // 2])
+  with pytest.raises(fl.ArtifactError, match=r"arrays.safetensors \(\d+ bytes\) is smaller"):
     fl.load_isolated(artifact)
 
 
@@ -106,7 +119,7 @@ def test_an_unknown_field_is_malformed(artifact):
   manifest = read_manifest(artifact)
   manifest["recipe"]["extra"] = 1
   write_manifest(artifact, manifest)
-  with pytest.raises(fl.ArtifactError, match=r"unknown fields \['extra'\]"):
+  with pytest.raises(fl.ArtifactError, match=r"at \$\.recipe: .*\('extra' was unexpected\)"):
     fl.load_isolated(artifact)
 
 
@@ -118,9 +131,9 @@ def test_the_reserved_replay_field_is_accepted(artifact):
 
 
 def test_cli_replay_exits_two_on_a_broken_artifact(artifact, capsys):
-  (artifact / "arrays.npz").unlink()
+  (artifact / ARRAYS).unlink()
   assert cli.main(["replay", str(artifact)]) == 2
-  assert "arrays.npz is missing" in capsys.readouterr().err
+  assert "arrays.safetensors is missing" in capsys.readouterr().err
 
 
 # A fuzz of single-field mutations: replace one node of the manifest's JSON tree by another
@@ -167,7 +180,7 @@ def pristine(tmp_path_factory, cases):
 
   path = tmp_path_factory.mktemp("fuzz") / "dropout"
   fl.save_isolated(isolate_case(cases["dropout"], "Dropout_1"), path)
-  return path, read_manifest(path), (path / "arrays.npz").read_bytes()
+  return path, read_manifest(path), (path / ARRAYS).read_bytes()
 
 
 @pytest.mark.parametrize("rehash", [False, True], ids=["as-corrupted", "as-forged"])
@@ -181,7 +194,7 @@ def test_every_single_field_mutation_is_refused_or_replays(pristine, tmp_path, r
   where = data.draw(st.sampled_from(nodes))
   mutated = _mutated(manifest, where, data.draw(JSON_VALUES), data.draw(st.booleans()))
   target = pathlib.Path(tempfile.mkdtemp(dir=tmp_path))
-  (target / "arrays.npz").write_bytes(arrays)
+  (target / ARRAYS).write_bytes(arrays)
   write_manifest(target, mutated, rehash=rehash)
   try:
     loaded = fl.load_isolated(target)

@@ -8,7 +8,7 @@ import pytest
 
 import flaxlens as fl
 
-from .conftest import isolate_case
+from .conftest import ARRAYS, isolate_case, read_manifest, write_manifest
 
 
 @pytest.fixture
@@ -26,6 +26,18 @@ def test_saving_over_an_existing_artifact_needs_overwrite(isolated, artifact):
   fl.save_isolated(isolated, artifact, overwrite=True)
   assert fl.load_isolated(artifact, allow=["linen"]).replay()
   assert _hidden(artifact.parent) == []
+
+
+def test_overwrite_replaces_an_artifact_of_the_previous_format(isolated, artifact):
+  """Format 2 kept its arrays in arrays.npz; such an artifact is replaced, not refused."""
+  manifest = read_manifest(artifact)
+  write_manifest(artifact, {**manifest, "format_version": 2})
+  (artifact / ARRAYS).rename(artifact / "arrays.npz")
+  with pytest.raises(fl.ArtifactError, match="format 2; this flaxlens reads format 3"):
+    fl.load_isolated(artifact)
+  fl.save_isolated(isolated, artifact, overwrite=True)
+  assert sorted(os.listdir(artifact)) == [ARRAYS, "manifest.json"]
+  assert fl.load_isolated(artifact, allow=["linen"]).replay()
 
 
 def test_overwrite_refuses_a_directory_that_is_not_an_artifact(isolated, tmp_path):

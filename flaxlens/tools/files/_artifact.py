@@ -3,12 +3,12 @@
 An artifact is a directory with `manifest.json` (the recipe of the call: for Linen the
 module class by import reference and its settings, the variables and the rng state; for
 NNX the module's `GraphDef` and its variables; the arguments and saved results; shape,
-dtype and SHA-256 of each array; a SHA-256 of the manifest itself) and `arrays.npz` (each
-array as raw bytes, stored uncompressed). Loading treats the directory as hostile:
-it opens only regular files (never following a symlink, never blocking on a FIFO),
-bounds every size before reading, validates the whole manifest (`_manifest`), checks
-every referenced package against the loading policy (`_policy`), streams and verifies
-every array, and only then imports the checked references and rebuilds the submodel
+dtype and SHA-256 of each array; a SHA-256 of the manifest itself) and
+`arrays.safetensors` (`_arrays`). Loading treats the directory as hostile: it opens only
+regular files (never following a symlink, never blocking on a FIFO), bounds every size
+before reading, validates the whole manifest (`_manifest`), checks every referenced
+package against the loading policy (`_policy`), reads and verifies every array header
+first, and only then imports the checked references and rebuilds the submodel
 exactly as isolation built it. docs/artifacts.md documents the format and the policy.
 Writes go to a temporary directory renamed into place, so a crash leaves no half
 artifact. Flax internals: the rng counters' encoding, through `flaxlens._compat`.
@@ -17,7 +17,6 @@ artifact. Flax internals: the rng counters' encoding, through `flaxlens._compat`
 from __future__ import annotations
 
 import datetime
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -26,7 +25,6 @@ import platform
 import shutil
 import stat
 import tempfile
-import zipfile
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
@@ -40,6 +38,14 @@ from flaxlens.core._node import is_call_node, iter_call_nodes
 from flaxlens.core._recipe import recipe_of, submodel_from
 from flaxlens.core._variables import StateVariableValue
 from flaxlens.errors import ArtifactError
+from flaxlens.tools.files._arrays import (
+  ARRAYS,
+  MAX_HEADER_BYTES,
+  array_table,
+  nbytes,
+  read_arrays,
+  write_arrays,
+)
 from flaxlens.tools.files._codec import Decoder, Encoder, resolve_references
 from flaxlens.tools.files._manifest import (
   FORMAT,
@@ -53,12 +59,10 @@ from flaxlens.tools.files._policy import DEFAULT_PACKAGES, LoadPolicy, package_o
 from flaxlens.tools.isolation._replay import IsolatedSubmodel
 
 MANIFEST = "manifest.json"
-ARRAYS = "arrays.npz"
+# Where format 2 and older kept their arrays: overwrite=True replaces such an artifact too.
+OLD_ARRAYS = "arrays.npz"
 MAX_MANIFEST_BYTES = 64 * 2**20
 DEFAULT_MAX_BYTES = 16 * 2**30
-_CHUNK = 2**20
-# Bytes an uncompressed npz adds per member (zip headers, name, .npy header), at most.
-_MEMBER_OVERHEAD = 4096
 
 
 def save_isolated(
@@ -141,7 +145,7 @@ def save_isolated(
     "saved": saved,
     "arrays": array_table(encoder.arrays),
   }
-  manifest["requires"] = requires(references_of(manifest))
+  manifest["requires"] = requires(references_of(manifest).references)
   manifest["manifest_sha256"] = checksum(manifest)
   raw = json.dumps(manifest, indent=1, allow_nan=False).encode()
   try:
@@ -164,18 +168,6 @@ def provenance() -> dict[str, Any]:
   }
 
 
-def array_table(arrays: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
-  """The manifest's `arrays` field: each array's shape, dtype and checksum."""
-  return {
-    name: {
-      "shape": list(a.shape),
-      "dtype": a.dtype.name,
-      "sha256": _array_digest(a.dtype.name, a.shape, np.ascontiguousarray(a).tobytes()).hexdigest(),
-    }
-    for name, a in arrays.items()
-  }
-
-
 def requires(references: list[tuple[str, str, str]]) -> list[str]:
   """Packages to allow on load: those outside the defaults, and default packages whose
   objects the default policy does not accept in the role they play here."""
@@ -191,12 +183,6 @@ def requires(references: list[tuple[str, str, str]]) -> list[str]:
     except ArtifactError:
       needed.add(package)
   return sorted(needed)
-
-
-def _array_digest(dtype: str, shape: Iterable[int], data: bytes = b"") -> Any:
-  """SHA-256 over an array's dtype, shape and bytes (`update` it with more bytes), so that
-  none of the three can change unnoticed."""
-  return hashlib.sha256(f"flaxlens-array {dtype} {list(shape)}\n".encode() + data)
 
 
 def _encode_values(encoder: Encoder, values: tuple[Any, ...], where: str) -> list:
@@ -215,7 +201,7 @@ def check_target(target: pathlib.Path, overwrite: bool, file_format: str = FORMA
   )
   try:
     with Directory(target) as directory:
-      others = sorted(set(os.listdir(directory.fd)) - {MANIFEST, ARRAYS})
+      others = sorted(set(os.listdir(directory.fd)) - {MANIFEST, ARRAYS, OLD_ARRAYS})
       raw = directory.read(MANIFEST, MAX_MANIFEST_BYTES)
     marker = json.loads(raw).get("format")
   except (ArtifactError, ValueError, AttributeError, RecursionError):
@@ -242,11 +228,8 @@ def write_atomically(
   try:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    raw = {
-      name: np.frombuffer(np.ascontiguousarray(a).tobytes(), np.uint8) for name, a in arrays.items()
-    }
     with open(staging / ARRAYS, "wb") as f:
-      np.savez(f, **raw)
+      write_arrays(f, arrays)
       f.flush()
       os.fsync(f.fileno())
     with open(staging / MANIFEST, "wb") as f:
@@ -329,7 +312,7 @@ def load_isolated(
     manifest = parse_manifest(directory.read(MANIFEST, MAX_MANIFEST_BYTES), str(source))
     for ref, _, where in manifest.references:
       policy.check_package(ref, where, manifest.requires)
-    arrays = read_arrays(directory, manifest.data["arrays"], max_bytes)
+    arrays = load_arrays(directory, manifest.data["arrays"], max_bytes)
   resolved = resolve_references(policy, manifest.references)
   return _rebuild(source, manifest, Decoder(arrays, resolved))
 
@@ -452,87 +435,14 @@ class Directory:
       return f.read(limit + 1)
 
 
-def read_arrays(directory: Directory, expected: dict, max_bytes: int) -> dict[str, np.ndarray]:
-  """Reads each array after checking its zip entry and .npy header against the manifest.
-
-  Members must be stored uncompressed, so no entry can inflate: sizes are known from the
-  zip directory before anything is read, and bytes are hashed as they stream in.
-  """
+def load_arrays(directory: Directory, expected: dict, max_bytes: int) -> dict[str, np.ndarray]:
+  """The arrays the manifest's table `expected` lists, read from the directory's
+  `arrays.safetensors` (`_arrays.read_arrays`)."""
   where = f"{directory.path}: {ARRAYS}"
-  sizes = {
-    name: int(np.prod(info["shape"], dtype=object)) * jax.numpy.dtype(info["dtype"]).itemsize
-    for name, info in expected.items()
-  }
-  total = sum(sizes.values())
-  if total > max_bytes:
-    raise ArtifactError(
-      f"{where}: the manifest declares {total} bytes of arrays, more than max_bytes="
-      f"{max_bytes}; pass a larger max_bytes if you expect that much."
-    )
-  f, size = directory.open(ARRAYS, total + _MEMBER_OVERHEAD * (len(sizes) + 1))
+  total = sum(nbytes(info) for info in expected.values())
+  f, size = directory.open(ARRAYS, 8 + MAX_HEADER_BYTES + total)
   with f:
-    if size < total:
-      raise ArtifactError(f"{where} is smaller than the arrays it should hold; it is truncated.")
     try:
-      with zipfile.ZipFile(f) as archive:
-        members = {info.filename: info for info in archive.infolist()}
-        if len(members) != len(archive.infolist()) or set(members) != {
-          f"{n}.npy" for n in expected
-        }:
-          raise ArtifactError(
-            f"{where} holds {sorted(members)[:5]}, but the manifest lists"
-            f" {sorted(expected)[:5]}; the artifact is corrupted or was tampered with."
-          )
-        return {
-          name: _read_member(archive, members[f"{name}.npy"], info, sizes[name], where)
-          for name, info in expected.items()
-        }
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError) as e:
-      raise ArtifactError(f"{where} is corrupted or truncated ({e}).") from None
-
-
-def _read_member(
-  archive: zipfile.ZipFile, member: zipfile.ZipInfo, info: dict, nbytes: int, where: str
-) -> np.ndarray:
-  name = member.filename
-  if (
-    member.compress_type != zipfile.ZIP_STORED
-    or member.file_size != member.compress_size
-    or not nbytes <= member.file_size <= nbytes + _MEMBER_OVERHEAD
-  ):
-    raise ArtifactError(
-      f"{where}: {name} is compressed or declares {member.file_size} bytes where the"
-      f" manifest's {info['dtype']}{info['shape']} needs {nbytes}; refused unread."
-    )
-  with archive.open(member) as stream:
-    version = np.lib.format.read_magic(stream)
-    if version not in ((1, 0), (2, 0)):
-      raise ArtifactError(f"{where}: {name} has .npy version {version}.")
-    shape, fortran, dtype = (
-      np.lib.format.read_array_header_1_0(stream, max_header_size=_MEMBER_OVERHEAD)
-      if version == (1, 0)
-      else np.lib.format.read_array_header_2_0(stream, max_header_size=_MEMBER_OVERHEAD)
-    )
-    if shape != (nbytes,) or dtype != np.uint8 or stream.tell() + nbytes != member.file_size:
-      raise ArtifactError(
-        f"{where}: {name} declares a {dtype}{shape} array where the manifest's"
-        f" {info['dtype']}{info['shape']} needs {nbytes} raw bytes; refused unread."
-      )
-    data = np.empty(nbytes, np.uint8)
-    view = memoryview(data)
-    position = 0
-    digest = _array_digest(info["dtype"], info["shape"])
-    while position < nbytes:
-      chunk = stream.read(min(_CHUNK, nbytes - position))
-      if not chunk:
-        raise ArtifactError(f"{where}: {name} is truncated.")
-      view[position : position + len(chunk)] = chunk
-      digest.update(chunk)
-      position += len(chunk)
-    stream.read(1)  # Reaching the end makes zipfile check the member's CRC.
-  if digest.hexdigest() != info["sha256"]:
-    raise ArtifactError(
-      f"{where}: array {name.removesuffix('.npy')!r} does not match its checksum; the"
-      " artifact is corrupted or was tampered with."
-    )
-  return data.view(jax.numpy.dtype(info["dtype"])).reshape(info["shape"])
+      return read_arrays(f, size, expected, max_bytes, where)
+    except OSError as e:
+      raise ArtifactError(f"{where} cannot be read ({e}).") from None

@@ -5,10 +5,11 @@ containers, arrays and keys (by name in an array table) by a tag, functions and 
 by import reference, and every other object through a registered `ValueCodec` (enums,
 NamedTuples, mappings, dataclasses and Flax modules, `functools.partial`, dtypes, Hugging
 Face configs; `register_value_codec` adds more) as `{"object": codec, "class": ref, "data":
-value}`. Loading is in two steps: `validate` walks the JSON, checks every tag and shape
-and lists each reference with the role it plays, without importing anything; `Decoder`
-then rebuilds values from references the loading policy (`_policy`) has already
-imported and checked. No Flax internals here; Flax modules are dataclasses like any other.
+value}`, as the `values` schema of `schemas/` states. Loading is in two steps: once the
+schema has accepted the JSON, `collect` lists each reference with the role it plays and
+checks each object's codec, without importing anything; `Decoder` then rebuilds values
+from references the loading policy (`_policy`) has already imported and checked. No Flax
+internals here; Flax modules are dataclasses like any other.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import dataclasses
 import enum
 import functools
 import math
-import re
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -27,26 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlens.errors import ArtifactError
-from flaxlens.tools.files._policy import (
-  LoadPolicy,
-  check_reference_syntax,
-  package_of,
-  reference,
-  resolve_imported,
-)
+from flaxlens.tools.files._policy import LoadPolicy, package_of, reference, resolve_imported
+from flaxlens.tools.files._schemas import schema
 
 # Array dtypes an artifact may hold, by numpy name (no object, void or structured dtypes).
-DTYPES = frozenset(
-  np.dtype(getattr(jnp, t)).name
-  for t in (
-    "bool_ int4 int8 int16 int32 int64 uint4 uint8 uint16 uint32 uint64 bfloat16 float16"
-    " float32 float64 complex64 complex128 float8_e4m3fn float8_e5m2"
-  ).split()
-)
-# PRNG implementations a saved key may use, with the shape of one key's data.
+DTYPES = frozenset(schema("values")["$defs"]["dtype"]["enum"])
+# PRNG implementations a saved key may use (the schema's `key_impl`), with the shape of one
+# key's data.
 KEY_IMPLS = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
-ARRAY_NAME = re.compile(r"a[0-9]{1,9}")
-MAX_DEPTH = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,7 +340,7 @@ class Encoder:
 
 @dataclasses.dataclass
 class Found:
-  """What `validate` found in a value: references with their roles, and array names."""
+  """What `collect` found in a value: references with their roles, and array names."""
 
   references: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
   arrays: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> "array"|impl
@@ -362,117 +350,69 @@ def _malformed(where: str, what: str) -> ArtifactError:
   return ArtifactError(f"Malformed artifact at {where}: {what}.")
 
 
-def _tagged(data: Any, where: str, keys: set[str]) -> None:
-  if set(data) != keys:
-    raise _malformed(where, f"a {next(iter(data))!r} value has keys {sorted(data)}")
+def _tag(data: dict) -> str:
+  """The tag of an encoded value the schema accepted (`key` goes with `impl`, `object`
+  with `class` and `data`, in any order)."""
+  return next(tag for tag in _TAGS if tag in data)
 
 
-def validate(data: Any, where: str, found: Found, depth: int = 0) -> None:
-  """Checks that `data` is a well-formed encoded value, importing nothing."""
-  if depth > MAX_DEPTH:
-    raise _malformed(where, f"values nest deeper than {MAX_DEPTH}")
-  if data is None or isinstance(data, bool | str | int | float):
+_TAGS = ("tuple", "list", "dict", "float", "array", "key", "treedef", "none_type", "ref", "object")
+
+
+def collect(data: Any, where: str, found: Found) -> None:
+  """Lists the references and arrays of an encoded value that the `values` schema accepted,
+  and checks what the schema cannot: each object's codec is registered and has a class
+  exactly if it saves one. Imports nothing."""
+  if not isinstance(data, dict):
     return
-  if not isinstance(data, dict) or not data:
-    raise _malformed(where, "a bare list where a tagged value belongs")
-  tag = next(iter(data))
-  down = depth + 1
+  tag = _tag(data)
   if tag in ("tuple", "list"):
-    _tagged(data, where, {tag})
-    if not isinstance(data[tag], list):
-      raise _malformed(where, f"{tag!r} must hold a list")
     for i, item in enumerate(data[tag]):
-      validate(item, f"{where}[{i}]", found, down)
+      collect(item, f"{where}[{i}]", found)
   elif tag == "dict":
-    _tagged(data, where, {"dict"})
-    for pair in _list(data["dict"], where):
-      if not (isinstance(pair, list) and len(pair) == 2):
-        raise _malformed(where, "a dict entry must be a [key, value] pair")
-      _validate_key(pair[0], f"{where} key", down)
-      validate(pair[1], f"{where}[{pair[0]!r}]", found, down)
-  elif tag == "float":
-    _tagged(data, where, {"float"})
-    if data["float"] not in ("nan", "inf", "-inf"):
-      raise _malformed(where, f"{data['float']!r} is not nan, inf or -inf")
+    for key, value in data["dict"]:
+      collect(value, f"{where}[{key!r}]", found)
   elif tag in ("array", "key"):
-    _tagged(data, where, {"array"} if tag == "array" else {"key", "impl"})
-    name = data[tag]
-    if not (isinstance(name, str) and ARRAY_NAME.fullmatch(name)):
-      raise _malformed(where, f"{name!r} is not an array name")
-    if tag == "key" and not (isinstance(data["impl"], str) and data["impl"] in KEY_IMPLS):
-      raise _malformed(where, f"{data['impl']!r} is not a PRNG implementation")
-    found.arrays[name] = data.get("impl", "array")
-  elif tag == "none_type":
-    _tagged(data, where, {"none_type"})
-    if data["none_type"] is not True:
-      raise _malformed(where, "'none_type' must be true")
+    found.arrays[data[tag]] = data.get("impl", "array")
   elif tag == "ref":
-    _tagged(data, where, {"ref"})
-    check_reference_syntax(data["ref"], where)
     found.references.append((data["ref"], "value", where))
   elif tag == "treedef":
-    _tagged(data, where, {"treedef"})
-    _validate_treedef(data["treedef"], where, found, down)
+    _collect_treedef(data["treedef"], where, found)
   elif tag == "object":
-    _validate_object(data, where, found, down)
-  else:
-    raise _malformed(where, f"unknown value tag {tag!r}")
+    _collect_object(data, where, found)
 
 
-def _list(data: Any, where: str) -> list:
-  if not isinstance(data, list):
-    raise _malformed(where, "expected a list")
-  return data
-
-
-def _validate_key(key: Any, where: str, depth: int) -> None:
-  """Dict keys are scalars or tuples of keys: nothing to import, always hashable."""
-  if depth > MAX_DEPTH:
-    raise _malformed(where, f"values nest deeper than {MAX_DEPTH}")
-  if key is None or isinstance(key, bool | str | int | float):
-    return
-  if isinstance(key, dict) and set(key) == {"tuple"} and isinstance(key["tuple"], list):
-    for i, k in enumerate(key["tuple"]):
-      _validate_key(k, f"{where}[{i}]", depth + 1)
-    return
-  raise _malformed(where, "a dict key must be a scalar or a tuple of scalars")
-
-
-def _validate_treedef(data: Any, where: str, found: Found, depth: int) -> None:
+def _collect_treedef(data: Any, where: str, found: Found) -> None:
   if data is None:
     return
-  if depth > MAX_DEPTH:
-    raise _malformed(where, f"values nest deeper than {MAX_DEPTH}")
-  if not (isinstance(data, dict) and set(data) == {"type", "aux", "children"}):
-    raise _malformed(where, "a treedef node needs exactly 'type', 'aux' and 'children'")
-  node = data["type"]
-  if not (isinstance(node, dict) and (set(node) in ({"ref"}, {"none_type"}))):
-    raise _malformed(where, "a treedef node type must be a class reference")
-  validate(node, where, found, depth)
-  validate(data["aux"], where, found, depth)
-  for child in _list(data["children"], where):
-    _validate_treedef(child, where, found, depth + 1)
+  collect(data["type"], where, found)
+  collect(data["aux"], where, found)
+  for child in data["children"]:
+    _collect_treedef(child, where, found)
 
 
-def _validate_object(data: dict, where: str, found: Found, depth: int) -> None:
-  codec = _codec(data["object"]) if isinstance(data["object"], str) else None
+def _collect_object(data: dict, where: str, found: Found) -> None:
+  codec = _codec(data["object"])
   if codec is None:
     raise _malformed(
       where,
       f"no value codec named {data['object']!r} (one registered with"
       " fl.register_value_codec must be registered before loading too)",
     )
-  _tagged(data, where, {"object", "data"} if codec.role is None else {"object", "class", "data"})
+  if ("class" in data) != (codec.role is not None):
+    saves = "saves" if codec.role is not None else "saves no"
+    raise _malformed(
+      where, f"the {codec.name!r} codec {saves} class, but the object disagrees; it is corrupted"
+    )
   if codec.role is not None:
-    check_reference_syntax(data["class"], where)
     if isinstance(codec.base, str):
       found.references.append((codec.base, "value", f"{where} (base of {codec.name})"))
     found.references.append((data["class"], f"codec:{codec.name}", where))
-  validate(data["data"], f"{where}.data", found, depth)
+  collect(data["data"], f"{where}.data", found)
 
 
 class Decoder:
-  """Rebuilds values that `validate` accepted, from checked references and read arrays."""
+  """Rebuilds values that `collect` accepted, from checked references and read arrays."""
 
   def __init__(self, arrays: Mapping[str, np.ndarray], resolved: Mapping[str, Any]):
     self.arrays = arrays
@@ -481,7 +421,7 @@ class Decoder:
   def decode(self, data: Any, where: str = "") -> Any:
     if data is None or isinstance(data, bool | str | int | float):
       return data
-    tag = next(iter(data))
+    tag = _tag(data)
     if tag == "tuple":
       return tuple(self.decode(v, where) for v in data["tuple"])
     if tag == "list":

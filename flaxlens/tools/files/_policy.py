@@ -38,7 +38,6 @@ from flaxlens.errors import ArgumentError, ArtifactError
 DEFAULT_PACKAGES = frozenset({"jax", "flax", "numpy", "flaxlens"})
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
-_REFERENCE = re.compile(rf"({_NAME}(?:\.{_NAME})*):({_NAME}(?:\.{_NAME})*)")
 # Built-in container types a pytree definition may name; resolved without any import.
 _BUILTIN_TYPES = {"builtins:tuple": tuple, "builtins:list": list, "builtins:dict": dict}
 
@@ -309,18 +308,6 @@ _ROLE_FIX = {
 
 def package_of(ref: str) -> str:
   return ref.partition(":")[0].partition(".")[0]
-
-
-def check_reference_syntax(ref: Any, where: str) -> None:
-  """A reference must read `package.module:Qualified.name`, with no private dunder parts."""
-  match = isinstance(ref, str) and _REFERENCE.fullmatch(ref)
-  if not match or any(
-    part.startswith("__") and part != "__call__" for part in match.group(2).split(".")
-  ):
-    raise ArtifactError(
-      f"Malformed artifact: {ref!r} at {where} is not an import reference"
-      " ('package.module:Qualified.name')."
-    )
 
 
 def _import(ref: str, where: str) -> Any:

@@ -4,10 +4,11 @@ A saved set is a directory like an isolated-call artifact (`_artifact`): `manife
 (format `flaxlens-interventions`) holds each intervention's static part as JSON (its
 kind, `on`, `part`, the structure of `where`, its sites: path patterns as strings and
 module classes by import reference; for `fl.modify`, its function by import reference)
-and names its arrays, which `arrays.npz` holds as raw bytes, each checksummed with its
-shape and dtype. Loading is the artifact loader's, step for step: files opened without
-following links and bounded in size, the whole manifest validated (strict JSON,
-checksum, schema) and every package checked against the loading policy (`_policy`)
+and names its arrays, which `arrays.safetensors` holds (`_arrays`), each checksummed with
+its shape and dtype. Loading is the artifact loader's, step for step: files opened
+without following links and bounded in size, the whole manifest validated (strict JSON,
+checksum, `schemas/interventions.schema.json`, then what a schema cannot state: operand
+counts, `where=` arrays) and every package checked against the loading policy (`_policy`)
 before anything is imported; then a module class must subclass a Flax module and a
 function must be vetted or come from a package the user allows. Predicates and call
 nodes are code or objects of one tree, not data: saving refuses them and says to use a
@@ -20,7 +21,6 @@ import json
 import operator
 import os
 import pathlib
-import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -29,52 +29,29 @@ import jax
 from flaxlens.core._checks import check_path, check_type
 from flaxlens.core._node import CallNode
 from flaxlens.errors import ArgumentError, ArtifactError
-from flaxlens.tools.analysis._interventions import KINDS, Intervention, checked_interventions
+from flaxlens.tools.analysis._interventions import Intervention, checked_interventions
+from flaxlens.tools.files._arrays import array_table
 from flaxlens.tools.files._artifact import (
   DEFAULT_MAX_BYTES,
   MANIFEST,
   MAX_MANIFEST_BYTES,
   Directory,
-  array_table,
   check_target,
   load_arguments,
+  load_arrays,
   provenance,
-  read_arrays,
   requires,
   write_atomically,
 )
-from flaxlens.tools.files._codec import Decoder, Encoder, Found, resolve_references, validate
-from flaxlens.tools.files._manifest import (
-  _ARRAY,
-  _PACKAGE,
-  _SHA256,
-  _const,
-  _either,
-  _fail,
-  _is,
-  _list_of,
-  _map_of,
-  _matching,
-  _object,
-  _one_of,
-  check_arrays,
-  check_checksum,
-  checksum,
-  read_json,
-)
-from flaxlens.tools.files._policy import (
-  DEFAULT_PACKAGES,
-  check_reference_syntax,
-  package_of,
-  reference,
-)
+from flaxlens.tools.files._codec import Decoder, Encoder, Found, collect, resolve_references
+from flaxlens.tools.files._manifest import check_arrays, checksum, fix_for, read_manifest
+from flaxlens.tools.files._policy import reference
 
 FORMAT = "flaxlens-interventions"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 # How many operands each kind holds ("modify": any number).
 _OPERANDS = {"zero": 0, "patch": 1, "mean": 1, "resample": 1, "steer": 2, "scale": 1}
-_INDEX_ENTRIES = {"slice": 4, "ellipsis": 1, "newaxis": 1, "int": 2, "array": 1}
 
 
 # --- saving -------------------------------------------------------------------------------
@@ -131,9 +108,7 @@ def save_interventions(
     "interventions": entries,
     "arrays": array_table(encoder.arrays),
   }
-  found = Found()
-  _SCHEMA({**manifest, "manifest_sha256": "0" * 64}, "manifest", found)
-  manifest["requires"] = requires(found.references)
+  manifest["requires"] = requires(_references(entries).references)
   manifest["manifest_sha256"] = checksum(manifest)
   raw = json.dumps(manifest, indent=1, allow_nan=False).encode()
   try:
@@ -247,82 +222,35 @@ def _encode_arrays(arrays: tuple[Any, ...], encoder: Encoder, where: str) -> lis
 # --- the manifest -------------------------------------------------------------------------
 
 
-def _at(value: Any, where: str, found: Found, nested: bool = False) -> None:
-  if isinstance(value, str):
-    return
-  if isinstance(value, list) and value and not nested:
-    for i, item in enumerate(value):
-      _at(item, f"{where}[{i}]", found, nested=True)
-    return
-  if not (isinstance(value, dict) and set(value) == {"class"}):
-    raise _fail(where, "must be a path pattern, {'class': reference} or a list of these")
-  check_reference_syntax(value["class"], where)
-  found.references.append((value["class"], "module", where))
-
-
-def _fn(value: Any, where: str, found: Found) -> None:
-  if value is None:
-    return
-  if not (isinstance(value, dict) and set(value) == {"ref"}):
-    raise _fail(where, "must be null or {'ref': reference}")
-  check_reference_syntax(value["ref"], where)
-  found.references.append((value["ref"], "function", where))
-
-
-def _index(value: Any, where: str, found: Found) -> None:
-  if value is None or value == ["mask"]:
-    return
-  if not (isinstance(value, list) and value and value[0] == "index"):
-    raise _fail(where, "must be null, ['mask'] or ['index', entries...]")
-  for i, entry in enumerate(value[1:]):
-    tag = entry[0] if isinstance(entry, list) and entry else None
-    if not (isinstance(tag, str) and len(entry) == _INDEX_ENTRIES.get(tag)):
-      raise _fail(f"{where}[{i + 1}]", f"must be one of {sorted(_INDEX_ENTRIES)} with its values")
-    bounds = entry[1:]
-    if any(not (b is None and tag == "slice" or type(b) is int) for b in bounds):
-      raise _fail(f"{where}[{i + 1}]", "must hold integers (or null slice bounds)")
-
-
-def _array_value(value: Any, where: str, found: Found) -> None:
-  if not (isinstance(value, dict) and next(iter(value), None) in ("array", "key")):
-    raise _fail(where, "must be an encoded array or key")
-  validate(value, where, found)
-
-
-_INTERVENTION = _object(
-  {
-    "kind": _one_of(frozenset(KINDS), "an intervention kind"),
-    "at": _at,
-    "on": _one_of(frozenset({"output", "input"}), "what the edit acts on"),
-    "part": _either(_const(None), _is(int, "an index"), _is(str, "a key")),
-    "where": _index,
-    "fn": _fn,
-    "operands": _list_of(_array_value),
-    "where_arrays": _list_of(_array_value),
-  }
-)
-_SCHEMA = _object(
-  {
-    "format": _const(FORMAT),
-    "format_version": _const(FORMAT_VERSION),
-    "manifest_sha256": _matching(_SHA256, "a SHA-256 hex digest"),
-    "created": _is(str, "a string"),
-    "versions": _map_of(_is(str, "a string")),
-    "requires": _list_of(_matching(_PACKAGE, "a package name")),
-    "interventions": _list_of(_INTERVENTION),
-    "arrays": _map_of(_ARRAY, re.compile(r"a[0-9]{1,9}")),
-  }
-)
+def _references(entries: list[dict]) -> Found:
+  """The references (with their roles) and arrays of schema-valid interventions."""
+  found = Found()
+  for n, entry in enumerate(entries):
+    where = f"interventions[{n}]"
+    sites = entry["at"] if isinstance(entry["at"], list) else [entry["at"]]
+    for site in sites:
+      if isinstance(site, dict):
+        found.references.append((site["class"], "module", f"{where}.at"))
+    if entry["fn"] is not None:
+      found.references.append((entry["fn"]["ref"], "function", f"{where}.fn"))
+    for name in ("operands", "where_arrays"):
+      for i, value in enumerate(entry[name]):
+        collect(value, f"{where}.{name}[{i}]", found)
+  return found
 
 
 def _check_consistent(entry: dict, arrays: dict, where: str) -> None:
   """What the schema cannot say: operand counts, a function exactly for "modify", and
   `where_arrays` matching the structure of `where`."""
+
+  def fail(fault: str) -> ArtifactError:
+    return ArtifactError(f"{where} {fault}. {fix_for(FORMAT)}")
+
   kind, count = entry["kind"], len(entry["operands"])
   if (entry["fn"] is None) != (kind != "modify"):
-    raise _fail(where, f"holds a function for kind {kind!r}; only 'modify' has one")
+    raise fail(f"holds a function for kind {kind!r}; only 'modify' has one")
   if kind in _OPERANDS and count != _OPERANDS[kind]:
-    raise _fail(where, f"has {count} operands where {kind!r} takes {_OPERANDS[kind]}")
+    raise fail(f"has {count} operands where {kind!r} takes {_OPERANDS[kind]}")
   index, where_arrays = entry["where"], entry["where_arrays"]
   if index is None:
     expected = 0
@@ -331,29 +259,18 @@ def _check_consistent(entry: dict, arrays: dict, where: str) -> None:
   else:
     expected = sum(e[0] == "array" for e in index[1:])
   if len(where_arrays) != expected:
-    raise _fail(where, f"has {len(where_arrays)} where= arrays where its index needs {expected}")
+    raise fail(f"has {len(where_arrays)} where= arrays where its index needs {expected}")
   if index == ["mask"] and arrays.get(where_arrays[0].get("array"), {}).get("dtype") != "bool":
-    raise _fail(where, "has a where= mask that is not a boolean array")
+    raise fail("has a where= mask that is not a boolean array")
 
 
 def _parse(raw: bytes, source: str) -> tuple[dict, Found]:
   """The checked manifest and what it references; ArtifactError at the first fault."""
-  data = read_json(raw, source, FORMAT, FORMAT_VERSION)
-  check_checksum(data, source)
-  found = Found()
-  try:
-    _SCHEMA(data, "manifest", found)
-    for n, entry in enumerate(data["interventions"]):
-      _check_consistent(entry, data["arrays"], f"manifest.interventions[{n}]")
-  except ArtifactError as e:
-    raise ArtifactError(f"{source}: {e}") from None
-  check_arrays(data["arrays"], found, source)
-  needed = {package_of(ref) for ref, _, _ in found.references} - DEFAULT_PACKAGES
-  if not needed <= set(data["requires"]):
-    raise ArtifactError(
-      f"{source}: manifest.json's 'requires' omits {sorted(needed - set(data['requires']))},"
-      " which its references name; the manifest is corrupted."
-    )
+  data = read_manifest(raw, source, FORMAT, FORMAT_VERSION)
+  for n, entry in enumerate(data["interventions"]):
+    _check_consistent(entry, data["arrays"], f"{source}: manifest.json's interventions[{n}]")
+  found = _references(data["interventions"])
+  check_arrays(data, found, source, FORMAT)
   return data, found
 
 
@@ -413,7 +330,7 @@ def load_interventions(
     data, found = _parse(directory.read(MANIFEST, MAX_MANIFEST_BYTES), str(source))
     for ref, _, where in found.references:
       policy.check_package(ref, where, data["requires"])
-    arrays = read_arrays(directory, data["arrays"], max_bytes)
+    arrays = load_arrays(directory, data["arrays"], max_bytes)
   resolved = resolve_references(policy, found.references)
   decoder = Decoder(arrays, resolved)
   return [_decode(entry, decoder) for entry in data["interventions"]]
