@@ -86,6 +86,7 @@ from flaxlens.tools.files._codec import register_value_codec as register_value_c
 from flaxlens.errors import FlaxlensError as FlaxlensError
 from flaxlens.errors import ArgumentError as ArgumentError
 from flaxlens.errors import ArtifactError as ArtifactError
+from flaxlens.errors import BudgetError as BudgetError
 from flaxlens.errors import ExportError as ExportError
 from flaxlens.errors import ModelCallError as ModelCallError
 from flaxlens.errors import CallStructureError as CallStructureError
@@ -165,6 +166,7 @@ __all__ = [
   "FlaxlensError",
   "ArgumentError",
   "ArtifactError",
+  "BudgetError",
   "ExportError",
   "ModelCallError",
   "CallStructureError",

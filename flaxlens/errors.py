@@ -48,6 +48,14 @@ the class subclasses that built-in too, so older `except` clauses keep working.
 - `ArtifactError`: an artifact could not be written, read or trusted (malformed,
   truncated, or naming code from a package not allowed). Fix: the message names the
   file and, for code, the `allow=[...]` that would load it.
+- `BudgetError` (also `ValueError`): `budget=` (of `fl.run`, `fl.capture`, `fl.sweep`)
+  cannot be kept: the captures of one example (one patched forward, for a sweep) do not
+  fit, or the batch would have to be split where splitting cannot give the result of the
+  whole batch (the run updates state, the array arguments do not share a leading size,
+  an intervention's arrays hold the whole batch, or a chunk of two examples computes
+  other values than two chunks of one). Fix: the message lists the sizes per site or the
+  reason; capture less (fewer sites, `index=`, `dtype=`), give a larger budget, or run
+  without one (docs/interventions.md, budgets).
 - `ModelCallError` (also the class of the error it reports): a call of a converted tree
   failed inside the model's own code (Flax's or yours), for example token ids of another
   rank or a sequence longer than a positional table, which raise a bare `IndexError` or
@@ -131,6 +139,11 @@ class ArtifactError(FlaxlensError):
 class ExportError(FlaxlensError):
   """A tree cannot be exported as it is (interventions that cannot be folded included), or
   an exported model cannot be saved or restored."""
+
+
+class BudgetError(FlaxlensError, ValueError):
+  """Work cannot be split to fit `budget=`: one example does not fit, or splitting the batch
+  would not give the result of the whole batch."""
 
 
 class ModelCallError(FlaxlensError):

@@ -150,6 +150,40 @@ def test_sweep_equals_native_single_patches_bit_for_bit_where_arithmetic_is_exac
   np.testing.assert_array_equal(result.values, np.asarray(expected))
 
 
+def _one_forward_bytes(tree, x, metric):
+  """What `budget=` counts per patched forward: every call's output and the metric."""
+  out, cache = fl.capture(tree, x)
+  return sum(v.nbytes for v in jax.tree_util.tree_leaves(cache)) + metric(out).nbytes
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_sweep_with_budget_equals_the_sweep_without(framework):
+  tree, sites, clean, _ = _exact_stack(framework)
+  corrupted = clean[::-1]
+
+  def metric(out):
+    return out[:, 0, 1]
+
+  expected = fl.sweep(tree, clean, corrupted, sites, metric, positions=range(4))
+  budget = 5 * _one_forward_bytes(tree, corrupted, metric)  # 5 of the 12 forwards at once
+  result = fl.sweep(tree, clean, corrupted, sites, metric, positions=range(4), budget=budget)
+  assert result.sites == expected.sites
+  np.testing.assert_array_equal(result.values, expected.values)
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_sweep_refuses_a_budget_below_one_forward(framework):
+  tree, sites, clean, _ = _exact_stack(framework)
+  with pytest.raises(fl.BudgetError, match=r"does not hold one patched forward, estimated at"):
+    fl.sweep(tree, clean, clean[::-1], sites, lambda out: out.sum(), budget=64)
+
+
+def test_sweep_refuses_chunk_size_with_budget():
+  tree, sites, clean, _ = _exact_stack(LINEN)
+  with pytest.raises(fl.ArgumentError, match=r"chunk_size=2 and budget=4096 both set"):
+    fl.sweep(tree, clean, -clean, sites, lambda out: out.sum(), chunk_size=2, budget=4096)
+
+
 @pytest.mark.parametrize("framework", [LINEN, NNX])
 def test_sweep_in_chunks_of_one_agrees_with_single_patches_to_float32_rounding(framework, corpora):
   # Not bit for bit: the sweep is one program (the clean forward, then the patched ones

@@ -32,8 +32,10 @@ from flaxlens.core._probes import Probing
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._selectors import path_matches
 from flaxlens.core._struct import Struct, static_field
+from flaxlens.core._variables import StateVariable, bind_variables, unbind_variables, variables_in
 from flaxlens.core._walk import Relation, calls
-from flaxlens.errors import ArgumentError, SelectionError
+from flaxlens.errors import ArgumentError, BudgetError, FlaxlensError, SelectionError
+from flaxlens.tools.analysis import _budget
 from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.analysis._index import MASK, bounded, checked, is_array
 from flaxlens.tools.analysis._index import split as _split_index
@@ -736,6 +738,193 @@ def _run_compiled(
   )
 
 
+@variable_jit
+def _run_chunk(
+  tree, argument, indices, interventions, capture, inputs, index, dtype, streams, unreached
+):
+  """`_run_once` on the examples of `argument` at `indices` (traced: one program a size)."""
+  return _run_once(
+    tree,
+    _budget.take(argument, indices),
+    interventions,
+    capture,
+    inputs,
+    index,
+    dtype,
+    streams,
+    unreached,
+  )
+
+
+def _abstract_run(tree: CallNode, argument: ArgsAndKwargs, rest: tuple) -> tuple[Any, list[str]]:
+  """The abstract `(output, captured)` of a run on `argument` (its arrays may be
+  `jax.ShapeDtypeStruct`s) and the labels of the state variables the run would update.
+  Runs a copy of the tree under `jax.eval_shape`: no FLOPs, the tree left alone."""
+  slots, values = unbind_variables(tree, freeze=True)
+  updated: list[str] = []
+
+  def run_copy(arg: ArgsAndKwargs) -> Any:
+    copy = bind_variables(slots, values)
+    variables = variables_in(copy)
+    before = [v.value for v in variables]
+    result = _run_once(copy, arg, *rest)
+    updated[:] = [
+      v.label
+      for v, old in zip(variables, before, strict=True)
+      if isinstance(v, StateVariable) and v.value is not old
+    ]
+    return result
+
+  return _budget.abstractly(run_copy, argument), updated
+
+
+def _site_key(path: Any) -> str:
+  return str(path[0].key)
+
+
+def _output_key(path: Any) -> str:
+  return f"the output{jax.tree_util.keystr(path)}"
+
+
+def _run_budgeted(tree: CallNode, argument: ArgsAndKwargs, rest: tuple, budget: int) -> Any:
+  """`(output, captured)` of a run on `argument`, on the host, the captures of each compiled
+  call taking at most `budget` bytes: the batch split into equal chunks where needed,
+  refused where splitting cannot give the result of the whole batch."""
+  where = f"{tree.where()} with budget={budget:,} bytes"
+  whole, updated = _abstract_run(tree, argument, rest)
+  if _budget.nbytes(whole[1]) <= budget:
+    return jax.device_get(_run_compiled(tree, argument, *rest))
+  batch = _budget.batch_size(argument, where)
+  if updated:
+    raise BudgetError(
+      f"{where}: the captures exceed the budget, and a run updates the state variables"
+      f" {updated[:6]}{' ...' if len(updated) > 6 else ''}: chunks of the batch would each"
+      " update them, in turn, where the whole batch updates them once (batch statistics"
+      " over the batch, a counter, NNX random counts). Run the model in a mode that updates"
+      " no state (train=False, model.eval()), or capture less (fewer sites, index=, dtype=)."
+    )
+  if rest[5] is not None:
+    raise BudgetError(
+      f"{where}: the captures exceed the budget, and the run is given random_streams:"
+      " every chunk of the batch would draw the same random numbers (a dropout mask made"
+      " for a chunk's rows), where the whole batch draws them once for all its rows. Run"
+      " without random_streams (a deterministic mode: train=False), or capture less"
+      " (fewer sites, index=, dtype=)."
+    )
+  picking = [_maker(i.kind, i.at) for i in rest[0] if _budget.picks_examples(i.index)]
+  if picking:
+    raise BudgetError(
+      f"{where}: the captures exceed the budget, and the where= of {', '.join(picking)}"
+      " selects along the leading (batch) axis: applied to each chunk of the batch, it"
+      " would select its examples in every chunk. Edit every example alike (where="
+      " starting with ':' or '...'), or capture less (fewer sites, index=, dtype=) and run"
+      " without splitting."
+    )
+  if batch == 1:
+    sizes = {key: _budget.nbytes(value) for key, value in whole[1].items()}
+    _budget.examples_per_chunk(_budget.nbytes(whole[1]), 0, sizes, budget, 1, where)
+  try:
+    one, _ = _abstract_run(tree, _budget.shrunk(argument, 1), rest)
+  except FlaxlensError as e:
+    raise BudgetError(
+      f"{where}: the captures exceed the budget, so the batch of {batch} would be split"
+      f" into chunks, and a run on one example fails: {e} An intervention whose arrays"
+      " hold the whole batch (a patch of every example, resampling, a mask or index over"
+      " the batch axis) cannot apply to a chunk. Give arrays that broadcast over the batch,"
+      " or capture less (fewer sites, index=, dtype=) and run without splitting."
+    ) from e
+  outputs = _budget.layout(whole[0], one[0], batch, where, _output_key)
+  captures = _budget.layout(whole[1], one[1], batch, where, _site_key)
+  size = _budget.examples_per_chunk(
+    captures.per_example, captures.fixed, captures.sizes(one[1]), budget, batch, where
+  )
+  argument = jax.tree_util.tree_map(lambda x: jnp.asarray(x) if is_array(x) else x, argument)
+  done: dict[tuple[int, int, bool], Any] = {}
+
+  def chunk(indices: tuple[int, ...], captured: bool = True) -> Any:
+    """The host `(output, captured)` of the examples at `indices`; run once."""
+    if (indices, captured) not in done:
+      interventions, capture, *options = rest
+      ran = _run_chunk(
+        tree,
+        argument,
+        np.asarray(indices, np.int32),
+        interventions,
+        capture if captured else None,
+        *options,
+      )
+      done[indices, captured] = jax.device_get(ran)
+    return done[indices, captured]
+
+  order = [(site.name, tuple(site.node.path)) for site in sites_of(tree)]
+  _check_split(chunk, size, batch, outputs, captures, where, order)
+  chunk_starts = _budget.starts(batch, size)
+  ran = [chunk(tuple(_budget.examples(start, size, batch).tolist())) for start in chunk_starts]
+  varying = _budget.varying([r[1] for r in ran], captures)
+  if varying is not None:
+    raise BudgetError(
+      f"{where}: the capture {varying} has the same shape for any number of examples (it"
+      " holds no batch axis: index= dropped it, or it reduces over the batch), yet differs"
+      " between chunks of the batch, so no chunk gives the whole batch's value. Keep the"
+      " batch axis in what you capture (index=jnp.s_[:, ...]), or capture less and run"
+      " without splitting."
+    )
+  return (
+    _budget.joined([r[0] for r in ran], chunk_starts, size, outputs),
+    _budget.joined([r[1] for r in ran], chunk_starts, size, captures),
+  )
+
+
+def _innermost(found: list[str], order: list[tuple[str, tuple]]) -> str:
+  """Of the captures that differ, the first in call order (`order`: each site's name and
+  module path) that encloses no other one: where a difference starts, not a call around
+  it; the output where no site differs."""
+  paths = {name: path for name, path in order}
+  sites = [name for name, _ in order if name in found or f"{name}:input" in found]
+  inner = [
+    name
+    for name in sites
+    if not any(o != name and paths[o][: len(paths[name])] == paths[name] for o in sites)
+  ]
+  return inner[0] if inner else found[0]
+
+
+def _check_split(
+  chunk: Callable[..., Any],
+  size: int,
+  batch: int,
+  outputs: Any,
+  captures: Any,
+  where: str,
+  order: list[tuple[str, tuple]],
+) -> None:
+  """Refuses a split unless a chunk's examples are computed independently of each other:
+  the first chunk, and the same chunk with its first example replaced by another (the
+  next example after it, or a copy of its second), must give the same bits for the
+  examples both hold, at the same rows, computed by the same program. Chunks hold at
+  least two examples: where the budget holds one, the check's chunks of two capture
+  nothing and their outputs are compared. The message names the first site that differs
+  (`_innermost`), else the output."""
+  checked = max(size, 2)
+  captured = size > 1
+  first = tuple(range(checked))
+  second = (checked if checked < batch else 1, *first[1:])
+  a, b = chunk(first, captured), chunk(second, captured)
+  found = _budget.shared_differences(a[0], b[0], checked, outputs)
+  if captured:
+    found += _budget.shared_differences(a[1], b[1], checked, captures)
+  if found:
+    differs = _innermost(found, order)
+    raise BudgetError(
+      f"{where}: the captures exceed the budget, so the batch would be split into chunks of"
+      f" {size}, and {differs} of an example changes when another example of its chunk"
+      " changes: the model couples the examples of a batch (it normalises over the batch"
+      " or mixes examples), so chunks would not give the whole batch's values. Capture"
+      " less (fewer sites, index=, dtype=) and run without splitting, or give a larger"
+      " budget."
+    )
+
+
 @takes_model_arguments("fl.run(tree, fl.ArgsAndKwargs.capture(x, train=False), capture='**')")
 def run(
   tree: CallNode,
@@ -750,6 +939,7 @@ def run(
   random_streams: Any = None,
   jit: bool = True,
   unreached: str = "raise",
+  budget: int | None = None,
 ) -> Any:
   """Runs a converted tree on `args` with interventions, capturing calls.
 
@@ -791,6 +981,12 @@ def run(
       "ignore": such edits are not applied and such captures are left out of the
       result (for sites that a run may skip). Capturing every call (`capture=True`)
       captures the calls the run makes.
+    budget: the most bytes the captured values of one compiled run may take on the
+      device, or None. Where the batch's captures exceed it, the batch is split along
+      the leading axis of the model's array arguments into equal chunks that fit, run
+      one after the other by one compiled program, each chunk's values moved to the
+      host before the next; see docs/interventions.md (budgets) for what is refused.
+      With a budget, the output and captures come back as NumPy arrays.
 
   Returns:
     The output, or `(output, {site: value})` when `capture` is given.
@@ -801,6 +997,8 @@ def run(
       the call spreads the model's arguments over `fl.run`'s own.
     CallStructureError: the run did not make a call a site names (`unreached="raise"`).
     UnsupportedFlaxFeatureError: a captured site runs where values cannot leave.
+    BudgetError: the captures of one example exceed `budget`, or the batch cannot be
+      split exactly (the message says why).
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
@@ -823,6 +1021,16 @@ def run(
   random_streams = resolve_random_streams(random_streams, tree.where())
   if index is not None:
     index = _split_index(index if isinstance(index, tuple) else (index,))
+  budget = _budget.checked_budget(budget, "fl.run")
+  if budget is not None:
+    if capture is None or capture is False or not jit:
+      raise BudgetError(
+        f"fl.run: budget= bounds what a compiled run captures, and this run"
+        f" {'captures nothing' if jit else 'is not compiled (jit=False)'}. Pass capture=..."
+        " with jit=True (the default), or leave budget= out."
+      )
+    rest = (interventions, capture, inputs, index, dtype, random_streams, unreached)
+    return _run_budgeted(tree, argument, rest, budget)
   runner = _run_compiled if jit else _run_once
   output, captured = runner(
     tree, argument, interventions, capture, inputs, index, dtype, random_streams, unreached
@@ -932,12 +1140,14 @@ def capture(
   random_streams: Any = None,
   jit: bool = True,
   unreached: str = "raise",
+  budget: int | None = None,
 ) -> tuple[Any, dict[str, Any]]:
   """Runs a tree and returns `(output, {site: value})`: every call's output by default.
 
   `fl.capture(tree, x, "**/mlp")` is `fl.run(tree, x, capture="**/mlp")`; see
   `fl.run` for the model's arguments (one value: `x`, a tuple, or `fl.ArgsAndKwargs`),
-  sites, options and compilation.
+  sites, options and compilation. `budget=` (bytes) bounds what one compiled run
+  captures, splitting the batch into chunks where needed (see `fl.run`).
 
   Example:
     >>> import flaxlens as fl
@@ -961,4 +1171,5 @@ def capture(
     random_streams=random_streams,
     jit=jit,
     unreached=unreached,
+    budget=budget,
   )

@@ -37,11 +37,13 @@ from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probing, scan_iterations
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._variables import bind_variables, unbind_variables
-from flaxlens.errors import ArgumentError, UnsupportedFlaxFeatureError
+from flaxlens.errors import ArgumentError, BudgetError, UnsupportedFlaxFeatureError
+from flaxlens.tools.analysis import _budget
 from flaxlens.tools.analysis._calling import check_callable, model_arguments, takes_model_arguments
 from flaxlens.tools.analysis._interventions import (
   Intervention,
   Site,
+  _abstract_run,
   _check_part,
   _make,
   _probes_for,
@@ -357,6 +359,31 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
 _sweep_compiled = variable_jit(_sweep)
 
 
+def _forwards_in(tree: CallNode, corrupted: ArgsAndKwargs, metric: Callable, streams, budget):
+  """How many patched forwards fit `budget` bytes at once, each estimated as the abstract
+  size of one forward on `corrupted`: every call's output (what a forward holds when
+  each call's output is kept) and the metric's value.
+
+  Raises:
+    BudgetError: one forward does not fit; the largest calls are named.
+  """
+  rest = ((), True, False, None, None, streams, "ignore")
+  (output, captured), _ = _abstract_run(tree, corrupted, rest)
+  value = jax.eval_shape(lambda out: _metric_value(metric, out, scalar=False), output)
+  per_forward = _budget.nbytes(captured) + _budget.nbytes(value)
+  if per_forward > budget:
+    sizes = {name: _budget.nbytes(v) for name, v in captured.items()}
+    ranked = sorted(sizes.items(), key=lambda item: -item[1])
+    listed = ", ".join(f"{k}: {v:,}" for k, v in ranked[:8])
+    raise BudgetError(
+      f"fl.sweep of {tree.where()}: budget={budget:,} bytes does not hold one patched"
+      f" forward, estimated at {per_forward:,} bytes (every call's output: {listed}"
+      f"{' ...' if len(ranked) > 8 else ''}; and the metric's value). Sweep a smaller"
+      f" batch, or give a budget of at least {per_forward:,} bytes."
+    )
+  return budget // per_forward
+
+
 @takes_model_arguments("fl.sweep(tree, clean, corrupted, 'Block_*', metric, positions=range(8))")
 def sweep(
   tree: CallNode,
@@ -370,6 +397,7 @@ def sweep(
   axis: int = 1,
   part: Any = None,
   chunk_size: int | None = None,
+  budget: int | None = None,
   random_streams: Any = None,
   jit: bool = True,
 ) -> SweepResult:
@@ -404,6 +432,11 @@ def sweep(
     part: for sites returning a tuple, dict or dataclass, which part to patch (Hugging
       Face blocks return tuples: `part=0`).
     chunk_size: run the patched forwards in batches of this many (None: all at once).
+    budget: the most bytes the patched forwards computed at once may take, or None:
+      `chunk_size` is chosen as `budget // (bytes of one forward)`, one forward being
+      estimated from its abstract shapes as every call's output and the metric's
+      value (a forward's own temporaries inside calls are not counted). Not with
+      `chunk_size`.
     random_streams: as for a tree call, used by every run.
     jit: compile (default); pass False inside your own `jax.jit`.
 
@@ -416,6 +449,7 @@ def sweep(
     ArgumentError: a site returns a structure and `part` is missing, or a position or
       `axis` does not fit a site's value.
     UnsupportedFlaxFeatureError: a site runs inside an `nn.vmap`/`nnx.vmap` body.
+    BudgetError: one patched forward does not fit `budget`.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
@@ -433,13 +467,22 @@ def sweep(
   positions = _checked_positions(positions)
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ArgumentError(f"chunk_size= is a positive integer or None, got {chunk_size!r}.")
+  budget = _budget.checked_budget(budget, "fl.sweep")
+  if budget is not None and chunk_size is not None:
+    raise ArgumentError(
+      f"fl.sweep: chunk_size={chunk_size} and budget={budget} both set how many patched"
+      " forwards run at once. Pass one of them: budget= chooses the chunk size for you."
+    )
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
+  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
+  if budget is not None:
+    chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
   run = _sweep_compiled if jit else _sweep
   values, rows = run(
     tree,
-    model_arguments(clean),
-    model_arguments(corrupted),
+    clean,
+    corrupted,
     chosen,
     metric,
     positions,
