@@ -48,6 +48,16 @@ the class subclasses that built-in too, so older `except` clauses keep working.
 - `ArtifactError`: an artifact could not be written, read or trusted (malformed,
   truncated, or naming code from a package not allowed). Fix: the message names the
   file and, for code, the `allow=[...]` that would load it.
+- `HarvestError`: `fl.harvest` cannot write its store where asked (the path is not a
+  directory it can write, or holds something that is not a harvest store), the store
+  there was made by another call (another model, sites, positions, dtype, ids or first
+  batch: the message lists what differs, and nothing is overwritten), a batch
+  mid-stream gives another feature shape or dtype than the store holds (the batches
+  before it stay committed), the batches are empty, or a store that is not complete is
+  read by an iterator (`Harvest.batches`, `Harvest.source`) without `partial=True`.
+  Fix: run the same call again to resume, pass `overwrite=True` to start the store
+  afresh, give another path, or make every batch alike; with TensorStore missing, the
+  message says `pip install "flaxlens[harvest]"`.
 - `ModelCallError` (also the class of the error it reports): a call of a converted tree
   failed inside the model's own code (Flax's or yours), for example token ids of another
   rank or a sequence longer than a positional table, which raise a bare `IndexError` or
@@ -126,6 +136,11 @@ class SelectionError(FlaxlensError, KeyError, ValueError):
 
 class ArtifactError(FlaxlensError):
   """An artifact could not be written or read; the message says what and where."""
+
+
+class HarvestError(FlaxlensError):
+  """A harvest store cannot be written, resumed or read as asked; the message names the
+  store's path and what differs."""
 
 
 class ExportError(FlaxlensError):
