@@ -73,7 +73,9 @@ def build(name: str) -> Model:
     variables = module.init(jax.random.key(0), example)
 
     def native(tokens):
-      _, state = module.apply(variables, tokens, capture_intermediates=True, mutable=["intermediates"])
+      _, state = module.apply(
+        variables, tokens, capture_intermediates=True, mutable=["intermediates"]
+      )
       found = state["intermediates"]
       return {site: found[site]["__call__"][0] for site in ("Block_0", "Block_1")}
 

@@ -85,7 +85,12 @@ def test_rules_and_dtypes_apply_per_site(linen_model, tmp_path):
 def test_token_ids_are_stored_beside_each_row(linen_model, tmp_path):
   site = linen_model.sites[0]
   stored = fl.harvest(
-    linen_model.tree, BATCHES, site, tmp_path / "s", positions=models.not_padding, ids=models.token_ids
+    linen_model.tree,
+    BATCHES,
+    site,
+    tmp_path / "s",
+    positions=models.not_padding,
+    ids=models.token_ids,
   )
   tokens = np.concatenate(BATCHES)
   np.testing.assert_array_equal(stored[site].ids[:], tokens[tokens != models.PAD])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -234,9 +233,11 @@ def _traced_leaf(leaf: Any) -> bool:
 def _as_arrays(batch: Any) -> Any:
   """The batch with array-likes (a tf.data tensor, a list of numbers stays) as arrays."""
   return jax.tree_util.tree_map(
-    lambda leaf: leaf
-    if isinstance(leaf, jax.Array | np.ndarray) or not _traced_leaf(leaf)
-    else np.asarray(leaf),
+    lambda leaf: (
+      leaf
+      if isinstance(leaf, jax.Array | np.ndarray) or not _traced_leaf(leaf)
+      else np.asarray(leaf)
+    ),
     batch,
   )
 
@@ -396,8 +397,7 @@ def _prepare(path: str, metadata: dict[str, Any], overwrite: bool) -> dict[str, 
     _store.create(path, metadata)
   except (OSError, ValueError) as error:
     raise HarvestError(
-      f"fl.harvest: cannot write the store at {path}: {error}. Give a directory you can"
-      " write to."
+      f"fl.harvest: cannot write the store at {path}: {error}. Give a directory you can write to."
     ) from error
   return _store.read_progress(path)
 

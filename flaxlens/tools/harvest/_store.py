@@ -56,7 +56,10 @@ def chunk_rows(features: Sequence[int], itemsize: int) -> int:
 
 
 def _spec(path: str, name: str, dtype: str | None = None) -> dict[str, Any]:
-  spec: dict[str, Any] = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{path}/{name}"}}
+  spec: dict[str, Any] = {
+    "driver": "zarr3",
+    "kvstore": {"driver": "file", "path": f"{path}/{name}"},
+  }
   if dtype is not None:
     spec["dtype"] = dtype
   return spec
@@ -233,7 +236,9 @@ class Rows:
       found = self._array[positions].read().result()
     if not rest:
       return found
-    axes = positions.ndim if isinstance(positions, np.ndarray) else int(isinstance(positions, slice))
+    axes = (
+      positions.ndim if isinstance(positions, np.ndarray) else int(isinstance(positions, slice))
+    )
     return found[(*(slice(None),) * axes, *rest)]
 
   def read(self, start: int, stop: int) -> Any:
@@ -317,7 +322,10 @@ class Harvest:
     arrays = open_arrays(path, metadata, write=False)
     self._sites = {
       site["name"]: HarvestedSite(
-        site["name"], arrays[site["name"]], int(progress["rows"].get(site["name"], 0)), site["chunk"]
+        site["name"],
+        arrays[site["name"]],
+        int(progress["rows"].get(site["name"], 0)),
+        site["chunk"],
       )
       for site in metadata["sites"]
     }
@@ -444,7 +452,9 @@ def _batches(
 ) -> Iterator[dict[str, np.ndarray]]:
   length = len(sites[0])
   block = max(site.chunk for site in sites)
-  row_bytes = sum(int(np.prod(site.shape[1:], dtype=np.int64)) * site.dtype.itemsize for site in sites)
+  row_bytes = sum(
+    int(np.prod(site.shape[1:], dtype=np.int64)) * site.dtype.itemsize for site in sites
+  )
   window = max(1, max(batch_size, WINDOW_BYTES // max(row_bytes, 1)) // block) * block
   starts = np.arange(0, length, block)
   rng = np.random.default_rng(seed)
