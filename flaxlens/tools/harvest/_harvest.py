@@ -450,9 +450,12 @@ class _Written:
     self.progress = progress
     self.held = held  # host arrays a write reads from, kept until it completes
 
+  def done(self) -> bool:
+    return all(future.commit.done() for future in self.futures)
+
   def wait(self) -> None:
     for future in self.futures:
-      future.result()
+      future.commit.result()  # written to the files, not only copied out of `held`
 
 
 def _write(
@@ -687,7 +690,7 @@ def _run(
       batch = _as_arrays(batch)
       out = _step(tree, batch, plan, random_streams)  # dispatched: runs while writes go on
       _check_batch(out, expected, number, path, batches)
-      while pending and (len(pending) >= IN_FLIGHT or all(f.done() for f in pending[0].futures)):
+      while pending and (len(pending) >= IN_FLIGHT or pending[0].done()):
         commit(pending.popleft())
       sizes = np.asarray(out["sizes"])
       futures, held, counts, size = _write(arrays, out, plan, examples, rows)
@@ -701,12 +704,13 @@ def _run(
     while pending:
       commit(pending.popleft())
   finally:
-    # Whatever stopped the run, batches whose writes completed stay committed.
+    # Whatever stopped the run, batches whose writes complete are committed; a write that
+    # fails leaves its batch uncommitted, and the error that stopped the run propagates.
     try:
       while pending:
         commit(pending.popleft())
     except Exception:
-      pass
+      pending.clear()
   _store.shrink(arrays, rows)
   _store.write_progress(
     path, {"batches": batches, "examples": examples, "rows": rows, "complete": True}
