@@ -82,12 +82,18 @@ from flaxlens.tools.files._artifact import save_isolated as save_isolated
 from flaxlens.tools.files._artifact import load_isolated as load_isolated
 from flaxlens.tools.files._codec import register_value_codec as register_value_codec
 
+# Harvesting.
+from flaxlens.tools.harvest._harvest import harvest as harvest
+from flaxlens.tools.harvest._store import open_harvest as open_harvest
+from flaxlens.tools.harvest._store import Harvest as Harvest
+
 # Errors.
 from flaxlens.errors import FlaxlensError as FlaxlensError
 from flaxlens.errors import ArgumentError as ArgumentError
 from flaxlens.errors import ArtifactError as ArtifactError
 from flaxlens.errors import BudgetError as BudgetError
 from flaxlens.errors import ExportError as ExportError
+from flaxlens.errors import HarvestError as HarvestError
 from flaxlens.errors import ModelCallError as ModelCallError
 from flaxlens.errors import CallStructureError as CallStructureError
 from flaxlens.errors import ReplacementError as ReplacementError
@@ -162,12 +168,17 @@ __all__ = [
   "save_isolated",
   "load_isolated",
   "register_value_codec",
+  # Harvesting.
+  "harvest",
+  "open_harvest",
+  "Harvest",
   # Errors.
   "FlaxlensError",
   "ArgumentError",
   "ArtifactError",
   "BudgetError",
   "ExportError",
+  "HarvestError",
   "ModelCallError",
   "CallStructureError",
   "ReplacementError",

@@ -52,10 +52,20 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   cannot be kept: the captures of one example (one patched forward, for a sweep) do not
   fit, or the batch would have to be split where splitting cannot give the result of the
   whole batch (the run updates state, the array arguments do not share a leading size,
-  an intervention's arrays hold the whole batch, or a chunk of two examples computes
-  other values than two chunks of one). Fix: the message lists the sizes per site or the
-  reason; capture less (fewer sites, `index=`, `dtype=`), give a larger budget, or run
-  without one (docs/interventions.md, budgets).
+  an intervention's arrays hold the whole batch, or an example's values change when
+  another example shares its chunk: the model couples the examples). Fix: the message
+  lists the sizes per site or the reason; capture less (fewer sites, `index=`,
+  `dtype=`), give a larger budget, or run without one (docs/interventions.md, budgets).
+- `HarvestError`: `fl.harvest` cannot write its store where asked (the path is not a
+  directory it can write, or holds something that is not a harvest store), the store
+  there was made by another call (another model, sites, positions, dtype, ids or first
+  batch: the message lists what differs, and nothing is overwritten), a batch
+  mid-stream gives another feature shape or dtype than the store holds (the batches
+  before it stay committed), the batches are empty, or a store that is not complete is
+  read by an iterator (`Harvest.batches`, `Harvest.source`) without `partial=True`.
+  Fix: run the same call again to resume, pass `overwrite=True` to start the store
+  afresh, give another path, or make every batch alike; with TensorStore missing, the
+  message says `pip install "flaxlens[harvest]"`.
 - `ModelCallError` (also the class of the error it reports): a call of a converted tree
   failed inside the model's own code (Flax's or yours), for example token ids of another
   rank or a sequence longer than a positional table, which raise a bare `IndexError` or
@@ -134,6 +144,11 @@ class SelectionError(FlaxlensError, KeyError, ValueError):
 
 class ArtifactError(FlaxlensError):
   """An artifact could not be written or read; the message says what and where."""
+
+
+class HarvestError(FlaxlensError):
+  """A harvest store cannot be written, resumed or read as asked; the message names the
+  store's path and what differs."""
 
 
 class ExportError(FlaxlensError):

@@ -24,6 +24,7 @@ WORKFLOW_PAGES = [
   "isolate.md",
   "export.md",
   "sharding.md",
+  "harvest.md",
 ]
 
 

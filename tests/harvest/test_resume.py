@@ -1,0 +1,103 @@
+"""A harvest killed mid-run resumes: the same call continues after the committed batches,
+with no row missing or repeated; a partial store never says it is complete."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import flaxlens as fl
+
+from . import models, workload
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def _committed(path: pathlib.Path) -> int:
+  try:
+    return fl.open_harvest(path).batches_committed
+  except fl.HarvestError:
+    return 0
+
+
+def _kill_after(path: pathlib.Path, framework: str, batches: int) -> None:
+  """Runs the workload in a subprocess and SIGKILLs it once `batches` are committed."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+  process = subprocess.Popen(
+    [sys.executable, str(HERE / "workload.py"), str(path), framework],
+    env=env,
+    stderr=subprocess.PIPE,
+  )
+  try:
+    deadline = time.monotonic() + 120
+    while _committed(path) < batches:
+      if process.poll() is not None:
+        pytest.fail(f"the harvest ended before it was killed: {process.stderr.read()[-2000:]}")
+      if time.monotonic() > deadline:
+        pytest.fail("no batch was committed within 120 s")
+      time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+  finally:
+    if process.poll() is None:
+      process.kill()
+      process.wait()
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_a_killed_harvest_resumes_without_missing_or_repeated_rows(framework, tmp_path):
+  killed, whole = tmp_path / "killed", tmp_path / "whole"
+  _kill_after(killed, framework, batches=3)
+  partial = fl.open_harvest(killed)
+  assert not partial.complete and 3 <= partial.batches_committed < workload.BATCHES
+  resumed = workload.harvest(str(killed), framework, workload.batches())
+  expected = workload.harvest(str(whole), framework, workload.batches())
+  assert resumed.complete and len(resumed) == len(expected) == 3 * 11 + 2
+  model = models.build(framework)
+  for site in model.sites:
+    np.testing.assert_array_equal(resumed[site][:], expected[site][:])
+    np.testing.assert_array_equal(resumed[site].index[:], expected[site].index[:])
+    np.testing.assert_array_equal(resumed[site].ids[:], expected[site].ids[:])
+    assert len(np.unique(resumed[site].index[:], axis=0)) == len(resumed[site])
+  tokens = np.concatenate(models.token_batches(workload.BATCHES, last=2))
+  captured = np.concatenate(
+    [
+      np.asarray(fl.capture(model.tree, b, model.sites[1])[1][model.sites[1]])
+      for b in models.token_batches(workload.BATCHES, last=2)
+    ]
+  )
+  np.testing.assert_array_equal(resumed[model.sites[1]][:], captured[tokens != models.PAD])
+
+
+def test_a_complete_store_is_returned_without_running_a_batch(linen_model, tmp_path):
+  batches = models.token_batches(3)
+  fl.harvest(linen_model.tree, batches, "Block_0", tmp_path / "s")
+  taken = []
+
+  def stream():
+    for b in batches:
+      taken.append(b)
+      yield b
+
+  again = fl.harvest(linen_model.tree, stream(), "Block_0", tmp_path / "s")
+  assert again.complete and len(taken) == 1  # the first batch, to check it is the same call
+
+
+def test_a_store_stopped_by_an_error_mid_stream_is_partial(linen_model, tmp_path):
+  good = models.token_batches(2)
+  wide = np.zeros((3, models.LENGTH + 2), np.int32)  # refused: another row count per example
+  with pytest.raises(fl.HarvestError, match="batch 2 gives rows"):
+    fl.harvest(linen_model.tree, [*good, wide], "Block_0", tmp_path / "s", positions=None)
+  stored = fl.open_harvest(tmp_path / "s")
+  assert not stored.complete and stored.batches_committed == 2 and len(stored) == 6
+  with pytest.raises(fl.HarvestError, match="not complete"):
+    stored.batches(4)
+  assert sum(len(b["Block_0"]) for b in stored.batches(4, partial=True)) == 6
