@@ -24,6 +24,14 @@ def _native_key(site, root) -> tuple:
   return (*map(str, path), method if isinstance(method, str) else method.__name__)
 
 
+# Models with calls inside an inner `nn.jit`/`nnx.jit`. A capturing run calls that body
+# inline (documented: docs/interventions.md, README limits), so an eager capture runs it op by
+# op where the native call runs it compiled, and XLA may round the two apart by an ulp
+# (measured: dropout scaling on jax 0.10.0; bit for bit on jax 0.10.2). Compiled, both are one
+# program and must be equal bit for bit.
+_INNER_JIT = {"jit", "jit_method", "nnx_jit_inside"}
+
+
 def _compare(fw, case, jit: bool) -> int:
   tree = fw.convert(case)
   argument = fw.argument(case)
@@ -46,7 +54,10 @@ def _compare(fw, case, jit: bool) -> int:
     theirs = jax.tree_util.tree_leaves(values[index])
     assert len(ours) == len(theirs), site.name
     for a, b in zip(ours, theirs, strict=True):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=site.name)
+      if not jit and case.name in _INNER_JIT:
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-7, err_msg=site.name)
+      else:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=site.name)
     compared += 1
   return compared
 
