@@ -4,9 +4,10 @@
 127.0.0.1:PORT, each with two CPU devices; for each Flax API, both processes feed their
 own rows of every global batch (`sharding=`) and harvest into one store, `OUT/FRAMEWORK`,
 then into `OUT/FRAMEWORK-resumed` a stream that stops after `STOP` batches, and the same
-call again, which resumes. Writes `OUT/report-PROCESS.json`: per framework, the batches
-committed when the stream stopped and the examples (within their batch) of the rows this
-process wrote in the straight harvest.
+call again, which resumes; then two calls that are refused. Writes
+`OUT/report-PROCESS.json`: per framework, the batches committed when the stream stopped
+and the examples (within their batch) of the rows this process wrote in the straight
+harvest; the refusals' messages.
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ def harvest(model, batches, path: str, **options):
     progress=False,
     **options,
   )
+
+
+def refusal(call) -> str:
+  """`ErrorType: message` of what `call` raised."""
+  try:
+    call()
+  except Exception as error:
+    return f"{type(error).__name__}: {error}"
+  return "nothing raised"
 
 
 class Stopped(Exception):
@@ -112,6 +122,14 @@ def main() -> None:
     committed = fl.open_harvest(f"{out}/{framework}-resumed").batches_committed
     harvest(model, local, f"{out}/{framework}-resumed", sharding=rows)
     report[framework] = {"committed when stopped": committed, "examples written": written[:]}
+  report["refused"] = {
+    "host batches": refusal(
+      lambda: harvest(model, local, f"{out}/refused")  # this process's rows, no sharding=
+    ),
+    "variables of one process": refusal(
+      lambda: harvest(models.build("linen"), local, f"{out}/refused", sharding=rows)
+    ),
+  }
   with open(f"{out}/report-{process}.json", "w") as file:
     json.dump(report, file)
 

@@ -135,3 +135,22 @@ def test_a_two_process_harvest_stopped_midway_resumes_where_it_stopped(run, mode
   assert committed[0] == committed[1] and 0 < committed[0] < check.STOP
   resumed = fl.open_harvest(run / f"{model.framework}-resumed")
   _assert_same_rows(resumed, fl.open_harvest(run / model.framework))
+
+
+def _refusal(run: pathlib.Path, case: str) -> list[str]:
+  return [
+    json.loads((run / f"report-{p}.json").read_text())["refused"][case]
+    for p in range(check.PROCESSES)
+  ]
+
+
+def test_host_batches_without_sharding_are_refused_on_every_process(run):
+  for message in _refusal(run, "host batches"):
+    assert message.startswith("ArgumentError: fl.harvest: batch 0 holds arrays of this process")
+    assert message.endswith("or give global jax.Arrays.")
+
+
+def test_variables_held_by_one_process_are_refused_on_every_process(run):
+  for message in _refusal(run, "variables of one process"):
+    assert message.startswith("ArgumentError: fl.harvest: the variables ['params:Embed_0/")
+    assert "Place the model's variables on the global mesh" in message

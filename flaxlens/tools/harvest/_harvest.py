@@ -433,9 +433,10 @@ def _metadata(
   tree: CallNode, batch: Any, plan: _Plan, shapes: dict[str, Any], random_streams: Any
 ) -> dict[str, Any]:
   variables = [
-    (v.label or str(i), v.value)
+    (v.label or str(i), leaf)  # a boxed value (nn.Partitioned) by its array
     for i, v in enumerate(variables_in(tree))
     if not isinstance(v.value, Uninitialized)
+    for leaf in jax.tree_util.tree_leaves(v.value)
   ]
   leaves, treedef = jax.tree_util.tree_flatten(batch)
   arrays = [leaf for leaf in leaves if _traced_leaf(leaf)]
@@ -973,7 +974,10 @@ def _check_variables(tree: CallNode) -> None:
   local = [
     v.label or "?"
     for v in variables_in(tree)
-    if isinstance(v.value, jax.Array) and v.value.is_fully_addressable
+    if any(
+      isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+      for leaf in jax.tree_util.tree_leaves(v.value)
+    )
   ]
   if local:
     raise ArgumentError(
