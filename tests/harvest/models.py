@@ -64,13 +64,18 @@ class Model:
   tree: Any
   sites: list[str]  # the blocks' site names, in call order
   native: Callable[[Any], dict[str, Any]]  # tokens -> {site: Flax's own capture}
+  framework: str  # "linen" or "nnx"
 
 
-def build(name: str) -> Model:
+def build(name: str, place: Callable[[Any], Any] | None = None) -> Model:
+  """The model of Flax API `name`; `place` (a function of the variables, as `jax.device_put`
+  takes them) places them before conversion, on a mesh say."""
   example = jnp.zeros((2, LENGTH), jnp.int32)
   if name == "linen":
     module = Net()
     variables = module.init(jax.random.key(0), example)
+    if place is not None:
+      variables = place(variables)
 
     def native(tokens):
       _, state = module.apply(
@@ -80,8 +85,10 @@ def build(name: str) -> Model:
       return {site: found[site]["__call__"][0] for site in ("Block_0", "Block_1")}
 
     tree = fl.unflaxify(module, variables, example)
-    return Model(tree, ["Block_0", "Block_1"], native)
+    return Model(tree, ["Block_0", "Block_1"], native, name)
   model = NNXNet(nnx.Rngs(0))
+  if place is not None:
+    nnx.update(model, place(nnx.state(model)))
 
   def native(tokens):
     captured = nnx.capture(lambda m, t: m(t), nnx.Intermediate, method_outputs=nnx.Intermediate)
@@ -90,7 +97,7 @@ def build(name: str) -> Model:
     return {site: found[(site, "__call__")][0] for site in ("block0", "block1")}
 
   tree = fl.unflaxify(model, example)
-  return Model(tree, ["block0", "block1"], native)
+  return Model(tree, ["block0", "block1"], native, name)
 
 
 def token_batches(count: int, size: int = 3, *, seed: int = 0, last: int | None = None) -> list:

@@ -1,6 +1,7 @@
 """Run in a subprocess with four CPU devices: a harvest of batches sharded over a mesh's
 batch axis writes each device's rows from its own shard, and the rows equal `fl.capture`
-of the same batches. Prints `check: True/False` lines."""
+of the same batches; host batches placed by `sharding=` and a mask keep each device's rows
+on it, and the store equals a harvest on one device. Prints `check: True/False` lines."""
 
 from __future__ import annotations
 
@@ -26,12 +27,15 @@ sharding = NamedSharding(mesh, PartitionSpec("batch"))
 model = models.build("linen")
 batches = [jax.device_put(b, sharding) for b in models.token_batches(3, size=4)]
 pieces = []
+mask_examples = []  # the examples of each piece of a mask's index rows
 original = _harvest._pieces
 
 
-def counted(array, count):
-  found = original(array, count)
+def counted(array, counts):
+  found = original(array, counts)
   pieces.append(len(found))
+  if counts is not None:
+    mask_examples.extend(set(data[:, 0].tolist()) for _, _, data in found if data.shape[1:] == (2,))
   return found
 
 
@@ -52,3 +56,28 @@ exact = all(
   for site in model.sites
 )
 print(f"rows exact: {exact}")
+
+options = {
+  "positions": {model.sites[0]: "all", "**": models.not_padding},
+  "ids": models.token_ids,
+  "progress": False,
+}
+host = models.token_batches(3, size=4, seed=2)
+pieces.clear()
+meshed = fl.harvest(
+  model.tree, host, model.sites, tempfile.mkdtemp() + "/m", sharding=sharding, **options
+)
+print(f"mask written shard by shard: {max(pieces) == 4}")
+# One example per device: each piece of a mask's rows holds the rows of one example.
+print(f"mask rows stay on their device: {all(len(found) == 1 for found in mask_examples)}")
+one = fl.harvest(model.tree, host, model.sites, tempfile.mkdtemp() + "/o", **options)
+same = len(meshed) == len(one) and all(
+  np.array_equal(got, expected)
+  for site in model.sites
+  for got, expected in [
+    (meshed[site][:].view(np.uint8), one[site][:].view(np.uint8)),
+    (meshed[site].index[:], one[site].index[:]),
+    (meshed[site].ids[:], one[site].ids[:]),
+  ]
+)
+print(f"mask rows equal one device: {same}")

@@ -123,3 +123,9 @@ def test_a_missing_tensorstore_names_the_extra_to_install(linen_model, tmp_path,
   monkeypatch.setattr(builtins, "__import__", without_tensorstore)
   with pytest.raises(fl.HarvestError, match=r'pip install "flaxlens\[harvest\]"'):
     fl.harvest(linen_model.tree, BATCHES, "Block_0", tmp_path / "s")
+
+
+def test_a_sharding_that_is_no_sharding_is_refused_before_the_store_is_made(model, tmp_path):
+  with pytest.raises(fl.ArgumentError, match="sharding= holds str, not a jax.sharding.Sharding"):
+    fl.harvest(model.tree, BATCHES, model.sites, tmp_path / "s", sharding="data")
+  assert not (tmp_path / "s").exists()

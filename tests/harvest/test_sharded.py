@@ -1,4 +1,4 @@
-"""A harvest of batches sharded over four CPU devices (in a subprocess)."""
+"""A harvest of batches sharded over four CPU devices, one process (in a subprocess)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,16 @@ def report() -> dict[str, str]:
   return dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
 
 
-@pytest.mark.parametrize("check", ["devices", "written shard by shard", "rows exact"])
+@pytest.mark.parametrize(
+  "check",
+  [
+    "devices",
+    "written shard by shard",
+    "rows exact",
+    "mask written shard by shard",
+    "mask rows stay on their device",
+    "mask rows equal one device",
+  ],
+)
 def test_sharded_batches_are_written_from_their_shards(report, check):
   assert report[check] == "True"

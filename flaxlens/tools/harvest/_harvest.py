@@ -6,7 +6,11 @@ example and position of each row), so only the selected rows leave the device, s
 shard. The writes of a batch go to TensorStore as futures while the next batch's forward
 runs; a batch counts as committed (`progress.json`, replaced atomically) only once its
 writes have completed, and a run of the same call resumes after the committed batches.
-No Flax internals here.
+In a multi-process run (`jax.distributed`) every process runs the same loop: each step is
+one SPMD program over the global mesh, each process writes the rows of its own shards into
+the one store, and what must be agreed (the rows a mask keeps per block of examples, the
+barriers before process 0 commits) goes through JAX's collectives
+(`jax.experimental.multihost_utils`). No Flax internals here.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import collections
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -26,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from flaxlens.core._checks import check_path
 from flaxlens.core._jit import variable_jit
@@ -124,17 +130,22 @@ def _plan(tree: CallNode, at: Any, positions: Any, dtype: Any, ids: Any) -> _Pla
 # --- the compiled step: capture and select rows -------------------------------------------------
 
 
-def _rows(tree: CallNode, batch: Any, plan: _Plan, random_streams: Any) -> dict[str, Any]:
-  """For each site: its selected rows (`values`), each row's `(example, position)` within
-  the batch (`index`), `ids`, and `count` (the rows a mask selects); `sizes` is the
-  batch's (examples, positions)."""
+def _rows(
+  tree: CallNode, batch: Any, plan: _Plan, random_streams: Any, groups: int
+) -> dict[str, Any]:
+  """For each site: its rows (`values`) and their `ids`; `sizes` is the batch's examples,
+  then each site's positions (1 with `positions=None`). A mask's rows are selected within
+  each of `groups` equal blocks of examples (the blocks the batch is sharded in, so each
+  device keeps its own rows): `(groups, rows per block, ...)`, each block's selected rows
+  first, with each row's `(example, position)` within the batch (`index`) and `count`,
+  the rows each block selects."""
   _, captured = run(
     tree, model_arguments(batch), capture=plan.capture, jit=False, random_streams=random_streams
   )
   ids = None if plan.ids is None else jnp.asarray(plan.ids(batch))
   masks: dict[int, Any] = {}
   found: dict[str, Any] = {}
-  sizes = None
+  sizes, lengths = None, []
   for site in plan.sites:
     value = captured[site.name]
     if not isinstance(value, jax.Array) or value.ndim < (1 if site.rule is None else 2):
@@ -145,15 +156,21 @@ def _rows(tree: CallNode, batch: Any, plan: _Plan, random_streams: Any) -> dict[
         " positions, ...) (or (batch, ...) with positions=None)."
       )
     size = value.shape[:1] if site.rule is None else value.shape[:2]
+    lengths.append(1 if site.rule is None else value.shape[1])
     if sizes is None or len(size) > len(sizes):
       if sizes is not None and size[0] != sizes[0]:
         raise _unbatched(plan, captured)
       sizes = size
     elif size[0] != sizes[0]:
       raise _unbatched(plan, captured)
-    found[site.name] = _select(site, value, batch, ids, masks)
-  found["sizes"] = jnp.asarray([sizes[0], sizes[1] if len(sizes) > 1 else 1], jnp.int32)
+    found[site.name] = _select(site, value, batch, ids, masks, groups)
+  found["sizes"] = jnp.asarray([sizes[0], *lengths], jnp.int32)
   return found
+
+
+def _features(found: dict[str, Any]) -> list[int]:
+  """A site's feature shape, from the step's output for it (a mask's rows come in blocks)."""
+  return list(found["values"].shape[2 if "count" in found else 1 :])
 
 
 def _unbatched(plan: _Plan, captured: dict[str, Any]) -> ArgumentError:
@@ -164,49 +181,65 @@ def _unbatched(plan: _Plan, captured: dict[str, Any]) -> ArgumentError:
   )
 
 
-def _select(site: _SitePlan, value: Any, batch: Any, ids: Any, masks: dict[int, Any]) -> Any:
+def _select(
+  site: _SitePlan, value: Any, batch: Any, ids: Any, masks: dict[int, Any], groups: int
+) -> Any:
+  """A site's rows: `values` and `ids`; with a mask, also each row's `index` and the rows'
+  `count` per block (without one, the host knows each row's example and position)."""
   examples = value.shape[0]
   if site.rule is None:
-    index = jnp.stack([jnp.arange(examples), jnp.full(examples, -1)], 1)
-    row_ids = _ids_of(site, ids, examples, None)
-    out = {"values": value, "index": index, "ids": row_ids}
+    out = {"values": value, "ids": _ids_of(site, ids, examples, None)}
+  elif site.rule == "last":
+    row_ids = _ids_of(site, ids, examples, value.shape[1])
+    out = {"values": value[:, -1], "ids": None if row_ids is None else row_ids[:, -1]}
   else:
     length = value.shape[1]
-    positions = jnp.broadcast_to(jnp.arange(length), (examples, length))
-    example = jnp.broadcast_to(jnp.arange(examples)[:, None], (examples, length))
+    rows = examples * length
     row_ids = _ids_of(site, ids, examples, length)
-    if site.rule == "last":
-      out = {
-        "values": value[:, -1],
-        "index": jnp.stack([example[:, -1], positions[:, -1]], 1),
-        "ids": None if row_ids is None else row_ids[:, -1],
-      }
-    else:
-      rows = examples * length
-      flat = {
-        "values": value.reshape(rows, *value.shape[2:]),
-        "index": jnp.stack([example.reshape(rows), positions.reshape(rows)], 1),
-        "ids": None if row_ids is None else row_ids.reshape(rows),
-      }
-      if site.rule == "all":
-        out = flat
-      else:
-        mask = masks.get(id(site.rule))
-        if mask is None:
-          mask = masks[id(site.rule)] = jnp.asarray(site.rule(batch))
-        if mask.shape != (examples, length) or mask.dtype != jnp.bool_:
-          raise ArgumentError(
-            f"{site.name}: positions= gave a {mask.dtype}{list(mask.shape)} mask, where the"
-            f" site's output has {examples} examples of {length} positions. Give a function"
-            f" returning a boolean mask of shape ({examples}, {length})."
-          )
-        keep = mask.reshape(rows)
-        order = jnp.argsort(~keep, stable=True)  # Selected rows first, in stream order.
-        out = {k: None if v is None else v[order] for k, v in flat.items()}
-        out["count"] = keep.sum(dtype=jnp.int32)
+    out = {
+      "values": value.reshape(rows, *value.shape[2:]),
+      "ids": None if row_ids is None else row_ids.reshape(rows),
+    }
+    if site.rule != "all":
+      out = _masked(site, out, batch, masks, groups, examples, length)
   if site.dtype is not None:
     out["values"] = out["values"].astype(site.dtype)
   return {k: v for k, v in out.items() if v is not None}
+
+
+def _masked(
+  site: _SitePlan,
+  flat: dict[str, Any],
+  batch: Any,
+  masks: dict[int, Any],
+  groups: int,
+  examples: int,
+  length: int,
+) -> dict[str, Any]:
+  """The rows a mask selects, within each of `groups` blocks of whole examples."""
+  mask = masks.get(id(site.rule))
+  if mask is None:
+    mask = masks[id(site.rule)] = jnp.asarray(site.rule(batch))
+  if mask.shape != (examples, length) or mask.dtype != jnp.bool_:
+    raise ArgumentError(
+      f"{site.name}: positions= gave a {mask.dtype}{list(mask.shape)} mask, where the"
+      f" site's output has {examples} examples of {length} positions. Give a function"
+      f" returning a boolean mask of shape ({examples}, {length})."
+    )
+  rows = examples * length
+  flat["index"] = jnp.stack(
+    [jnp.arange(rows, dtype=jnp.int32) // length, jnp.arange(rows, dtype=jnp.int32) % length], 1
+  )
+  groups = math.gcd(groups, examples)
+  keep = mask.reshape(groups, rows // groups)
+  order = jnp.argsort(~keep, axis=1, stable=True)  # Selected rows first, in stream order.
+  block = jnp.arange(groups)[:, None]
+  out = {
+    k: None if v is None else v.reshape(groups, rows // groups, *v.shape[1:])[block, order]
+    for k, v in flat.items()
+  }
+  out["count"] = keep.sum(axis=1, dtype=jnp.int32)
+  return out
 
 
 def _ids_of(site: _SitePlan, ids: Any, examples: int, length: int | None) -> Any:
@@ -242,16 +275,110 @@ def _as_arrays(batch: Any) -> Any:
   )
 
 
+# --- processes: placing batches, reading small results, agreeing ----------------------------
+
+
+def _place(batch: Any, sharding: Any) -> Any:
+  """The batch as global arrays placed by `sharding` (one, or a pytree of them that is a
+  prefix of the batch): each process's batch holds its own rows of the global batch,
+  assembled by `jax.make_array_from_process_local_data` (in one process: the whole batch).
+  Arrays that span processes already are kept as they are."""
+
+  def place(target: Any, part: Any) -> Any:
+    if not isinstance(target, jax.sharding.Sharding):
+      raise ArgumentError(
+        f"fl.harvest: sharding= holds {type(target).__name__}, not a jax.sharding.Sharding."
+        " Give one Sharding (NamedSharding(mesh, P('data'))) or a pytree of them matching"
+        " the batch."
+      )
+    return jax.tree_util.tree_map(lambda leaf: _placed(leaf, target), part)
+
+  if sharding is None:
+    return batch
+  try:
+    return jax.tree_util.tree_map(place, sharding, batch)
+  except ValueError as error:
+    raise ArgumentError(
+      f"fl.harvest: cannot place a batch by sharding=: {error}. Give one Sharding for every"
+      " array of the batch, or a pytree of them that is a prefix of the batch's structure."
+    ) from error
+
+
+def _placed(leaf: Any, target: Any) -> Any:
+  if not _traced_leaf(leaf):
+    return leaf
+  if isinstance(leaf, jax.Array) and (
+    not leaf.is_fully_addressable or leaf.sharding.is_equivalent_to(target, leaf.ndim)
+  ):
+    return leaf  # global already, or placed so already
+  return jax.make_array_from_process_local_data(target, np.asarray(leaf))
+
+
+def _check_global(batch: Any, number: int) -> None:
+  """In a multi-process run, refuses a batch holding host arrays (each process might hold
+  other rows, where JAX takes a host array to be the same global value everywhere)."""
+  if jax.process_count() == 1:
+    return
+  local = [
+    type(leaf).__name__
+    for leaf in jax.tree_util.tree_leaves(batch)
+    if _traced_leaf(leaf) and not (isinstance(leaf, jax.Array) and not leaf.is_fully_addressable)
+  ]
+  if local:
+    raise ArgumentError(
+      f"fl.harvest: batch {number} holds arrays of this process only ({', '.join(local)}) in"
+      f" a run of {jax.process_count()} processes. Pass sharding= (each process's batches"
+      " are then its own rows of the global batches, as jax.make_array_from_process_local_data"
+      " takes them) or give global jax.Arrays."
+    )
+
+
+def _groups(batch: Any) -> int:
+  """The blocks of examples the batch is sharded in: the most distinct ranges of the first
+  axis among its arrays (1 for host arrays or arrays on one device)."""
+  blocks = 1
+  for leaf in jax.tree_util.tree_leaves(batch):
+    if isinstance(leaf, jax.Array) and leaf.ndim and len(leaf.sharding.device_set) > 1:
+      indices = leaf.sharding.devices_indices_map(leaf.shape).values()
+      blocks = max(blocks, len({index[0].indices(leaf.shape[0])[0] for index in indices}))
+  return blocks
+
+
+def _fetch(array: Any) -> np.ndarray:
+  """The whole value of a small array on every process (gathered where it spans processes
+  unreplicated: a collective, so every process calls it at the same point)."""
+  if not isinstance(array, jax.Array) or array.is_fully_addressable:
+    return np.asarray(array)
+  if array.is_fully_replicated:
+    return np.asarray(array.addressable_data(0))
+  return multihost_utils.process_allgather(array, tiled=True)
+
+
+def _barrier(name: str) -> None:
+  """Returns once every process reached the barrier `name` (a collective over all devices)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f"flaxlens.harvest: {name}")
+
+
+def _failed_processes(ok: bool) -> list[int]:
+  """The processes where `ok` is False (every process calls this at the same point)."""
+  if jax.process_count() == 1:
+    return [] if ok else [0]
+  flags = multihost_utils.process_allgather(np.asarray([ok], np.int32), tiled=True)
+  return [int(i) for i in np.flatnonzero(flags == 0)]
+
+
 def _shapes(tree: CallNode, batch: Any, plan: _Plan, random_streams: Any) -> dict[str, Any]:
   """The step's output shapes for `batch`, traced abstractly (nothing computed)."""
   leaves, treedef = jax.tree_util.tree_flatten(batch)
   arrays = [i for i, leaf in enumerate(leaves) if _traced_leaf(leaf)]
+  groups = _groups(batch)
 
   def rows(values: list[Any]) -> Any:
     filled = list(leaves)
     for i, value in zip(arrays, values, strict=True):
       filled[i] = value
-    return _rows(tree, jax.tree_util.tree_unflatten(treedef, filled), plan, random_streams)
+    return _rows(tree, jax.tree_util.tree_unflatten(treedef, filled), plan, random_streams, groups)
 
   return jax.eval_shape(rows, [leaves[i] for i in arrays])
 
@@ -280,7 +407,7 @@ def _checksums(leaves: list[Any]) -> Any:
 def _fingerprint(named: list[tuple[str, Any]]) -> str:
   """A checksum of named arrays: their names, shapes, dtypes and bits (not cryptographic)."""
   arrays = [jnp.asarray(value) for _, value in named]
-  sums = np.asarray(_checksums(arrays)) if arrays else np.zeros((0, 2), np.uint32)
+  sums = _fetch(_checksums(arrays)) if arrays else np.zeros((0, 2), np.uint32)
   digest = hashlib.sha256()
   for (name, _), array, pair in zip(named, arrays, sums, strict=True):
     digest.update(f"{name}|{array.dtype}|{tuple(array.shape)}|{pair.tolist()};".encode())
@@ -306,25 +433,25 @@ def _metadata(
   tree: CallNode, batch: Any, plan: _Plan, shapes: dict[str, Any], random_streams: Any
 ) -> dict[str, Any]:
   variables = [
-    (v.label or str(i), v.value)
+    (v.label or str(i), leaf)  # a boxed value (nn.Partitioned) by its array
     for i, v in enumerate(variables_in(tree))
     if not isinstance(v.value, Uninitialized)
+    for leaf in jax.tree_util.tree_leaves(v.value)
   ]
   leaves, treedef = jax.tree_util.tree_flatten(batch)
   arrays = [leaf for leaf in leaves if _traced_leaf(leaf)]
   sites = []
   for k, site in enumerate(plan.sites):
     found = shapes[site.name]
-    values = found["values"]
-    dtype = np.dtype(values.dtype)
+    dtype = np.dtype(found["values"].dtype)
     sites.append(
       {
         "name": site.name,
         "group": f"s{k}",
         "positions": _rule_text(site.rule),
         "dtype": dtype.name,
-        "features": list(values.shape[1:]),
-        "chunk": _store.chunk_rows(values.shape[1:], dtype.itemsize),
+        "features": _features(found),
+        "chunk": _store.chunk_rows(_features(found), dtype.itemsize),
         "ids": np.dtype(found["ids"].dtype).name if "ids" in found else None,
       }
     )
@@ -342,7 +469,7 @@ def _metadata(
     "ids": None if plan.ids is None else _function_id(plan.ids),
     "inputs": {
       "structure": str(treedef),
-      "arrays": [[np.dtype(np.asarray(a).dtype).name, np.ndim(a)] for a in arrays],
+      "arrays": [[np.dtype(a.dtype).name, np.ndim(a)] for a in arrays],
     },
     "first_batch": _fingerprint([(str(i), a) for i, a in enumerate(arrays)]),
     "random_streams": _fingerprint([(str(i), s) for i, s in enumerate(streams)])
@@ -368,7 +495,21 @@ def _differences(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
 
 
 def _prepare(path: str, metadata: dict[str, Any], overwrite: bool) -> dict[str, Any]:
-  """Creates the store, or checks the one at `path` was made by this call; its progress."""
+  """Creates the store, or checks the one at `path` was made by this call; its progress.
+
+  Every process checks what `path` holds (reading only); then process 0 alone creates,
+  overwrites or reopens the store; then every process checks it sees the store and can
+  write to it. Each step is agreed: where it fails on one process, every process raises.
+  """
+  _same_call(metadata)
+  action = _agreed(lambda: _inspect(path, metadata, overwrite), path)
+  _agreed(lambda: _make(path, metadata, action) if jax.process_index() == 0 else None, path)
+  _agreed(lambda: _check_shared(path, metadata), path)
+  return _store.read_progress(path)
+
+
+def _inspect(path: str, metadata: dict[str, Any], overwrite: bool) -> str:
+  """What to do at `path`: "resume", "create" or "overwrite"; refuses anything else."""
   if os.path.lexists(path) and not os.path.isdir(path):
     raise HarvestError(
       f"fl.harvest: {path} exists and is not a directory. Give a new path or a harvest"
@@ -380,17 +521,25 @@ def _prepare(path: str, metadata: dict[str, Any], overwrite: bool) -> dict[str, 
       f"fl.harvest: {path} is a directory holding other files, not a harvest store; nothing"
       " was written. Give a new path or an empty directory."
     )
-  if existing is not None:
-    differences = _differences(existing, metadata)
-    if not differences:
-      _check_writable(path)
-      return _store.read_progress(path)
-    if not overwrite:
-      raise HarvestError(
-        f"fl.harvest: the store at {path} was made by another call; nothing was"
-        f" overwritten. What differs: {'; '.join(differences)}. Give another path, run the"
-        " call that made it to resume, or pass overwrite=True to start it afresh."
-      )
+  if existing is None:
+    return "create"
+  differences = _differences(existing, metadata)
+  if not differences:
+    return "resume"
+  if not overwrite:
+    raise HarvestError(
+      f"fl.harvest: the store at {path} was made by another call; nothing was"
+      f" overwritten. What differs: {'; '.join(differences)}. Give another path, run the"
+      " call that made it to resume, or pass overwrite=True to start it afresh."
+    )
+  return "overwrite"
+
+
+def _make(path: str, metadata: dict[str, Any], action: str) -> None:
+  if action == "resume":
+    _store.open_arrays(path, metadata, write=True)  # grows arrays shrunk by a stopped run
+    return
+  if action == "overwrite":
     _check_writable(path)
     shutil.rmtree(path)
   try:
@@ -399,11 +548,21 @@ def _prepare(path: str, metadata: dict[str, Any], overwrite: bool) -> dict[str, 
     raise HarvestError(
       f"fl.harvest: cannot write the store at {path}: {error}. Give a directory you can write to."
     ) from error
-  return _store.read_progress(path)
+
+
+def _check_shared(path: str, metadata: dict[str, Any]) -> None:
+  """Refuses a store this process does not see (no path shared by the processes) or cannot
+  write to."""
+  if _store.read_metadata(path) != metadata:
+    raise HarvestError(
+      f"fl.harvest: process {jax.process_index()} does not see the store process 0 made at"
+      f" {path}. Give a path every process of the run sees (a shared file system)."
+    )
+  _check_writable(path)
 
 
 def _check_writable(path: str) -> None:
-  probe = os.path.join(path, ".write-check")
+  probe = os.path.join(path, f".write-check-{jax.process_index()}")
   try:
     with open(probe, "w"):
       pass
@@ -415,6 +574,41 @@ def _check_writable(path: str) -> None:
     ) from error
 
 
+def _same_call(metadata: dict[str, Any]) -> None:
+  """Refuses a multi-process run whose processes harvest different calls (other sites,
+  rules, model variables or first batch)."""
+  if jax.process_count() == 1:
+    return
+  mine = np.frombuffer(bytes.fromhex(metadata["fingerprint"]), np.uint8)
+  every = multihost_utils.process_allgather(mine)
+  differ = [i for i, found in enumerate(every) if not np.array_equal(found, every[0])]
+  if differ:
+    raise HarvestError(
+      f"fl.harvest: processes {differ} harvest another call than process 0 (the fingerprints"
+      " of their settings differ: model variables, sites, rules, ids, inputs or first batch)."
+      " Run the same call, with the same model and batches, on every process."
+    )
+
+
+def _agreed(action: Callable[[], Any], path: str) -> Any:
+  """Runs `action` on this process; where it failed on any process, raises on every one
+  (this process's own error where it failed here). A barrier in a multi-process run."""
+  error, result = None, None
+  try:
+    result = action()
+  except Exception as found:
+    error = found
+  failed = _failed_processes(error is None)
+  if error is not None:
+    raise error
+  if failed:
+    raise HarvestError(
+      f"fl.harvest: preparing the store at {path} failed on process(es) {failed} (their"
+      " error says why); this process stops too. Fix what they report and run again."
+    )
+  return result
+
+
 # --- moving rows off the device ------------------------------------------------------------------
 
 
@@ -423,22 +617,29 @@ def _bucket(count: int, size: int) -> int:
   return min(size, 1 << max(0, count - 1).bit_length()) if count else 0
 
 
-def _pieces(array: Any, count: int) -> list[tuple[tuple[slice, ...], np.ndarray]]:
-  """`(region, host values)` of the first `count` rows of `array`, one per distinct
-  addressable shard (a batch sharded over devices is copied shard by shard, never
-  gathered)."""
-  if not isinstance(array, jax.Array) or len(array.sharding.device_set) == 1:
-    return [((slice(0, count),), np.asarray(array)[:count])] if count else []
-  pieces, seen = [], set()
+def _pieces(array: Any, counts: np.ndarray | None) -> list[tuple[int, tuple[slice, ...], Any]]:
+  """`(first row, region of the other axes, host values)` of the rows of `array` this
+  process writes: those of its addressable shards that are the first replica of their
+  region, so each row is written once, by the process whose device computed it, and never
+  gathered. `counts` None: `array` is `(rows, ...)`, every row kept; otherwise it is
+  `(blocks, rows, ...)`, block `b` keeps its first `counts[b]` rows, stored after the rows
+  the blocks before it keep."""
+  offsets = None if counts is None else np.cumsum(counts) - counts
+  pieces = []
   for shard in array.addressable_shards:
-    region = tuple(slice(*s.indices(n)[:2]) for s, n in zip(shard.index, array.shape, strict=True))
-    key = tuple((s.start, s.stop) for s in region)
-    if key in seen or region[0].start >= count:
+    if shard.replica_id != 0:
       continue
-    seen.add(key)
-    keep = min(region[0].stop, count) - region[0].start
-    data = np.asarray(shard.data)[:keep]
-    pieces.append(((slice(region[0].start, region[0].start + keep), *region[1:]), data))
+    region = tuple(slice(*s.indices(n)[:2]) for s, n in zip(shard.index, array.shape, strict=True))
+    data = np.asarray(shard.data)
+    if counts is None:
+      pieces.append((region[0].start, region[1:], data))
+      continue
+    blocks, rows = region[0], region[1]
+    for block in range(blocks.start, blocks.stop):
+      keep = min(rows.stop, int(counts[block])) - rows.start
+      if keep > 0:
+        first = int(offsets[block]) + rows.start
+        pieces.append((first, region[2:], data[block - blocks.start, :keep]))
   return pieces
 
 
@@ -462,32 +663,51 @@ def _write(
   arrays: dict[str, dict[str, Any]],
   out: dict[str, Any],
   plan: _Plan,
+  sizes: np.ndarray,
   example: int,
   rows: dict[str, int],
 ) -> tuple[list[Any], list[Any], dict[str, int], int]:
   """Issues the writes of one batch at rows `rows` (by site), its first example being
-  `example`; returns the futures, the host arrays, the rows written and the bytes."""
-  counts = {s.name: int(out[s.name]["count"]) for s in plan.sites if "count" in out[s.name]}
+  `example`; returns the futures, the host arrays, the rows written and the bytes. The rows
+  each block of a mask keeps are agreed by every process (`_fetch`)."""
   futures, held, written, size = [], [], {}, 0
-  for site in plan.sites:
+
+  def write(target: Any, first: int, rest: tuple[slice, ...], data: np.ndarray) -> None:
+    nonlocal size
+    futures.append(target[(slice(first, first + len(data)), *rest)].write(data))
+    held.append(data)
+    size += data.nbytes
+
+  for k, site in enumerate(plan.sites):
     found, target, start = out[site.name], arrays[site.name], rows[site.name]
-    total = found["values"].shape[0]
-    count = counts.get(site.name, total)
+    counts = _fetch(found["count"]) if "count" in found else None
     for name in ("values", "index", "ids"):
       if name not in found:
         continue
       array = found[name]
-      if site.name in counts:
-        array = array[: _bucket(count, total)]  # only the selected rows leave the device
-      for region, data in _pieces(array, count):
+      if counts is not None:
+        kept = _bucket(int(counts.max(initial=0)), array.shape[1])
+        if not kept:
+          continue
+        array = array[:, :kept]  # only the selected rows leave the device
+      for first, rest, data in _pieces(array, counts):
         if name == "index":
           data = data.astype(np.int64) + np.asarray([example, 0], np.int64)
-        first = slice(start + region[0].start, start + region[0].stop)
-        futures.append(target[name][(first, *region[1:])].write(data))
-        held.append(data)
-        size += data.nbytes
-    written[site.name] = count
+        write(target[name], start + first, rest, data)
+        if counts is None and name == "values" and all(r.start == 0 for r in rest):
+          index = _index(site.rule, first, len(data), int(sizes[1 + k])) + [example, 0]
+          write(target["index"], start + first, (), index)
+    written[site.name] = found["values"].shape[0] if counts is None else int(counts.sum())
   return futures, held, written, size
+
+
+def _index(rule: Any, first: int, count: int, length: int) -> np.ndarray:
+  """The `(example, position)` within the batch of rows `first : first + count` of a site
+  without a mask, whose output has `length` positions."""
+  rows = np.arange(first, first + count, dtype=np.int64)
+  if rule == "all":
+    return np.stack([rows // length, rows % length], 1)
+  return np.stack([rows, np.full(count, -1 if rule is None else length - 1)], 1)
 
 
 # --- progress display -------------------------------------------------------------------------
@@ -558,6 +778,7 @@ def harvest(
   random_streams: Any = None,
   progress: bool | None = None,
   overwrite: bool = False,
+  sharding: Any = None,
 ) -> Harvest:
   """Streams the activations of `at` over `batches` into a store at `path`.
 
@@ -598,6 +819,13 @@ def harvest(
       stderr; None (default): only when stderr is a terminal.
     overwrite: where `path` holds a store made by another call, delete it and start
       afresh (otherwise that is refused).
+    sharding: a `jax.sharding.Sharding` (or a pytree of them, a prefix of each batch)
+      placing each batch: each process's batches are its own rows of the global batches,
+      assembled as `jax.make_array_from_process_local_data(sharding, local)` assembles
+      them (in one process: the whole batch, placed). The forward runs as one SPMD
+      program over the mesh and each process writes the rows its devices computed. None:
+      batches are used as given (in a multi-process run they must then be global
+      `jax.Array`s). See "Scale out" in docs/harvest.md.
 
   Returns:
     The `fl.Harvest` handle of the complete store.
@@ -605,11 +833,13 @@ def harvest(
   Raises:
     SelectionError: a site matches no call.
     ArgumentError: an option is of the wrong kind, or a site's output cannot be stored as
-      rows (not one array, no batch axis, a mask of another shape).
+      rows (not one array, no batch axis, a mask of another shape); in a multi-process
+      run, a batch of host arrays without `sharding=`, or variables on one process only.
     HarvestError: `path` cannot be written, holds another call's store (what differs is
       listed; nothing is overwritten) or something else, a batch gives other feature
       shapes or dtypes than the store holds, `batches` is empty, or TensorStore is not
-      installed.
+      installed; in a multi-process run, the processes harvest different calls or do
+      not share the path.
 
   Example:
     >>> import tempfile, flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
@@ -645,16 +875,18 @@ def harvest(
       f"fl.harvest: batches gave no batch, so there is nothing to harvest into {path}."
       " Pass at least one batch."
     )
-  first = _as_arrays(first)
+  _check_variables(tree)
+  first = _place(_as_arrays(first), sharding)
+  _check_global(first, 0)
   shapes = _shapes(tree, first, plan, random_streams)
   metadata = _metadata(tree, first, plan, shapes, random_streams)
   state = _prepare(path, metadata, overwrite)
   if state["complete"]:
     return _store.open_harvest(path)
-  show = sys.stderr.isatty() if progress is None else progress
+  show = (sys.stderr.isatty() if progress is None else progress) and jax.process_index() == 0
   display = _Display(show, total, state["batches"])
   try:
-    _run(tree, first, stream, plan, random_streams, path, metadata, state, display)
+    _run(tree, first, stream, plan, random_streams, sharding, path, metadata, state, display)
   finally:
     display.close()
   return _store.open_harvest(path)
@@ -666,12 +898,19 @@ def _run(
   stream: Any,
   plan: _Plan,
   random_streams: Any,
+  sharding: Any,
   path: str,
   metadata: dict[str, Any],
   state: dict[str, Any],
   display: _Display,
 ) -> None:
+  """The loop over batches. In a multi-process run every process runs it alike: the same
+  batches skipped, each step one SPMD program over the global devices, each process writing
+  its own rows; a batch is committed after a barrier confirming every process's writes of
+  it completed, by process 0 alone, at the same point of the loop on every process."""
   arrays = _store.open_arrays(path, metadata, write=True)
+  several = jax.process_count() > 1
+  lead = jax.process_index() == 0
   expected = {s["name"]: s for s in metadata["sites"]}
   skip = state["batches"]
   batches, examples = state["batches"], state["examples"]
@@ -681,40 +920,73 @@ def _run(
 
   def commit(written: _Written) -> None:
     written.wait()
-    _store.write_progress(path, written.progress)
+    _barrier(f"batch {written.progress['batches'] - 1} written")
+    if lead:
+      _store.write_progress(path, written.progress)
 
   try:
     for number, batch in enumerate(_chain(first, stream)):
       if number < skip:
         continue
-      batch = _as_arrays(batch)
-      out = _step(tree, batch, plan, random_streams)  # dispatched: runs while writes go on
+      batch = _place(_as_arrays(batch), sharding)
+      _check_global(batch, number)
+      # Dispatched: runs while the writes of the batches before it go on.
+      out = _step(tree, batch, plan, random_streams, _groups(batch))
       _check_batch(out, expected, number, path, batches)
-      while pending and (len(pending) >= IN_FLIGHT or pending[0].done()):
+      # Processes commit at the same points (a barrier each), so not when a write is done.
+      while pending and (len(pending) >= IN_FLIGHT or (not several and pending[0].done())):
         commit(pending.popleft())
-      sizes = np.asarray(out["sizes"])
-      futures, held, counts, size = _write(arrays, out, plan, examples, rows)
+      sizes = _fetch(out["sizes"])
+      futures, held, counts, size = _write(arrays, out, plan, sizes, examples, rows)
       examples += int(sizes[0])
       rows = {name: rows[name] + counts[name] for name in rows}
       batches = number + 1
       written_bytes += size
       progress = {"batches": batches, "examples": examples, "rows": rows, "complete": False}
       pending.append(_Written(futures, progress, held))
-      display.update(batches, examples, int(sizes[0]) * int(sizes[1]), written_bytes)
+      display.update(batches, examples, int(sizes[0]) * int(sizes[1:].max()), written_bytes)
     while pending:
       commit(pending.popleft())
   finally:
     # Whatever stopped the run, batches whose writes complete are committed; a write that
     # fails leaves its batch uncommitted, and the error that stopped the run propagates.
+    # Several processes stopped by an error commit nothing more (another process may not
+    # reach the barrier): their pending batches are written again on resume.
     try:
-      while pending:
+      while pending and not several:
         commit(pending.popleft())
     except Exception:
       pending.clear()
-  _store.shrink(arrays, rows)
-  _store.write_progress(
-    path, {"batches": batches, "examples": examples, "rows": rows, "complete": True}
-  )
+  _barrier("every batch written")
+  if lead:
+    _store.shrink(arrays, rows)
+    _store.write_progress(
+      path, {"batches": batches, "examples": examples, "rows": rows, "complete": True}
+    )
+  _barrier("complete")  # no process returns before the store says complete
+
+
+def _check_variables(tree: CallNode) -> None:
+  """In a multi-process run, refuses variables held on this process's devices only (each
+  step is one program over every process's devices)."""
+  if jax.process_count() == 1:
+    return
+  local = [
+    v.label or "?"
+    for v in variables_in(tree)
+    if any(
+      isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+      for leaf in jax.tree_util.tree_leaves(v.value)
+    )
+  ]
+  if local:
+    raise ArgumentError(
+      f"fl.harvest: the variables {local[:3]}{' ...' if len(local) > 3 else ''} live on"
+      f" process {jax.process_index()}'s devices only, in a run of {jax.process_count()}"
+      " processes. Place the model's variables on the global mesh before converting it"
+      " (jax.device_put(variables, NamedSharding(mesh, P())) to replicate them, or the"
+      " shardings of a sharded init)."
+    )
 
 
 def _chain(first: Any, stream: Any) -> Any:
@@ -727,8 +999,7 @@ def _check_batch(
 ) -> None:
   """Refuses a batch whose rows do not fit the store (another feature shape or dtype)."""
   for name, site in expected.items():
-    values = out[name]["values"]
-    features, dtype = list(values.shape[1:]), np.dtype(values.dtype).name
+    features, dtype = _features(out[name]), np.dtype(out[name]["values"].dtype).name
     ids = out[name].get("ids")
     ids_dtype = None if ids is None else np.dtype(ids.dtype).name
     if features != site["features"] or dtype != site["dtype"] or ids_dtype != site["ids"]:
