@@ -52,6 +52,10 @@ class Row:
     limit = TARGETS[self.target].limit
     if limit is None or self.ratio is None:
       return "info"
+    if TARGETS[self.target].comparison == "≥":  # a throughput: higher is better
+      if float(np.median(self.ratio)) >= limit:
+        return "PASS"
+      return "MISS (target within spread)" if np.percentile(self.ratio, 75) >= limit else "MISS"
     if float(np.median(self.ratio)) <= limit:
       return "PASS"
     low = float(np.percentile(self.ratio, 25))
@@ -64,8 +68,10 @@ class Row:
     return f"**{mid:.3f}** ({low:.3f}–{high:.3f})"
 
   def shortfall(self) -> str:
-    value, limit = float(np.median(self.ratio)), TARGETS[self.target].limit
-    return f"{value:.3f} against ≤ {limit} ({100 * (value / limit - 1):+.0f}%)"
+    target = TARGETS[self.target]
+    value, limit = float(np.median(self.ratio)), target.limit
+    bound = "≥" if target.comparison == "≥" else "≤"
+    return f"{value:.3f} against {bound} {limit} ({100 * (value / limit - 1):+.0f}%)"
 
 
 def _version(package: str) -> str:

@@ -32,6 +32,7 @@ from bench.cases import (
   conversion,
   eager_call,
   extra_bytes,
+  harvest,
   interventions,
   isolate_replay,
   jitted_forward,
@@ -51,6 +52,7 @@ CASES = (
   extra_bytes,
   isolate_replay,
   sweeps,
+  harvest,
 )
 
 

@@ -1,0 +1,411 @@
+"""Case 10: `fl.harvest` throughput, its peak host memory as the dataset grows, and resuming.
+
+All three rows harvest the residual stream of every block of the Linen subject (the
+outputs of its `LinenBlock`s, `at=LinenBlock`), every position, in float32 (the model's
+dtype, so no cast), into a store in a fresh temporary directory on local disk; the
+batches are NumPy int32 token arrays, as a data loader gives them.
+
+- Throughput: a harvest of N batches is timed interleaved with the native jitted forward
+  (`jax.jit(module.apply)`) over the same N batches, and with `fl.capture` of the same
+  sites copied to the host (no store), which splits a miss into computing the rows and
+  storing them. Each harvest call is timed whole (its set-up, compile excluded by the
+  warm-up, and its final commit included); a second call on the complete store, untimed
+  in the ratio, measures that set-up.
+- Memory: a harvest of D batches and one of 10 D batches each run in a fresh
+  subprocess, which reports its peak resident set (`ru_maxrss`); the batches come from a
+  generator, so the dataset itself is never in memory.
+- Resume: a subprocess harvest is killed (SIGKILL) as soon as its `progress.json` shows
+  half the batches committed; the same call then resumes in a fresh subprocess, and a
+  full harvest runs in another. Both time their `fl.harvest` call, so each counts one
+  compile of the harvest's program and one set-up.
+
+NNX is not measured: after conversion a harvest runs the same loop over any tree.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import gc
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+import flaxlens as fl
+from bench.harness import Progress, Sample, interleaved, median, nbytes, ratios, seconds
+from bench.models import FULL, QUICK, LinenBlock, Sizes, linen_model, tokens
+from bench.report import Row
+from bench.subjects import Subject
+from bench.targets import TARGETS
+
+NAME = "10. harvest"
+REPO = Path(__file__).resolve().parents[2]
+SITES = LinenBlock  # every block's output: the residual stream after each block
+
+
+@dataclasses.dataclass(frozen=True)
+class HarvestSizes:
+  """How much each row harvests, and how often."""
+
+  batches: int  # throughput: batches per timed run
+  reps: int
+  memory_batches: int  # D: the smaller of the two datasets of the memory row
+  resume_batches: int  # a full run of the resume row; it is killed at half
+  resume_reps: int
+
+
+SIZES = {
+  FULL: HarvestSizes(batches=24, reps=5, memory_batches=8, resume_batches=32, resume_reps=2),
+  QUICK: HarvestSizes(batches=4, reps=2, memory_batches=2, resume_batches=48, resume_reps=1),
+}
+
+
+def _batches(sizes: Sizes, count: int, seed: int = 1) -> Iterator[np.ndarray]:
+  """`count` batches of random token ids, made one at a time (the same for the same seed)."""
+  rng = np.random.default_rng(seed)
+  for _ in range(count):
+    yield rng.integers(0, sizes.vocab, (sizes.batch, sizes.seq), dtype=np.int32)
+
+
+def _written() -> int:
+  """Bytes this process has passed to write calls (`wchar` of /proc/self/io), or -1."""
+  try:
+    for line in Path("/proc/self/io").read_text().splitlines():
+      if line.startswith("wchar:"):
+        return int(line.split()[1])
+  except OSError:
+    pass
+  return -1
+
+
+def _missing() -> str | None:
+  try:
+    import tensorstore  # noqa: F401
+  except ImportError:
+    return "not installed"
+  return None
+
+
+# --- throughput ---------------------------------------------------------------------------------
+
+
+def _throughput_row(subject: Subject, sizes: Sizes, chosen: HarvestSizes) -> Row:
+  native_fn, (variables, _) = subject.jitted["native"]()
+  tree = subject.tree
+  batches = list(_batches(sizes, chosen.batches))
+  count = chosen.batches * sizes.batch * sizes.seq  # tokens
+  _, cache = fl.capture(tree, batches[0], SITES)
+  rows_bytes = chosen.batches * sum(value.nbytes for value in cache.values())
+
+  def forward() -> Sample:
+    start = time.perf_counter()
+    for batch in batches:
+      out = native_fn(variables, batch)
+    jax.block_until_ready(out)
+    return {"total": time.perf_counter() - start}
+
+  def captured() -> Sample:
+    start = time.perf_counter()
+    for batch in batches:
+      _, cache = fl.capture(tree, batch, SITES)
+      [np.asarray(value) for value in cache.values()]
+    return {"total": time.perf_counter() - start}
+
+  def harvest() -> Sample:
+    directory = tempfile.mkdtemp(prefix="flaxlens-bench-")
+    path = os.path.join(directory, "store")
+    try:
+      written = _written()
+      start = time.perf_counter()
+      fl.harvest(tree, batches, SITES, path, progress=False)
+      total = time.perf_counter() - start
+      written = _written() - written
+      start = time.perf_counter()
+      fl.harvest(tree, batches, SITES, path, progress=False)  # complete: the set-up only
+      setup = time.perf_counter() - start
+    finally:
+      shutil.rmtree(directory, ignore_errors=True)
+    return {"total": total, "setup": setup, "written": written}
+
+  samples = interleaved({"harvest": harvest, "forward": forward, "capture": captured}, chosen.reps)
+  ours, theirs = samples["harvest"], samples["forward"]
+  took, native, capture = median(ours), median(theirs), median(samples["capture"])
+  setup, written = median(ours, "setup"), median(ours, "written")
+  steady = [f["total"] / (h["total"] - h["setup"]) for h, f in zip(ours, theirs, strict=True)]
+  store = f"{nbytes(rows_bytes)} of rows, {nbytes(written)} passed to write calls"
+  return Row(
+    NAME,
+    f"{subject.name}: fl.harvest of every block's output over {chosen.batches} batches"
+    " / jitted native forward over the same batches (throughput)",
+    "harvest_throughput",
+    ratios(theirs, ours),  # a throughput ratio: the forward's time over the harvest's
+    f"{count / took:,.0f} vs {count / native:,.0f} tokens/s",
+    note=(
+      f"{count} tokens in {chosen.batches} batches of {sizes.batch} x {sizes.seq}; every"
+      f" position of {len(cache)} blocks, float32, store in a temporary directory on local"
+      f" disk ({store}); a harvest call's set-up (timed as a call on the complete store)"
+      f" {seconds(setup)}, without it the ratio is {np.median(steady):.3f}; fl.capture of"
+      f" the same sites copied to the host, no store, {seconds(capture)}"
+    ),
+    analysis=(
+      f"over {chosen.batches} batches the native forward takes {seconds(native)}, computing"
+      f" the same sites with fl.capture and copying them to the host {seconds(capture)}"
+      f" ({capture / native:.3f} of the forward), and fl.harvest {seconds(took)}: its set-up"
+      " (tracing the model abstractly, checksums of the variables and the first batch,"
+      f" reading the store's metadata) {seconds(setup)}, the rest {seconds(took - setup)}"
+      f" ({(took - setup) / capture:.3f} of the capture with copies), writing {store}"
+    ),
+    profile=lambda: _harvest_once(tree, batches),
+  )
+
+
+def _harvest_once(tree: Any, batches: list[np.ndarray]) -> None:
+  """One harvest into a new store, for a profile: the stores are deleted at exit, so that
+  deleting them is not profiled."""
+  directory = tempfile.mkdtemp(prefix="flaxlens-bench-")
+  atexit.register(shutil.rmtree, directory, True)
+  fl.harvest(tree, batches, SITES, os.path.join(directory, "store"), progress=False)
+
+
+# --- harvests in fresh subprocesses -----------------------------------------------------------
+
+
+def _spawn(quick: bool, batches: int, path: str) -> subprocess.Popen:
+  """A fresh Python process harvesting `batches` batches into `path` (see `_child`)."""
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+  spec = json.dumps({"quick": quick, "batches": batches, "path": path})
+  return subprocess.Popen(
+    [sys.executable, "-m", "bench.cases.harvest", spec],
+    cwd=REPO,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+
+
+def _finish(process: subprocess.Popen) -> dict[str, Any]:
+  """What the child reported (its last line of output), or a RuntimeError with its stderr."""
+  out, err = process.communicate()
+  if process.returncode != 0:
+    raise RuntimeError(f"the harvest subprocess failed ({process.returncode}):\n{err[-3000:]}")
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def _run_child(quick: bool, batches: int, path: str) -> dict[str, Any]:
+  start = time.perf_counter()
+  found = _finish(_spawn(quick, batches, path))
+  found["process"] = time.perf_counter() - start
+  return found
+
+
+def _status(field: str) -> int:
+  """A size from /proc/self/status (VmRSS, VmHWM) in bytes, or -1."""
+  try:
+    for line in Path("/proc/self/status").read_text().splitlines():
+      if line.startswith(f"{field}:"):
+        return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return -1
+
+
+def _reset_peak() -> bool:
+  """Resets the process's peak resident set (VmHWM) to its current one, where Linux can."""
+  try:
+    Path("/proc/self/clear_refs").write_text("5")
+  except OSError:
+    return False
+  return _status("VmHWM") > 0
+
+
+def _child(spec: dict[str, Any]) -> None:
+  """In a fresh process: builds the Linen subject's model and tree, harvests, and prints
+  the harvest call's time, the resident set when it started, its median over the last
+  quarter of the batches and its peak during the call (the peak of the whole process where
+  the peak cannot be reset), then the time of the same call on the complete store (its
+  set-up)."""
+  sizes = QUICK if spec["quick"] else FULL
+  model, variables = linen_model(sizes, sizes.layers)
+  x = tokens(sizes)
+  tree = fl.unflaxify(model, variables, x)
+  resident = []
+
+  def batches() -> Iterator[np.ndarray]:
+    for batch in _batches(sizes, spec["batches"]):
+      resident.append(_status("VmRSS"))  # as each batch is asked for
+      yield batch
+
+  gc.collect()
+  reset = _reset_peak()
+  before = _status("VmRSS")
+  start = time.perf_counter()
+  fl.harvest(tree, batches(), SITES, spec["path"], progress=False)
+  took = time.perf_counter() - start
+  process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+  peak = _status("VmHWM") if reset else process_peak
+  start = time.perf_counter()
+  fl.harvest(tree, _batches(sizes, spec["batches"]), SITES, spec["path"], progress=False)
+  setup = time.perf_counter() - start
+  found = {"harvest": took, "setup": setup, "before": before, "peak": peak, "reset": reset}
+  found["late"] = float(np.median(resident[-max(1, len(resident) // 4) :]))
+  print(json.dumps({**found, "process_peak": process_peak}), flush=True)
+
+
+def _committed(path: str) -> int:
+  """The batches the store at `path` has committed (its progress.json), 0 before any."""
+  try:
+    return int(json.loads(Path(path, "progress.json").read_text())["batches"])
+  except (OSError, ValueError, KeyError):
+    return 0
+
+
+# --- memory -----------------------------------------------------------------------------------
+
+
+def _memory_row(subject: Subject, sizes: Sizes, chosen: HarvestSizes, quick: bool) -> Row:
+  small, large = chosen.memory_batches, 10 * chosen.memory_batches
+  found = {}
+  with tempfile.TemporaryDirectory(prefix="flaxlens-bench-") as directory:
+    for count in (small, large):
+      found[count] = _run_child(quick, count, os.path.join(directory, f"store-{count}"))
+  one, ten = found[small], found[large]
+  how = (
+    "VmHWM, reset when the harvest call starts"
+    if one["reset"] and ten["reset"]
+    else "ru_maxrss: the whole process's peak, as /proc/self/clear_refs could not reset it"
+  )
+  grew = ", ".join(f"{nbytes(f['peak'] - f['before'])}" for f in (one, ten))
+  return Row(
+    NAME,
+    f"{subject.name}: peak host RSS during fl.harvest over {large} batches / over {small} batches",
+    "harvest_rss_flat",
+    np.array([ten["peak"] / one["peak"]]),
+    f"{nbytes(ten['peak'])} vs {nbytes(one['peak'])}",
+    note=(
+      f"each harvest in a fresh subprocess, batches from a generator; peak during the"
+      f" harvest call ({how}); the call started at {nbytes(one['before'])} and"
+      f" {nbytes(ten['before'])} resident and peaked {grew} above that; resident over the"
+      f" last quarter of the batches {nbytes(one['late'])} and {nbytes(ten['late'])}"
+      f" (medians); the processes'"
+      f" own peaks (ru_maxrss, model building included) {nbytes(one['process_peak'])} and"
+      f" {nbytes(ten['process_peak'])}; harvest calls took {seconds(one['harvest'])} and"
+      f" {seconds(ten['harvest'])}"
+    ),
+    analysis=(
+      f"over {small} batches the harvest call peaked {nbytes(one['peak'] - one['before'])}"
+      f" above the resident set it started with, over {large} batches"
+      f" {nbytes(ten['peak'] - ten['before'])}; the resident set over the last quarter of"
+      f" the batches was {nbytes(one['late'])} and {nbytes(ten['late'])} (medians)"
+    ),
+  )
+
+
+# --- resume -------------------------------------------------------------------------------------
+
+
+def _killed_at_half(quick: bool, batches: int, path: str) -> int:
+  """Runs a harvest of `batches` batches in a subprocess and SIGKILLs it once half are
+  committed; returns the batches committed (`batches` when it finished first)."""
+  process = _spawn(quick, batches, path)
+  try:
+    while process.poll() is None and _committed(path) < batches // 2:
+      time.sleep(0.001)
+    if process.poll() is None:
+      process.send_signal(signal.SIGKILL)
+  finally:
+    process.communicate()
+  return _committed(path)
+
+
+def _resume_row(subject: Subject, sizes: Sizes, chosen: HarvestSizes, quick: bool) -> Row:
+  total = chosen.resume_batches
+  resumed, full, committed = [], [], []
+  with tempfile.TemporaryDirectory(prefix="flaxlens-bench-") as directory:
+    for rep in range(chosen.resume_reps):
+      killed, whole = (os.path.join(directory, f"{name}-{rep}") for name in ("killed", "full"))
+      committed.append(_killed_at_half(quick, total, killed))
+      order = [("resumed", killed), ("full", whole)]
+      for name, path in order if rep % 2 == 0 else reversed(order):
+        sample = _run_child(quick, total, path)
+        (resumed if name == "resumed" else full).append(sample)
+        shutil.rmtree(path, ignore_errors=True)
+  ratio = np.array([r["harvest"] / f["harvest"] for r, f in zip(resumed, full, strict=True)])
+  took_resumed, took_full = median(resumed, "harvest"), median(full, "harvest")
+  fraction = float(np.median(committed)) / total
+  # full = fixed + total * per_batch; resumed = fixed + (1 - fraction) * total * per_batch
+  per_batch = (took_full - took_resumed) / (fraction * total) if fraction else float("nan")
+  fixed = took_full - total * per_batch
+  limit = TARGETS["harvest_resume"].limit
+  # The batches from which a run killed at half meets the limit, at these costs.
+  needed = fixed * (1 - limit) / (per_batch * (limit - 0.5)) if per_batch > 0 else float("nan")
+  killed_text = ", ".join(f"{c}/{total}" for c in committed)
+  late = any(c >= total for c in committed)
+  status = "not measured (a run finished before its kill)" if late else ""
+  return Row(
+    NAME,
+    f"{subject.name}: fl.harvest resumed after a SIGKILL at half of {total} batches / a full"
+    " harvest",
+    "harvest_resume",
+    ratio,
+    f"{seconds(took_resumed)} vs {seconds(took_full)}",
+    status=status,
+    note=(
+      f"each run in a fresh subprocess, timing its fl.harvest call (so each counts one"
+      f" compile and one set-up); batches committed when the kill landed: {killed_text}"
+      f"{' (the run finished before the kill: no resume measured)' if late else ''};"
+      f" whole processes took {seconds(median(resumed, 'process'))} and"
+      f" {seconds(median(full, 'process'))}; a call on the complete store (the set-up"
+      f" alone) {seconds(median(full, 'setup'))}"
+    ),
+    analysis=(
+      f"the resumed run had {100 * (1 - fraction):.0f}% of the batches left; solving"
+      " full = fixed + batches x per-batch and resumed = fixed + left x per-batch gives a"
+      f" fixed cost per run (compile of the harvest's program, set-up, skipping the"
+      f" committed batches) of {seconds(fixed)} of the full run's {seconds(took_full)}, and"
+      f" {seconds(per_batch)} per batch; at these costs a harvest killed at half meets"
+      f" ≤ {limit} from about {needed:.0f} batches"
+    ),
+  )
+
+
+# --- the case -----------------------------------------------------------------------------------
+
+
+def measure(subjects: list[Subject], sizes: Sizes, progress: Progress) -> list[Row]:
+  subject = next(s for s in subjects if s.framework == "Linen")
+  chosen = SIZES.get(sizes, SIZES[FULL])
+  quick = sizes == QUICK
+  steps = (
+    ("throughput", "harvest_throughput", lambda: _throughput_row(subject, sizes, chosen)),
+    ("peak memory", "harvest_rss_flat", lambda: _memory_row(subject, sizes, chosen, quick)),
+    ("resume", "harvest_resume", lambda: _resume_row(subject, sizes, chosen, quick)),
+  )
+  missing = _missing()
+  rows = []
+  for what, target, make in steps:
+    progress(f"{NAME}: {what}, {subject.name}")
+    if missing:
+      rows.append(
+        Row(NAME, f"{subject.name}: fl.harvest {what} (TensorStore)", target, status=missing)
+      )
+    else:
+      rows.append(make())
+  return rows
+
+
+if __name__ == "__main__":
+  _child(json.loads(sys.argv[1]))
