@@ -39,7 +39,8 @@ from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._selectors import path_matches
 from flaxlens.core._variables import Uninitialized, variables_in
-from flaxlens.errors import ArgumentError, HarvestError
+from flaxlens.errors import ArgumentError, BudgetError, HarvestError
+from flaxlens.tools.analysis import _budget
 from flaxlens.tools.analysis._calling import model_arguments
 from flaxlens.tools.analysis._interventions import nodes_by_name, run, select_sites
 from flaxlens.tools.harvest import _store
@@ -381,6 +382,124 @@ def _shapes(tree: CallNode, batch: Any, plan: _Plan, random_streams: Any) -> dic
     return _rows(tree, jax.tree_util.tree_unflatten(treedef, filled), plan, random_streams, groups)
 
   return jax.eval_shape(rows, [leaves[i] for i in arrays])
+
+
+# --- a budget: batches in chunks ------------------------------------------------------------
+
+
+class _Chunks:
+  """Splits batches into chunks whose rows fit a budget (`fl.harvest(budget=)`).
+
+  The bytes of one step's rows per example (and those that do not grow with the batch)
+  come from the step's abstract evaluation at the batch and at one example, once per input
+  shape. The harvest holds the rows of `IN_FLIGHT + 1` steps at once (those waiting for
+  their writes, and the one on the device), so a chunk takes at most a share of the budget
+  that leaves room for them all. The first batch that is split is checked once: two
+  chunks that differ in their first example only must give the same rows for the others
+  (`fl.capture`'s check), else the model couples its examples and splitting is refused.
+  """
+
+  def __init__(
+    self, tree: CallNode, plan: _Plan, random_streams: Any, budget: int, sharding: Any
+  ) -> None:
+    self.tree, self.plan, self.random_streams, self.budget = tree, plan, random_streams, budget
+    self.sharding = sharding
+    self.where = f"fl.harvest with budget={budget:,} bytes"
+    self.sizes: dict[Any, int] = {}
+    self.checked = False
+
+  def size(self, batch: Any, number: int) -> int:
+    """The examples per chunk of `batch` (its whole size where it fits)."""
+    leaves = jax.tree_util.tree_leaves(batch)
+    key = tuple((np.shape(x), np.dtype(x.dtype).name) for x in leaves if _traced_leaf(x))
+    if key in self.sizes:
+      return self.sizes[key]
+    examples = _budget.batch_size(model_arguments(batch), f"{self.where}, batch {number}")
+    whole = _shapes(self.tree, batch, self.plan, self.random_streams)
+    held = IN_FLIGHT + 1
+    if _budget.nbytes(whole) * held <= self.budget:
+      self.sizes[key] = examples
+      return examples
+    self._refuse_split(number)
+    one = _shapes(self.tree, _part(batch, 0, 1), self.plan, self.random_streams)
+    rows = _budget.layout(whole, one, examples, self.where, jax.tree_util.keystr)
+    size = _budget.examples_per_chunk(
+      rows.per_example * held,
+      rows.fixed * held,
+      {k: v * held for k, v in rows.sizes(one).items()},
+      self.budget,
+      examples,
+      self.where,
+    )
+    self.sizes[key] = size
+    return size
+
+  def split(self, batch: Any, number: int) -> list[Any]:
+    """`batch` as consecutive chunks of `size(batch)` examples (the last may be smaller)."""
+    size = self.size(batch, number)
+    examples = _budget.batch_size(model_arguments(batch), f"{self.where}, batch {number}")
+    if size >= examples:
+      return [batch]
+    if not self.checked:
+      self._check_independent(batch, size)
+      self.checked = True
+    return [_part(batch, start, min(start + size, examples)) for start in range(0, examples, size)]
+
+  def _refuse_split(self, number: int) -> None:
+    reason = None
+    if jax.process_count() > 1 or self.sharding is not None:
+      reason = (
+        "batches placed over devices (sharding=, or several processes) are not split: a chunk"
+        " of a sharded batch would not be sharded alike. Give smaller batches (each process's"
+        " share of a step is then smaller)"
+      )
+    elif jax.tree_util.tree_leaves(self.random_streams):
+      reason = (
+        "the run is given random_streams: every chunk would draw the same random numbers"
+        " (a dropout mask made for a chunk's rows), where the whole batch draws them once."
+        " Harvest in a deterministic mode (train=False) or give smaller batches"
+      )
+    if reason is not None:
+      raise BudgetError(
+        f"{self.where}: the rows of batch {number} exceed the budget, and {reason}, or give"
+        " a larger budget."
+      )
+
+  def _check_independent(self, batch: Any, size: int) -> None:
+    """Refuses a model whose examples' values depend on the other examples of the batch."""
+    examples = _budget.batch_size(model_arguments(batch), self.where)
+    checked = max(size, 2)
+    first = np.arange(checked)
+    second = np.concatenate([[checked if checked < examples else 1], first[1:]])
+    found = [self._captured(_taken(batch, first)), self._captured(_taken(batch, second))]
+    for site in self.plan.sites:
+      a, b = (np.asarray(f[site.name])[1:checked] for f in found)
+      if a.tobytes() != b.tobytes():
+        raise BudgetError(
+          f"{self.where}: the rows exceed the budget, so batches would be split into chunks"
+          f" of {size}, and {site.name} of an example changes when another example of its"
+          " chunk changes: the model couples the examples of a batch (it normalises over"
+          " the batch or mixes examples), so chunks would not give the whole batch's rows."
+          " Give smaller batches or a larger budget."
+        )
+
+  def _captured(self, batch: Any) -> dict[str, Any]:
+    _, captured = run(
+      self.tree,
+      model_arguments(batch),
+      capture=self.plan.capture,
+      random_streams=self.random_streams,
+    )
+    return jax.device_get(captured)
+
+
+def _part(batch: Any, start: int, stop: int) -> Any:
+  """Examples `start:stop` of `batch` (every array sliced along its first axis)."""
+  return jax.tree_util.tree_map(lambda x: x[start:stop] if _traced_leaf(x) else x, batch)
+
+
+def _taken(batch: Any, indices: np.ndarray) -> Any:
+  return jax.tree_util.tree_map(lambda x: x[indices] if _traced_leaf(x) else x, batch)
 
 
 # --- metadata and fingerprints --------------------------------------------------------------
@@ -779,6 +898,7 @@ def harvest(
   progress: bool | None = None,
   overwrite: bool = False,
   sharding: Any = None,
+  budget: int | None = None,
 ) -> Harvest:
   """Streams the activations of `at` over `batches` into a store at `path`.
 
@@ -826,6 +946,13 @@ def harvest(
       program over the mesh and each process writes the rows its devices computed. None:
       batches are used as given (in a multi-process run they must then be global
       `jax.Array`s). See "Scale out" in docs/harvest.md.
+    budget: the most bytes of rows the harvest holds at once (a positive int), or None.
+      A harvest holds the rows of up to three steps (one on the device, two on the host
+      waiting for their writes), so a batch whose three steps' rows exceed `budget` runs
+      in chunks of equal size along its examples, each a step of its own (a last,
+      smaller chunk compiles once more). Refused where chunks cannot give the batch's
+      rows: a model that couples the examples of a batch, random streams, several
+      processes or `sharding=`. See "Bounded memory" in docs/harvest.md.
 
   Returns:
     The `fl.Harvest` handle of the complete store.
@@ -835,6 +962,8 @@ def harvest(
     ArgumentError: an option is of the wrong kind, or a site's output cannot be stored as
       rows (not one array, no batch axis, a mask of another shape); in a multi-process
       run, a batch of host arrays without `sharding=`, or variables on one process only.
+    BudgetError: `budget` does not hold the rows of one example, or a batch that needs
+      splitting cannot be split (see `budget`).
     HarvestError: `path` cannot be written, holds another call's store (what differs is
       listed; nothing is overwritten) or something else, a batch gives other feature
       shapes or dtypes than the store holds, `batches` is empty, or TensorStore is not
@@ -867,6 +996,7 @@ def harvest(
     raise ArgumentError(f"fl.harvest: progress= is True, False or None, got {progress!r}.")
   plan = _plan(tree, at, positions, dtype, ids)
   random_streams = resolve_random_streams(random_streams, tree.where())
+  budget = _budget.checked_budget(budget, "fl.harvest")
   total = len(batches) if hasattr(batches, "__len__") else None
   stream = iter(batches)
   first = next(stream, _MISSING)
@@ -878,6 +1008,9 @@ def harvest(
   _check_variables(tree)
   first = _place(_as_arrays(first), sharding)
   _check_global(first, 0)
+  chunks = None if budget is None else _Chunks(tree, plan, random_streams, budget, sharding)
+  if chunks is not None:
+    chunks.split(first, 0)  # refuses what the budget cannot split before anything is written
   shapes = _shapes(tree, first, plan, random_streams)
   metadata = _metadata(tree, first, plan, shapes, random_streams)
   state = _prepare(path, metadata, overwrite)
@@ -886,7 +1019,9 @@ def harvest(
   show = (sys.stderr.isatty() if progress is None else progress) and jax.process_index() == 0
   display = _Display(show, total, state["batches"])
   try:
-    _run(tree, first, stream, plan, random_streams, sharding, path, metadata, state, display)
+    _run(
+      tree, first, stream, plan, random_streams, sharding, path, metadata, state, display, chunks
+    )
   finally:
     display.close()
   return _store.open_harvest(path)
@@ -903,6 +1038,7 @@ def _run(
   metadata: dict[str, Any],
   state: dict[str, Any],
   display: _Display,
+  chunks: _Chunks | None,
 ) -> None:
   """The loop over batches. In a multi-process run every process runs it alike: the same
   batches skipped, each step one SPMD program over the global devices, each process writing
@@ -920,6 +1056,8 @@ def _run(
 
   def commit(written: _Written) -> None:
     written.wait()
+    if written.progress is None:
+      return  # a chunk of a batch: the batch commits with its last chunk
     _barrier(f"batch {written.progress['batches'] - 1} written")
     if lead:
       _store.write_progress(path, written.progress)
@@ -930,21 +1068,27 @@ def _run(
         continue
       batch = _place(_as_arrays(batch), sharding)
       _check_global(batch, number)
-      # Dispatched: runs while the writes of the batches before it go on.
-      out = _step(tree, batch, plan, random_streams, _groups(batch))
-      _check_batch(out, expected, number, path, batches)
-      # Processes commit at the same points (a barrier each), so not when a write is done.
-      while pending and (len(pending) >= IN_FLIGHT or (not several and pending[0].done())):
-        commit(pending.popleft())
-      sizes = _fetch(out["sizes"])
-      futures, held, counts, size = _write(arrays, out, plan, sizes, examples, rows)
-      examples += int(sizes[0])
-      rows = {name: rows[name] + counts[name] for name in rows}
-      batches = number + 1
-      written_bytes += size
-      progress = {"batches": batches, "examples": examples, "rows": rows, "complete": False}
-      pending.append(_Written(futures, progress, held))
-      display.update(batches, examples, int(sizes[0]) * int(sizes[1:].max()), written_bytes)
+      parts = [batch] if chunks is None else chunks.split(batch, number)
+      for last, part in enumerate(parts, 1 - len(parts)):
+        # Dispatched: runs while the writes of the batches before it go on.
+        out = _step(tree, part, plan, random_streams, _groups(part))
+        _check_batch(out, expected, number, path, batches)
+        # Processes commit at the same points (a barrier each), so not when a write is done.
+        while pending and (len(pending) >= IN_FLIGHT or (not several and pending[0].done())):
+          commit(pending.popleft())
+        sizes = _fetch(out["sizes"])
+        futures, held, counts, size = _write(arrays, out, plan, sizes, examples, rows)
+        examples += int(sizes[0])
+        rows = {name: rows[name] + counts[name] for name in rows}
+        written_bytes += size
+        progress = None
+        if last == 0:
+          batches = number + 1
+          progress = {"batches": batches, "examples": examples, "rows": rows, "complete": False}
+        pending.append(_Written(futures, progress, held))
+        display.update(
+          number + (last == 0), examples, int(sizes[0]) * int(sizes[1:].max()), written_bytes
+        )
     while pending:
       commit(pending.popleft())
   finally:
