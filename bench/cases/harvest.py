@@ -1,4 +1,5 @@
-"""Case 10: `fl.harvest` throughput, its peak host memory as the dataset grows, and resuming.
+"""Case 10: `fl.harvest` throughput, its peak host memory as the dataset grows, resuming, and
+capturing everything under a budget.
 
 All three rows harvest the residual stream of every block of the Linen subject (the
 outputs of its `LinenBlock`s, `at=LinenBlock`), every position, in float32 (the model's
@@ -18,6 +19,13 @@ batches are NumPy int32 token arrays, as a data loader gives them.
   half the batches committed; the same call then resumes in a fresh subprocess, and a
   full harvest runs in another. Both time their `fl.harvest` call, so each counts one
   compile of the harvest's program and one set-up.
+
+- Budget: `fl.capture` of every call of the model at a batch whose captures are about
+  three times the budget, with `budget=`: the peak bytes of the device arrays alive
+  during the call beyond those alive before it (sampled every millisecond from
+  `jax.live_arrays()` by a thread; the unbudgeted capture is sampled alike, to show the
+  sampler sees a capture's peak) over the budget, and the result compared with the
+  unbudgeted capture.
 
 NNX is not measured: after conversion a harvest runs the same loop over any tree.
 """
@@ -382,6 +390,96 @@ def _resume_row(subject: Subject, sizes: Sizes, chosen: HarvestSizes, quick: boo
   )
 
 
+# --- capture everything under a budget -----------------------------------------------------------
+
+
+class _LivePeak:
+  """The peak bytes of live device arrays beyond those alive at the start, sampled by a
+  thread every millisecond while the `with` block runs."""
+
+  def __enter__(self) -> _LivePeak:
+    import threading
+
+    self._base = self._live()
+    self.peak = 0
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+    self._thread.start()
+    return self
+
+  @staticmethod
+  def _live() -> int:
+    return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
+
+  def _sample(self) -> None:
+    while not self._stop.is_set():
+      self.peak = max(self.peak, self._live() - self._base)
+      time.sleep(0.001)
+
+  def __exit__(self, *exc: Any) -> None:
+    self._stop.set()
+    self._thread.join()
+    self.peak = max(self.peak, self._live() - self._base)
+
+
+def _budget_row(subject: Subject, sizes: Sizes, quick: bool) -> Row:
+  tree = subject.tree
+  tokens = np.asarray(next(_batches(sizes, 1, seed=3)))
+  tokens = np.concatenate([tokens] * (2 if quick else 4))  # a bigger batch than the others
+  jax.block_until_ready(tokens)
+  _, whole = fl.capture(tree, tokens)  # compiles the unbudgeted program
+  captured = sum(value.nbytes for value in jax.tree_util.tree_leaves(whole))
+  budget = captured // 3
+  fl.capture(tree, tokens, budget=budget)  # compiles the chunks' program
+  reps = 1 if quick else 3
+  peaks, unbudgeted_peaks, took, took_whole = [], [], [], []
+  out = split = out_whole = whole = None
+  for _ in range(reps):
+    out = split = out_whole = whole = None  # the last repetition's: each sample starts alike
+    gc.collect()
+    with _LivePeak() as live:
+      start = time.perf_counter()
+      out, split = fl.capture(tree, tokens, budget=budget)
+      took.append(time.perf_counter() - start)
+    peaks.append(live.peak)
+    gc.collect()
+    with _LivePeak() as live:
+      start = time.perf_counter()
+      out_whole, whole = fl.capture(tree, tokens)
+      jax.block_until_ready(whole)
+      took_whole.append(time.perf_counter() - start)
+    unbudgeted_peaks.append(live.peak)
+  pairs = [
+    (np.asarray(a), np.asarray(b))
+    for a, b in zip(
+      jax.tree_util.tree_leaves((out, split)),
+      jax.tree_util.tree_leaves((out_whole, whole)),
+      strict=True,
+    )
+  ]
+  equal = sum(a.tobytes() == b.tobytes() for a, b in pairs)
+  largest = max(float(np.max(np.abs(a.astype(np.float64) - b))) for a, b in pairs)
+  ratio = np.asarray(peaks, np.float64) / budget
+  status = "" if equal == len(pairs) or largest <= 1e-5 else "FAILED: results differ"
+  return Row(
+    NAME,
+    f"{subject.name}: fl.capture of every call ({len(split)} captures) at a batch of"
+    f" {len(tokens)}, budget= a third of its {captured / 2**20:.1f} MiB: peak live device"
+    " bytes / budget",
+    "capture_budget",
+    ratio,
+    f"peak {np.median(peaks) / 2**20:.2f} MiB vs budget {budget / 2**20:.2f} MiB",
+    status=status,
+    note=(
+      f"unbudgeted, the same sampler saw {np.median(unbudgeted_peaks) / 2**20:.2f} MiB;"
+      f" {equal} of {len(pairs)} arrays equal the unbudgeted capture bit for bit, the"
+      f" largest difference is {largest:.2g}; the budgeted call took"
+      f" {seconds(float(np.median(took)))} vs {seconds(float(np.median(took_whole)))}"
+      " unbudgeted"
+    ),
+  )
+
+
 # --- the case -----------------------------------------------------------------------------------
 
 
@@ -394,6 +492,7 @@ def measure(subjects: list[Subject], sizes: Sizes, progress: Progress) -> list[R
     ("peak memory", "harvest_rss_flat", lambda: _memory_row(subject, sizes, chosen, quick)),
     ("resume", "harvest_resume", lambda: _resume_row(subject, sizes, chosen, quick)),
   )
+  budget_steps = (("budget", "capture_budget", lambda: _budget_row(subject, sizes, quick)),)
   missing = _missing()
   rows = []
   for what, target, make in steps:
@@ -404,6 +503,9 @@ def measure(subjects: list[Subject], sizes: Sizes, progress: Progress) -> list[R
       )
     else:
       rows.append(make())
+  for what, _, make in budget_steps:  # needs no TensorStore
+    progress(f"{NAME}: {what}, {subject.name}")
+    rows.append(make())
   return rows
 
 

@@ -853,7 +853,10 @@ def _run_budgeted(tree: CallNode, argument: ArgsAndKwargs, rest: tuple, budget: 
         capture if captured else None,
         *options,
       )
-      done[indices, captured] = jax.device_get(ran)
+      # Copied out, so the device's buffers go now: on CPU a NumPy view of an array would
+      # keep its buffer alive, and the chunks would together hold the whole batch's bytes.
+      done[indices, captured] = jax.tree_util.tree_map(lambda x: np.array(x, copy=True), ran)
+      del ran
     return done[indices, captured]
 
   order = [(site.name, tuple(site.node.path)) for site in sites_of(tree)]

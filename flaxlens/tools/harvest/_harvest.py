@@ -47,6 +47,10 @@ from flaxlens.tools.harvest import _store
 from flaxlens.tools.harvest._store import Harvest
 
 IN_FLIGHT = 2  # Batches whose writes may be pending at once (host memory: this many batches).
+# One process commits a written batch at most this often (seconds): each commit syncs
+# progress.json to disk, and a later commit covers the batches before it. A stopped run
+# redoes at most this long's batches. Several processes commit every batch (a barrier each).
+COMMIT_EVERY = 0.5
 _RULES = ("all", "last", None)
 _SETTINGS = ("model", "sites", "ids", "inputs", "first_batch", "random_streams")
 
@@ -1054,13 +1058,26 @@ def _run(
   pending: collections.deque[_Written] = collections.deque()
   written_bytes = 0
 
+  last_commit = time.perf_counter()
+  unsaved: list[dict[str, Any]] = []  # the latest written batch's progress, not yet saved
+
   def commit(written: _Written) -> None:
+    nonlocal last_commit
     written.wait()
     if written.progress is None:
       return  # a chunk of a batch: the batch commits with its last chunk
+    if not several and time.perf_counter() - last_commit < COMMIT_EVERY:
+      unsaved[:] = [written.progress]  # written; saved with a later batch or at the end
+      return
     _barrier(f"batch {written.progress['batches'] - 1} written")
     if lead:
       _store.write_progress(path, written.progress)
+    unsaved.clear()
+    last_commit = time.perf_counter()
+
+  def save_unsaved() -> None:
+    if unsaved:
+      _store.write_progress(path, unsaved.pop())
 
   try:
     for number, batch in enumerate(_chain(first, stream)):
@@ -1101,6 +1118,8 @@ def _run(
         commit(pending.popleft())
     except Exception:
       pending.clear()
+    if not several:
+      save_unsaved()  # every batch whose writes completed
   _barrier("every batch written")
   if lead:
     _store.shrink(arrays, rows)
