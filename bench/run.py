@@ -36,6 +36,7 @@ from bench.cases import (
   interventions,
   isolate_replay,
   jitted_forward,
+  paths,
   sweeps,
 )
 from bench.models import FULL, QUICK
@@ -53,6 +54,7 @@ CASES = (
   isolate_replay,
   sweeps,
   harvest,
+  paths,
 )
 
 

@@ -162,6 +162,16 @@ TARGETS: dict[str, Target] = {
     " gradients at every site.",
     "sweeps",
   ),
+  # Issue 24 (circuits).
+  "path_patching_compiles": Target(
+    "compilations of path patching over all senders of one receiver",
+    "=",
+    "1",
+    "Path patching runs two forwards per sender (record the receivers, then patch them);"
+    " batched as one program, a sweep over every head of a 12-layer model costs one"
+    " compilation, where a loop of single path patches would trace a program per sender.",
+    "paths",
+  ),
   # Issue 15 (speed).
   "jitted_host_time": Target(
     "host time until a jitted tree call returns / native jax.jit",

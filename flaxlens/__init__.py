@@ -65,6 +65,8 @@ from flaxlens.tools.analysis._sweeps import sweep as sweep
 from flaxlens.tools.analysis._sweeps import SweepResult as SweepResult
 from flaxlens.tools.analysis._sweeps import attribute as attribute
 from flaxlens.tools.analysis._sweeps import grad_at as grad_at
+from flaxlens.tools.analysis._paths import path_patch as path_patch
+from flaxlens.tools.analysis._paths import Sites as Sites
 from flaxlens.tools.files._specs import save_interventions as save_interventions
 from flaxlens.tools.files._specs import load_interventions as load_interventions
 
@@ -152,6 +154,8 @@ __all__ = [
   "EditedCall",
   "sweep",
   "SweepResult",
+  "path_patch",
+  "Sites",
   "attribute",
   "grad_at",
   "save_interventions",

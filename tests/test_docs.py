@@ -20,6 +20,7 @@ WORKFLOW_PAGES = [
   "replace.md",
   "interventions.md",
   "sweeps.md",
+  "path-patching.md",
   "intervention-specs.md",
   "isolate.md",
   "export.md",

@@ -66,6 +66,8 @@ class SweepResult:
     sites: the name of each row: the site's name, with `[i]` for iteration `i` of a
       call inside an `nn.scan`/`nnx.scan` body (`[i,j]` inside two).
     positions: the positions of the columns, or None.
+    receivers: the receivers of the columns (`fl.path_patch(..., each_receiver=True)`), or
+      the receivers all rows share; None for other tools.
 
   Example:
     >>> import flaxlens as fl, jax.numpy as jnp
@@ -77,6 +79,7 @@ class SweepResult:
   values: Any
   sites: tuple[str, ...]
   positions: tuple[int, ...] | None = None
+  receivers: tuple[str, ...] | None = None
 
   def plot(self, path: Any, *, title: str | None = None) -> None:
     """Saves the values as a heatmap image (sites down, positions across) to `path`.
@@ -113,7 +116,9 @@ class SweepResult:
     image = axes.imshow(values, aspect="auto", cmap="RdBu", vmin=-bound, vmax=bound)
     figure.colorbar(image, ax=axes)
     axes.set_yticks(range(rows), self.sites)
-    if self.positions is None:
+    if self.receivers is not None and columns == len(self.receivers) > 1:
+      axes.set_xticks(range(columns), self.receivers, rotation=90)
+    elif self.positions is None:
       axes.set_xticks([])
     else:
       axes.set_xticks(range(columns), [str(p) for p in self.positions])

@@ -1,0 +1,588 @@
+"""Path patching: the effect of a sender on the output through chosen receivers only.
+
+`fl.path_patch` runs the three runs of path patching (Wang et al. 2022, "Interpretability
+in the wild") in one compiled program. (1) A clean and a corrupted run keep the values
+of the senders, the receivers and the frozen calls. (2) For each sender, a clean run
+with that sender's value replaced by its corrupted value and every frozen call's value
+replaced by its clean value records the receivers' values. (3) A clean run with the
+receivers' values replaced by those recorded gives the metric. Runs (2) and (3) of every
+sender run batched with `jax.vmap`, as `fl.sweep` batches its patched forwards: every
+edited call holds one edit whose choice (corrupted, clean, or the value the run computes)
+is read from a table by the forward's number, so the forwards are one program.
+
+Which calls are frozen: every call that the senders' or the receivers' sites match (the
+components the question is about) and every call `freeze=` names, except, in the
+forward of one sender, the calls that contain that sender or that it contains (freezing
+them would cut the path itself or undo the sender's edit). A receiver's value is
+recorded before its own edit, and after recording it takes the role it has as a
+component: receivers never feed each other, so a set of receivers records what each
+receiver alone records. The order of calls (which receiver a sender can reach) is the
+tree's call order (`core/_walk.py`). No Flax internals here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._edit import EditedCall
+from flaxlens.core._jit import variable_jit
+from flaxlens.core._node import CallNode, check_tree
+from flaxlens.core._probes import Probing, active_probing
+from flaxlens.core._runtime import resolve_random_streams, run_tree
+from flaxlens.core._variables import bind_variables, unbind_variables
+from flaxlens.core._walk import Relation, calls
+from flaxlens.errors import ArgumentError, SelectionError, UnsupportedFlaxFeatureError
+from flaxlens.tools.analysis._calling import check_callable, model_arguments, takes_model_arguments
+from flaxlens.tools.analysis._index import MASK, index_text
+from flaxlens.tools.analysis._interventions import (
+  Intervention,
+  Site,
+  _check_part,
+  _make,
+  _probes_for,
+  _set_part,
+  get_part,
+  select_sites,
+  sites_of,
+  where_mask,
+)
+from flaxlens.tools.analysis._sweeps import _UNREACHED_FIX, SweepResult, _metric_value
+
+# --- what the user names ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sites:
+  """Calls narrowed to one side and to slices of their value: the senders or receivers of
+  `fl.path_patch`.
+
+  Attributes:
+    at: the calls, as `fl.run` names sites: a path pattern (`"Block_*/attn"`), a Flax
+      module class, a call node, a predicate on call nodes, or a list of these.
+    on: "output" (default) or "input" (the call's first positional argument).
+    where: None (the whole value), one index or boolean mask (`jnp.s_[..., 2, :]`: head 2
+      of a `(..., heads, head_dim)` value), or a list of them: each call then counts once
+      per entry (one sender per head, say), in the list's order.
+    part: for a call whose value is a tuple, dict or dataclass, which part (an index or
+      key).
+
+  Example:
+    >>> import flaxlens as fl, jax.numpy as jnp
+    >>> slices = [jnp.s_[..., h, :] for h in range(4)]  # heads of (..., heads, head_dim)
+    >>> heads = fl.Sites("**/attention/out", on="input", where=slices)
+    >>> len(heads.where)
+    4
+  """
+
+  at: Any
+  on: str = "output"
+  where: Any = None
+  part: Any = None
+
+  def __post_init__(self) -> None:
+    if self.on not in ("output", "input"):
+      raise ArgumentError(
+        f"fl.Sites({self.at!r}): on= is 'output' or 'input' (the call's first positional"
+        f" argument), got {self.on!r}. Pass one of these."
+      )
+    if isinstance(self.where, list) and not self.where:
+      raise ArgumentError(
+        f"fl.Sites({self.at!r}): where= is an empty list, which selects nothing. Give one"
+        " index per slice (where=[jnp.s_[..., h, :] for h in range(heads)]), or leave it out."
+      )
+
+  def slices(self) -> tuple[Any, ...]:
+    """The `where=` of each unit: one entry per element of a list, else `(where,)`."""
+    return tuple(self.where) if isinstance(self.where, list) else (self.where,)
+
+
+def _as_sites(value: Any) -> Sites:
+  return value if isinstance(value, Sites) else Sites(value)
+
+
+class _Unit(NamedTuple):
+  """One sender or receiver: a call, and the edit that carries its `where=` (or None)."""
+
+  site: int  # index among sites_of(tree)
+  where: Intervention | None
+  name: str
+
+
+class _Plan(NamedTuple):
+  """Everything a path patch decides before running (static but the `where=` arrays)."""
+
+  senders: tuple[_Unit, ...]
+  receivers: tuple[_Unit, ...]
+  sender_side: tuple[str, Any]  # (on, part)
+  receiver_side: tuple[str, Any]
+  sides: tuple[tuple[int, str, Any], ...]  # every component: (site, on, part) it is frozen on
+  frozen: tuple[tuple[bool, ...], ...]  # [sender][component]: frozen in that sender's forward
+  each_receiver: bool
+
+
+# --- call order ---------------------------------------------------------------------------
+
+
+class _Order(NamedTuple):
+  """When each call starts (`enter`, its input) and ends (`exit`, its output), as steps of
+  one depth-first walk of the tree's calls."""
+
+  enter: tuple[int, ...]
+  exit: tuple[int, ...]
+
+  def time(self, site: int, on: str) -> int:
+    return self.enter[site] if on == "input" else self.exit[site]
+
+  def nested(self, a: int, b: int) -> bool:
+    """Whether one of the calls `a` and `b` contains the other (or they are one call)."""
+    inside = self.enter[a] <= self.enter[b] and self.exit[b] <= self.exit[a]
+    return inside or (self.enter[b] <= self.enter[a] and self.exit[a] <= self.exit[b])
+
+
+def _order(tree: CallNode) -> _Order:
+  own = [c for c in calls(tree) if c.relation is not Relation.REPLACED]
+  index = {id(c.layer): i for i, c in enumerate(own)}
+  enter, exit_, stack, step = [0] * len(own), [0] * len(own), [], 0
+  for i, call in enumerate(own):
+    parent = index.get(id(call.parent)) if call.parent is not None else None
+    while stack and stack[-1] != parent:
+      exit_[stack.pop()] = step
+      step += 1
+    enter[i] = step
+    step += 1
+    stack.append(i)
+  while stack:
+    exit_[stack.pop()] = step
+    step += 1
+  return _Order(tuple(enter), tuple(exit_))
+
+
+# --- planning -----------------------------------------------------------------------------
+
+
+def _units(tree: CallNode, sites: list[Site], spec: Sites, role: str) -> tuple[_Unit, ...]:
+  try:
+    chosen = select_sites(tree, spec.at, sites)
+  except SelectionError as e:
+    raise SelectionError(f"fl.path_patch {role}: {e}") from None
+  units = []
+  for site in chosen:
+    for where in spec.slices():
+      edit = _make("zero", site.name, (), where, spec.on, spec.part)
+      _check_part(site, edit)
+      name = site.name + (":input" if spec.on == "input" else "")
+      if edit.index == MASK:
+        name += "[mask]"
+      elif edit.index is not None:
+        name += index_text(edit.index, edit.where_arrays)
+      units.append(_Unit(sites.index(site), None if where is None else edit, name))
+  return tuple(units)
+
+
+def _listed(names: list[str]) -> str:
+  return f"{names[:6]}{' ...' if len(names) > 6 else ''}"
+
+
+def _check_reach(senders, receivers, sender_on, receiver_on, order, each_receiver) -> None:
+  """Refuses a receiver that is a sender, and senders that reach no receiver (and, with
+  `each_receiver`, receivers that no sender reaches), by call order."""
+  for s in senders:
+    for r in receivers:
+      if s.site == r.site and sender_on == receiver_on:
+        raise SelectionError(
+          f"fl.path_patch: the receiver {r.name} is the sender {s.name}'s own call and side:"
+          " a path from a value to itself is activation patching. Use fl.sweep for that, or"
+          " give the receivers on the other side of the call (fl.Sites(..., on='input'))."
+        )
+
+  def reaches(s: _Unit, r: _Unit) -> bool:
+    return order.time(r.site, receiver_on) > order.time(s.site, sender_on)
+
+  fix = (
+    " Choose senders that run before the receivers (a list of the earlier layers'"
+    " sites, say), or receivers that run after the senders; with on='input', a"
+    " receiver's value is read when its call starts."
+  )
+  lone = [s.name for s in senders if not any(reaches(s, r) for r in receivers)]
+  if lone:
+    raise SelectionError(
+      f"fl.path_patch: the sender(s) {_listed(lone)} run after every receiver"
+      f" {_listed([r.name for r in receivers])} (in the tree's call order), so no path"
+      f" leads from them to a receiver.{fix}"
+    )
+  if each_receiver:
+    unreached = [r.name for r in receivers if not any(reaches(s, r) for s in senders)]
+    if unreached:
+      raise SelectionError(
+        f"fl.path_patch: no sender reaches the receiver(s) {_listed(unreached)}: they run"
+        f" before every sender {_listed([s.name for s in senders])} (in the tree's call"
+        f" order).{fix}"
+      )
+
+
+def _plan(tree, senders: Sites, receivers: Sites, freeze: Any, each_receiver: bool) -> _Plan:
+  sites = sites_of(tree)
+  sending = _units(tree, sites, senders, "senders")
+  receiving = _units(tree, sites, receivers, "receivers")
+  order = _order(tree)
+  _check_reach(sending, receiving, senders.on, receivers.on, order, each_receiver)
+  sides: dict[int, tuple[str, Any]] = {}
+  for unit in sending:
+    sides.setdefault(unit.site, (senders.on, senders.part))
+  for unit in receiving:
+    sides.setdefault(unit.site, (receivers.on, receivers.part))
+  if freeze is not None:
+    try:
+      frozen_sites = select_sites(tree, freeze, sites)
+    except SelectionError as e:
+      raise SelectionError(f"fl.path_patch freeze: {e}") from None
+    for site in frozen_sites:
+      sides.setdefault(sites.index(site), ("output", None))
+  components = tuple((k, on, part) for k, (on, part) in sorted(sides.items()))
+  frozen = tuple(
+    tuple(not order.nested(k, unit.site) or k == unit.site for k, _, _ in components)
+    for unit in sending
+  )
+  return _Plan(
+    sending,
+    receiving,
+    (senders.on, senders.part),
+    (receivers.on, receivers.part),
+    components,
+    frozen,
+    each_receiver,
+  )
+
+
+# --- running ------------------------------------------------------------------------------
+
+
+class _SideEdit:
+  """An edit of one side of a call, as `EditedCall` applies edits: `fn(value) -> value`."""
+
+  def __init__(self, on: str, fn: Callable[[Any], Any]):
+    self.on = on
+    self.fn = fn
+
+  def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
+    del site, argument
+    return self.fn(value)
+
+
+def _first_argument_count(site: Site) -> int:
+  if site.inputs is None:
+    return 1
+  treedef, leaves = site.inputs
+  args, _ = jax.tree_util.tree_unflatten(treedef, leaves)
+  return len(args)
+
+
+def _side(cache: dict[str, Any], site: Site, on: str) -> Any:
+  """A site's value on side `on` in a capture made with `inputs=True`."""
+  if on == "output":
+    return cache[site.name]
+  value = cache[f"{site.name}:input"]
+  return value[0] if _first_argument_count(site) > 1 else value
+
+
+def _check_unstacked(site: Site, value: Any) -> None:
+  """Refuses a call inside an `nn.scan`/`nnx.scan` or `vmap` body (captured stacked)."""
+  if site.output is None:
+    return
+  treedef, leaves = site.output
+  once = [leaf for leaf in leaves if hasattr(leaf, "shape")]
+  seen = [leaf for leaf in jax.tree_util.tree_leaves(value) if hasattr(leaf, "shape")]
+  if once and seen and seen[0].ndim > len(once[0].shape):
+    raise UnsupportedFlaxFeatureError(
+      f"fl.path_patch: {site.name} runs inside an nn.scan/nnx.scan (or vmap) body, whose"
+      " iterations are one call; path patching does not yet tell them apart. Choose calls"
+      " outside the body (the scan itself), or sweep its iterations with fl.sweep."
+    )
+
+
+class _Run:
+  """Fresh copies of the tree (each run leaves the tree's variables alone) and runs."""
+
+  def __init__(self, tree: CallNode, streams: Any):
+    self.slots, self.values = unbind_variables(tree, freeze=True)
+    self.streams = streams
+
+  def fresh(self) -> tuple[CallNode, list[Site]]:
+    copy = bind_variables(self.slots, self.values)
+    return copy, sites_of(copy)
+
+  def capture(self, argument: ArgsAndKwargs, indices: list[int]) -> tuple[list[Site], dict]:
+    """The sites at `indices`: their outputs and inputs in a run on `argument`."""
+    tree, sites = self.fresh()
+    nodes = tuple(sites[k].node for k in indices)
+    probing = Probing(_probes_for(tree, (), nodes, True, None), unreached_fix=_UNREACHED_FIX)
+    run_tree(tree, argument, self.streams, {}, probing=probing, probing_key=nodes)
+    return sites, probing.captured
+
+  def edited(self, argument: ArgsAndKwargs, edits: Callable[[list[Site]], dict]) -> tuple:
+    """`(output, recorded)` of a run on `argument` with `edits(sites)`: `{site index:
+    [_SideEdit, ...]}`; the edits record values with `_record`."""
+    tree, sites = self.fresh()
+    by_site = edits(sites)
+    layers = {
+      id(sites[k].node): EditedCall(
+        node=sites[k].node, edits=tuple(e), site=sites[k].name, required=True
+      )
+      for k, e in by_site.items()
+    }
+    probing = Probing(layers, indexed=True, unreached_fix=_UNREACHED_FIX)
+    probing.capturing = True  # edits record the receivers' values (`_record`)
+    key = tuple(e for es in by_site.values() for e in es)
+    output = run_tree(tree, argument, self.streams, {}, probing=probing, probing_key=key)
+    return output, probing.captured
+
+
+def _record(name: str, value: Any) -> None:
+  """Keeps `value` as `name` in the current run's captures (out of staged bodies too)."""
+  probing = active_probing()
+  probing.record(name, value)
+
+
+def _on_part(fn: Callable[[Any], Any], part: Any, name: str, on: str) -> Callable[[Any], Any]:
+  """`fn` applied to the `part` of a value (the whole value for None)."""
+  if part is None:
+    return fn
+
+  def apply(value: Any) -> Any:
+    return _set_part(value, part, fn(get_part(value, part, name, on)))
+
+  return apply
+
+
+def _mask(units: list[tuple[int, _Unit]], number: Any, name: str, target: Any) -> Any:
+  """Where the unit numbered `number` (traced), if it is one of `units`, selects `target`."""
+  mask = jnp.zeros((), bool)
+  for i, unit in units:
+    chosen = number == i
+    if unit.where is not None:
+      chosen = chosen & where_mask(unit.where, name, target)
+    mask = mask | chosen
+  return mask
+
+
+def _forward_edits(
+  plan: _Plan, clean: dict, clean_outputs: dict, corrupted: dict, sender: Any
+) -> Callable:
+  """The edits of run (2) for the sender numbered `sender` (traced): the sender corrupted,
+  the frozen components clean, each receiver recorded before its own edit."""
+  sender_on, _ = plan.sender_side
+  receiver_on, receiver_part = plan.receiver_side
+  receiving = {u.site for u in plan.receivers}
+  table = jnp.asarray(np.asarray(plan.frozen, bool).reshape(len(plan.senders), -1))
+
+  def edits(sites: list[Site]) -> dict[int, list[_SideEdit]]:
+    out: dict[int, list[_SideEdit]] = {}
+    for column, (k, on, part) in enumerate(plan.sides):
+      name = sites[k].name
+      frozen = table[sender, column]
+      units = [(i, u) for i, u in enumerate(plan.senders) if u.site == k]
+
+      def role(value: Any, units=units, name=name, frozen=frozen, k=k, c=clean[k, on]) -> Any:
+        new = jax.tree_util.tree_map(lambda a, b: jnp.where(frozen, a, b), c, value)
+        if units:
+          new = jnp.where(_mask(units, sender, name, value), corrupted[k], new)
+        return new
+
+      role = _on_part(role, part, name, on)
+      if k not in receiving:
+        out.setdefault(k, []).append(_SideEdit(on, role))
+        continue
+      record = _on_part(lambda v, name=name: _record(name, v) or v, receiver_part, name, "")
+      if receiver_on == on:
+        out.setdefault(k, []).append(_SideEdit(on, lambda v, role=role, rec=record: role(rec(v))))
+      elif receiver_on == "input":  # the component is frozen on its output
+        out.setdefault(k, []).append(_SideEdit("input", record))
+        out[k].append(_SideEdit("output", role))
+      else:  # the receiver's output, the component's input: only the sender edits the input
+        if units:
+          sent = _on_part(
+            lambda v, units=units, name=name, k=k: jnp.where(
+              _mask(units, sender, name, v), corrupted[k], v
+            ),
+            part,
+            name,
+            on,
+          )
+          out.setdefault(k, []).append(_SideEdit("input", sent))
+        clean_output = clean_outputs[k]
+        out.setdefault(k, []).append(
+          _SideEdit(
+            "output",
+            lambda v, rec=record, frozen=frozen, c=clean_output: jax.tree_util.tree_map(
+              lambda a, b: jnp.where(frozen, a, b), c, rec(v)
+            ),
+          )
+        )
+    return out
+
+  return edits
+
+
+def _receiver_edits(plan: _Plan, recorded: dict, column: Any) -> Callable:
+  """The edits of run (3): the receivers' values set to those recorded (with
+  `each_receiver`, only the receiver numbered `column`)."""
+  on, part = plan.receiver_side
+
+  def edits(sites: list[Site]) -> dict[int, list[_SideEdit]]:
+    out = {}
+    for k in dict.fromkeys(u.site for u in plan.receivers):
+      name = sites[k].name
+      units = [(i, u) for i, u in enumerate(plan.receivers) if u.site == k]
+
+      def patch(value: Any, units=units, name=name) -> Any:
+        if plan.each_receiver:
+          mask = _mask(units, column, name, value)
+        else:
+          mask = _mask([(0, u) for _, u in units], 0, name, value)
+        return jnp.where(mask, recorded[name], value)
+
+      out[k] = [_SideEdit(on, _on_part(patch, part, name, on))]
+    return out
+
+  return edits
+
+
+def _path_patch(tree, clean, corrupted, plan: _Plan, metric, streams):
+  runs = _Run(tree, streams)
+  components = [k for k, _, _ in plan.sides]
+  sites, clean_cache = runs.capture(clean, components)
+  for k in components:
+    _check_unstacked(sites[k], clean_cache[sites[k].name])
+  clean_values, clean_outputs = {}, {}
+  for k, on, part in plan.sides:
+    value = _side(clean_cache, sites[k], on)
+    clean_values[k, on] = value if part is None else get_part(value, part, sites[k].name, on)
+    clean_outputs[k] = clean_cache[sites[k].name]
+  sender_on, sender_part = plan.sender_side
+  sending = list(dict.fromkeys(u.site for u in plan.senders))
+  _, corrupted_cache = runs.capture(corrupted, sending)
+  corrupted_values = {
+    k: get_part(_side(corrupted_cache, sites[k], sender_on), sender_part, sites[k].name, sender_on)
+    for k in sending
+  }
+
+  def per_sender(sender: Any) -> Any:
+    edits = _forward_edits(plan, clean_values, clean_outputs, corrupted_values, sender)
+    _, recorded = runs.edited(clean, edits)
+
+    def per_receiver(column: Any) -> Any:
+      output, _ = runs.edited(clean, _receiver_edits(plan, recorded, column))
+      return _metric_value(metric, output, scalar=False)
+
+    if plan.each_receiver:
+      return jax.vmap(per_receiver)(jnp.arange(len(plan.receivers)))
+    return per_receiver(0)
+
+  return jax.vmap(per_sender)(jnp.arange(len(plan.senders)))
+
+
+_path_patch_compiled = variable_jit(_path_patch)
+
+
+@takes_model_arguments("fl.path_patch(tree, clean, corrupted, 'Block_*/attn', 'ln_f', metric)")
+def path_patch(
+  tree: CallNode,
+  clean: Any,
+  corrupted: Any,
+  /,
+  senders: Any,
+  receivers: Any,
+  metric: Callable[[Any], Any],
+  *,
+  freeze: Any = None,
+  each_receiver: bool = False,
+  random_streams: Any = None,
+  jit: bool = True,
+) -> SweepResult:
+  """Path patching: each sender's effect on the metric through the receivers alone.
+
+  For each sender (one row), three runs as Wang et al. (2022) define them: (1) a clean
+  and a corrupted run; (2) a clean run with the sender's value set to its corrupted
+  value and every frozen call's value to its clean value, recording the receivers'
+  values (the receivers recompute); (3) a clean run with the receivers' values set to
+  those recorded, whose `metric(output)` is the row's value. Runs (2) and (3) of every
+  sender run batched in one program, compiled once per shapes, sites and metric.
+
+  Frozen calls (set to their clean values in run 2): every call the senders' or the
+  receivers' sites match (the components the question is about: all attention modules
+  when the senders are attention modules) and every call `freeze=` names; not, in one
+  sender's forward, a call that contains that sender or that it contains. Other calls
+  (layer norms, MLPs, the blocks carrying the residual stream) recompute, so a path runs
+  through them; name them in `freeze=` to cut it there. Choose as senders and receivers
+  calls that write into the residual stream (attention, MLPs), not the blocks that carry
+  it: freezing a block would cut every path through it. A receiver's value is recorded
+  before its own edit and the receiver then takes its role as a component, so receivers
+  never feed one another. With `on="input"` (see `fl.Sites`) a receiver's value is its
+  call's first argument (a query projection's input, say).
+
+  Args:
+    tree: a converted tree (`fl.unflaxify`).
+    clean: the clean run's model arguments, as `fl.run` takes them: one value, a tuple of
+      positional arguments, or `fl.ArgsAndKwargs`.
+    corrupted: the corrupted run's arguments, alike.
+    senders: the senders: sites as `fl.run` takes them (one sender per call), or an
+      `fl.Sites` (a side, slices: one sender per call and slice).
+    receivers: the receivers, alike: all patched together in run (3), or one at a time
+      with `each_receiver=True`.
+    metric: a function of the model's output returning an array.
+    freeze: more calls to freeze (sites as `fl.run` takes them, frozen on their output),
+      or None.
+    each_receiver: a column per receiver (a senders × receivers grid) instead of all
+      receivers at once. Run (2) is shared by a sender's columns. A cell whose receiver
+      runs before its sender holds the clean metric (the path patch changes nothing).
+    random_streams: as for a tree call, used by every run.
+    jit: compile (default); pass False inside your own `jax.jit`.
+
+  Returns:
+    A `SweepResult`: `values` of shape `(senders, *metric shape)`, or
+    `(senders, receivers, *metric shape)` with `each_receiver`; `sites` names the senders
+    (`"Block_0/attn/out:input[..., 2, :]"`), `receivers` the receivers.
+
+  Raises:
+    SelectionError: a site matches no call (closest names listed), a receiver is a
+      sender's own call and side, a sender runs after every receiver (or, with
+      `each_receiver`, a receiver before every sender).
+    ArgumentError: a part, slice or metric does not fit its value.
+    UnsupportedFlaxFeatureError: a component runs inside an `nn.scan`/`nnx.scan` body.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> class Residual(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     for i in range(3):
+    ...       x = x + nn.Dense(4, name=f"write_{i}")(x)
+    ...     return nn.Dense(2, name="readout")(x)
+    >>> model, clean = Residual(), jnp.ones((1, 4))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), clean), clean)
+    >>> result = fl.path_patch(tree, clean, -clean, "write_*", "readout",
+    ...                        lambda out: out[0, 0])
+    >>> result.sites, result.values.shape
+    (('write_0', 'write_1', 'write_2'), (3,))
+  """
+  check_tree(tree, "fl.path_patch")
+  check_callable(metric, "metric", "fl.path_patch")
+  if not isinstance(each_receiver, bool):
+    raise ArgumentError(f"fl.path_patch: each_receiver= is True or False, got {each_receiver!r}.")
+  senders, receivers = _as_sites(senders), _as_sites(receivers)
+  plan = _plan(tree, senders, receivers, freeze, each_receiver)
+  streams = resolve_random_streams(random_streams, tree.where())
+  run = _path_patch_compiled if jit else _path_patch
+  values = run(tree, model_arguments(clean), model_arguments(corrupted), plan, metric, streams)
+  return SweepResult(
+    values,
+    tuple(u.name for u in plan.senders),
+    receivers=tuple(u.name for u in plan.receivers),
+  )
