@@ -53,6 +53,21 @@ def test_a_store_of_another_call_is_refused_and_left_as_it_was(
   assert _files(path) == before
 
 
+def _padding_mask(pad):
+  return lambda tokens: tokens != pad  # the same code, closing over another value per pad
+
+
+def test_a_mask_closing_over_another_value_is_another_call(linen_model, tmp_path):
+  path = tmp_path / "s"
+  fl.harvest(linen_model.tree, BATCHES, "Block_0", path, positions=_padding_mask(models.PAD))
+  before = _files(path)
+  with pytest.raises(fl.HarvestError, match="What differs: sites"):
+    fl.harvest(linen_model.tree, BATCHES, "Block_0", path, positions=_padding_mask(1))
+  assert _files(path) == before
+  again = fl.harvest(linen_model.tree, BATCHES, "Block_0", path, positions=_padding_mask(0))
+  assert again.complete  # the same values: the same call, resumed (complete already)
+
+
 def test_overwrite_starts_a_store_of_another_call_afresh(linen_model, tmp_path):
   path = tmp_path / "s"
   fl.harvest(linen_model.tree, BATCHES, "Block_0", path)

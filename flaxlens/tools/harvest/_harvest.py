@@ -538,14 +538,32 @@ def _fingerprint(named: list[tuple[str, Any]]) -> str:
 
 
 def _function_id(fn: Any) -> str:
-  """A function by its qualified name and the hash of its code (not of the values it closes
-  over, nor its module's name, which differs between a script and its import)."""
+  """A function by its qualified name, the hash of its code, and the values it closes over
+  and its defaults: numbers, strings and None by value, arrays by shape, dtype and checksum,
+  anything else by type (not its module's name, which differs between a script and its
+  import)."""
   code = getattr(fn, "__code__", None)
   name = getattr(fn, "__qualname__", type(fn).__name__)
   if code is None:
     return name
-  text = f"{code.co_code.hex()}|{code.co_consts!r}|{code.co_names!r}"
+  values = [cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ())]
+  values += list(getattr(fn, "__defaults__", None) or ())
+  text = f"{code.co_code.hex()}|{code.co_consts!r}|{code.co_names!r}|{_values_text(values)}"
   return f"{name}:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def _values_text(values: list[Any]) -> str:
+  parts = []
+  for value in values:
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
+      parts.append(repr(value))
+    elif isinstance(value, jax.Array | np.ndarray | np.generic):
+      parts.append(_fingerprint([("", value)]))
+    elif isinstance(value, tuple | list) and len(value) <= 64:
+      parts.append(f"[{_values_text(list(value))}]")
+    else:
+      parts.append(type(value).__qualname__)
+  return ",".join(parts)
 
 
 def _rule_text(rule: Any) -> Any:
