@@ -161,6 +161,11 @@ class BudgetError(FlaxlensError, ValueError):
   would not give the result of the whole batch."""
 
 
+class StatisticsError(FlaxlensError, ValueError):
+  """A statistic of a sweep cannot be computed from what its result holds: no per-example
+  values, no clean and corrupted metrics, clean equal to corrupted, or bad settings."""
+
+
 class ModelCallError(FlaxlensError):
   """A call of a converted tree (or a conversion) failed inside the model's own code.
 
