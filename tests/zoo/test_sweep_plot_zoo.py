@@ -7,7 +7,6 @@ normalised effect, the cells that matter stand out.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

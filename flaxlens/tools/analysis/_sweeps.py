@@ -99,7 +99,8 @@ class SweepResult:
     if self.measure not in ("patched", "change"):
       raise ArgumentError(
         f"SweepResult: measure={self.measure!r} is not one of 'patched' (values are the"
-        " patched runs' metric) and 'change' (values estimate patched - corrupted)."
+        " patched runs' metric) and 'change' (values estimate patched - corrupted). Pass"
+        " one of them."
       )
 
   def normalised(self) -> np.ndarray:
