@@ -76,7 +76,13 @@ def plot_sweep(result: Any, path: Any, *, title: str | None, normalised: bool | 
   shown = range(0, rows, math.ceil(rows / _MAX_ROW_LABELS))
   axes.set_yticks(list(shown), [names[i] for i in shown])
   axes.set_ylabel(label_of_rows)
-  if result.positions is None:
+  receivers = getattr(result, "receivers", None)  # fl.path_patch's columns, on main
+  if receivers is not None and columns == len(receivers) > 1:
+    label_of_columns, receivers = short_names(tuple(receivers))
+    shown = range(0, columns, math.ceil(columns / _MAX_COLUMN_LABELS))
+    axes.set_xticks(list(shown), [receivers[i] for i in shown], rotation=90)
+    axes.set_xlabel("receiver" if label_of_columns == "site" else label_of_columns)
+  elif result.positions is None:
     axes.set_xticks([])
   else:
     shown = range(0, columns, math.ceil(columns / _MAX_COLUMN_LABELS))
