@@ -73,8 +73,9 @@ sweep = fl.sweep(
   positions=range(6),
   part=0,
 )
-sweep.plot(os.path.join(tempfile.mkdtemp(), "patching.png"))
+sweep.plot(os.path.join(tempfile.mkdtemp(), "patching.png"))  # centred on "no effect"
 print("patching sweep (blocks x positions):\n", sweep.values)
+print("normalised effect (0: corrupted, 1: clean):\n", sweep.normalised())
 
 # 6. Attribution patching: the same grid from one forward and one backward pass.
 estimate = fl.attribute(

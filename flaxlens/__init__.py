@@ -100,6 +100,7 @@ from flaxlens.errors import ModelCallError as ModelCallError
 from flaxlens.errors import CallStructureError as CallStructureError
 from flaxlens.errors import ReplacementError as ReplacementError
 from flaxlens.errors import SelectionError as SelectionError
+from flaxlens.errors import StatisticsError as StatisticsError
 from flaxlens.errors import UnsupportedFlaxFeatureError as UnsupportedFlaxFeatureError
 from flaxlens.errors import VariableError as VariableError
 # isort: on
@@ -187,6 +188,7 @@ __all__ = [
   "CallStructureError",
   "ReplacementError",
   "SelectionError",
+  "StatisticsError",
   "UnsupportedFlaxFeatureError",
   "VariableError",
 ]

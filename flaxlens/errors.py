@@ -66,6 +66,12 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   Fix: run the same call again to resume, pass `overwrite=True` to start the store
   afresh, give another path, or make every batch alike; with TensorStore missing, the
   message says `pip install "flaxlens[harvest]"`.
+- `StatisticsError` (also `ValueError`): a `SweepResult` statistic cannot be computed
+  from what the result holds: `bootstrap()`/`p_values()` without per-example values or
+  with one example, `normalised()` without the clean and corrupted metrics or with them
+  equal within rounding, or a bad `n=`/`confidence=`/`permutations=`. Fix: sweep with
+  `per_example=True` and a metric returning one value per example, sweep more examples,
+  or choose a corrupted input that moves the metric (docs/sweeps.md, how sure are we).
 - `ModelCallError` (also the class of the error it reports): a call of a converted tree
   failed inside the model's own code (Flax's or yours), for example token ids of another
   rank or a sequence longer than a positional table, which raise a bare `IndexError` or
@@ -159,6 +165,11 @@ class ExportError(FlaxlensError):
 class BudgetError(FlaxlensError, ValueError):
   """Work cannot be split to fit `budget=`: one example does not fit, or splitting the batch
   would not give the result of the whole batch."""
+
+
+class StatisticsError(FlaxlensError, ValueError):
+  """A statistic of a sweep cannot be computed from what its result holds: no per-example
+  values, no clean and corrupted metrics, clean equal to corrupted, or bad settings."""
 
 
 class ModelCallError(FlaxlensError):

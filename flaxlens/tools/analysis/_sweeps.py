@@ -38,7 +38,7 @@ from flaxlens.core._probes import Probing, scan_iterations
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._variables import bind_variables, unbind_variables
 from flaxlens.errors import ArgumentError, BudgetError, UnsupportedFlaxFeatureError
-from flaxlens.tools.analysis import _budget
+from flaxlens.tools.analysis import _budget, _plot, _statistics
 from flaxlens.tools.analysis._calling import check_callable, model_arguments, takes_model_arguments
 from flaxlens.tools.analysis._interventions import (
   Intervention,
@@ -58,75 +58,156 @@ from flaxlens.tools.analysis._interventions import (
 
 @dataclasses.dataclass(frozen=True)
 class SweepResult:
-  """A metric per site (and per position), as `fl.sweep` and `fl.attribute` return it.
+  """A metric per site (and per position), as `fl.sweep` and `fl.attribute` return it,
+  with the clean and corrupted runs' metrics and, for a sweep with `per_example=True`,
+  every example's value: enough to normalise the effect, bootstrap it and test it.
 
   Attributes:
     values: an array of shape `(sites,)`, or `(sites, positions)` when positions were
-      swept, followed by the metric's own shape (for `fl.sweep`).
+      swept, followed by the metric's own shape (for `fl.sweep`); with per-example
+      values, their mean over the examples.
     sites: the name of each row: the site's name, with `[i]` for iteration `i` of a
       call inside an `nn.scan`/`nnx.scan` body (`[i,j]` inside two).
     positions: the positions of the columns, or None.
     receivers: the receivers of the columns (`fl.path_patch(..., each_receiver=True)`), or
       the receivers all rows share; None for other tools.
+    clean: the metric of the unpatched clean run (mean over examples), or None.
+    corrupted: the metric of the unpatched corrupted run (mean over examples), or None.
+    per_example: each example's value of each cell, shaped as `values` with the
+      examples added as the last axis, or None (`fl.sweep(..., per_example=True)`).
+    clean_per_example: each example's clean metric, examples last, or None.
+    corrupted_per_example: each example's corrupted metric, examples last, or None.
+    measure: `"patched"` when `values` are the patched runs' metric (`fl.sweep`),
+      `"change"` when they estimate its change from the corrupted run (`fl.attribute`).
 
   Example:
     >>> import flaxlens as fl, jax.numpy as jnp
-    >>> result = fl.SweepResult(jnp.array([[0.5, 1.0]]), ("h/0",), (0, 1))
-    >>> result.values.shape, result.sites
-    ((1, 2), ('h/0',))
+    >>> result = fl.SweepResult(jnp.array([[0.5, 1.0]]), ("h/0",), (0, 1), clean=1.0, corrupted=0.0)
+    >>> result.values.shape, result.sites, result.normalised().tolist()
+    ((1, 2), ('h/0',), [[0.5, 1.0]])
   """
 
   values: Any
   sites: tuple[str, ...]
   positions: tuple[int, ...] | None = None
   receivers: tuple[str, ...] | None = None
+  clean: Any = None
+  corrupted: Any = None
+  per_example: Any = None
+  clean_per_example: Any = None
+  corrupted_per_example: Any = None
+  measure: str = "patched"
 
-  def plot(self, path: Any, *, title: str | None = None) -> None:
-    """Saves the values as a heatmap image (sites down, positions across) to `path`.
+  def __post_init__(self) -> None:
+    if self.measure not in ("patched", "change"):
+      raise ArgumentError(
+        f"SweepResult: measure={self.measure!r} is not one of 'patched' (values are the"
+        " patched runs' metric) and 'change' (values estimate patched - corrupted). Pass"
+        " one of them."
+      )
 
-    Needs matplotlib (`pip install "flaxlens[plots]"`); the image format follows the
-    file's suffix (`.png`, `.svg`, `.pdf`).
+  def normalised(self) -> np.ndarray:
+    """The normalised effect of each cell: `(patched - corrupted) / (clean - corrupted)`.
+
+    0 where patching the cell changes nothing, 1 where it restores the clean run's
+    metric (an attribution's estimate: `change / (clean - corrupted)`). With per-example
+    values it is the ratio of the means over the examples.
+
+    Raises:
+      StatisticsError: the clean or corrupted metric is unknown, or they are equal
+        within a few float32 ulps (the ratio would divide by about 0).
+
+    Example:
+      >>> import flaxlens as fl
+      >>> fl.SweepResult([1.0, 3.0], ("a", "b"), clean=3.0, corrupted=1.0).normalised()
+      array([0., 1.])
+    """
+    return _statistics.normalised(self)
+
+  def bootstrap(
+    self, *, n: int = 10_000, confidence: float = 0.95, seed: int = 0, normalised: bool = False
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile bootstrap confidence intervals of each cell over the examples.
+
+    Resamples the examples with replacement `n` times (`np.random.default_rng(seed)
+    .integers(0, batch, size=(n, batch))`, the same examples for every cell and for the
+    clean and corrupted metrics) and takes each cell's mean over each resample, or with
+    `normalised` the normalised effect of the resampled means. Returns the
+    `(1 - confidence) / 2` and `(1 + confidence) / 2` quantiles of those `n` numbers.
+    Needs per-example values: `fl.sweep(..., per_example=True)`.
+
+    Returns:
+      `(lower, upper)`, each shaped as `values`.
+
+    Raises:
+      StatisticsError: no per-example values, fewer than 2 examples, bad settings, or
+        (with `normalised`) clean equal to corrupted.
+
+    Example:
+      >>> import flaxlens as fl, numpy as np
+      >>> per_example = np.array([[1.0, 2.0, 3.0, 4.0]])  # one cell, four examples
+      >>> result = fl.SweepResult(per_example.mean(-1), ("a",), per_example=per_example,
+      ...   clean_per_example=np.ones(4), corrupted_per_example=np.zeros(4))
+      >>> lower, upper = result.bootstrap(n=1000)
+      >>> bool(lower[0] < 2.5 < upper[0])
+      True
+    """
+    return _statistics.bootstrap(self, n=n, confidence=confidence, seed=seed, normalised=normalised)
+
+  def p_values(self, *, permutations: int = 10_000, seed: int = 0) -> np.ndarray:
+    """Each cell's p-value for "patching this cell leaves the metric unchanged".
+
+    A paired, two-sided sign-flip permutation test over the examples: each example's
+    difference `patched - corrupted` is as likely, under that hypothesis, to have either
+    sign; the statistic is the absolute mean difference. Exact (every sign vector
+    enumerated) when `2 ** batch <= permutations`, else `permutations` random sign
+    vectors from `np.random.default_rng(seed)` and `(1 + count) / (1 + permutations)`.
+    The same p-value holds for the normalised effect (the same statistic scaled by a
+    constant). No correction for testing many cells is made. Needs per-example values:
+    `fl.sweep(..., per_example=True)`.
+
+    Returns:
+      An array shaped as `values`.
+
+    Raises:
+      StatisticsError: no per-example values, fewer than 2 examples, or bad settings.
+
+    Example:
+      >>> import flaxlens as fl, numpy as np
+      >>> per_example = np.array([[1.0, 2.0, 3.0, 4.0], [0.5, -0.5, 0.5, -0.5]])
+      >>> result = fl.SweepResult(per_example.mean(-1), ("a", "b"), per_example=per_example,
+      ...   clean_per_example=np.ones(4), corrupted_per_example=np.zeros(4))
+      >>> result.p_values().tolist()  # exact: all 16 sign vectors of 4 examples
+      [0.125, 1.0]
+    """
+    return _statistics.p_values(self, permutations=permutations, seed=seed)
+
+  def plot(
+    self, path: Any = None, *, title: str | None = None, normalised: bool | None = None
+  ) -> Any:
+    """Draws the values as a heatmap (sites down, positions across); saves it to `path`.
+
+    With the clean and corrupted metrics known (results of `fl.sweep` and
+    `fl.attribute`), it shows the normalised effect centred on 0 (no effect; 1: the clean
+    metric restored); `normalised=False` shows the raw metric centred on the corrupted
+    run's (an attribution's changes on 0). The colour scale ends at the 98th percentile
+    of the distances from the centre, so one outlier does not wash out the rest; the
+    colorbar says what is shown. Long site names lose their shared prefix (shown as the
+    axis label) and their middle; tick labels thin out on large grids. Needs matplotlib
+    (`pip install "flaxlens[plots]"`); the image format follows the file's suffix
+    (`.png`, `.svg`, `.pdf`).
+
+    Returns:
+      The matplotlib `Figure` (shown inline by notebooks).
 
     Example:
       >>> import flaxlens as fl, jax.numpy as jnp, tempfile, pathlib
       >>> path = pathlib.Path(tempfile.mkdtemp()) / "sweep.png"
-      >>> fl.SweepResult(jnp.ones((2, 3)), ("a", "b"), (0, 1, 2)).plot(path)
+      >>> figure = fl.SweepResult(jnp.ones((2, 3)), ("a", "b"), (0, 1, 2)).plot(path)
       >>> path.exists()
       True
     """
-    try:
-      from matplotlib.figure import Figure
-    except ImportError:
-      raise ImportError(
-        'SweepResult.plot draws with matplotlib; install it: pip install "flaxlens[plots]".'
-      ) from None
-    values = np.asarray(self.values, dtype=np.float64)
-    if values.ndim == 1:
-      values = values[:, None]
-    if values.ndim != 2:
-      raise ArgumentError(
-        f"plot draws one number per site and position; the values have shape {values.shape}"
-        " (a metric that is not a scalar). Plot one entry: fl.SweepResult(result.values[...,"
-        " k], result.sites, result.positions).plot(path)."
-      )
-    rows, columns = values.shape
-    figure = Figure(figsize=(min(2 + 0.5 * columns, 16), min(1.5 + 0.3 * rows, 20)))
-    axes = figure.subplots()
-    bound = float(np.abs(values).max()) or 1.0
-    image = axes.imshow(values, aspect="auto", cmap="RdBu", vmin=-bound, vmax=bound)
-    figure.colorbar(image, ax=axes)
-    axes.set_yticks(range(rows), self.sites)
-    if self.receivers is not None and columns == len(self.receivers) > 1:
-      axes.set_xticks(range(columns), self.receivers, rotation=90)
-    elif self.positions is None:
-      axes.set_xticks([])
-    else:
-      axes.set_xticks(range(columns), [str(p) for p in self.positions])
-      axes.set_xlabel("position")
-    if title is not None:
-      axes.set_title(title)
-    figure.tight_layout()
-    figure.savefig(path)
+    return _plot.plot_sweep(self, path, title=title, normalised=normalised)
 
 
 # --- shared machinery ---------------------------------------------------------------------
@@ -176,11 +257,12 @@ _UNREACHED_FIX = (
 )
 
 
-def _captured(copies: _Copies, argument: ArgsAndKwargs, part: Any, random_streams: Any) -> list:
-  """The chosen sites' values (their `part`) in a run on `argument`, stacked over scans."""
+def _captured(copies: _Copies, argument: ArgsAndKwargs, part: Any, random_streams: Any) -> tuple:
+  """The output of a run on `argument` and the chosen sites' values (their `part`) in it,
+  stacked over scans."""
   tree, sites = copies.fresh()
-  _, cache = _run(tree, argument, (), tuple(s.node for s in sites), random_streams)
-  return [get_part(cache[s.name], part, s.name, "output") for s in sites]
+  output, cache = _run(tree, argument, (), tuple(s.node for s in sites), random_streams)
+  return output, [get_part(cache[s.name], part, s.name, "output") for s in sites]
 
 
 def _lead(site: Site, value: Any, part: Any) -> tuple[int, ...]:
@@ -325,15 +407,22 @@ def _patcher(name: str, base: int, lead: tuple[int, ...], positions: Any, axis: 
   return patch_if_chosen
 
 
+_CORRUPTED, _CLEAN = -1, -2  # the numbers of the unpatched forwards: no site has them
+_BASELINES = (_CORRUPTED, _CLEAN)
+
+
 def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams):
   copies = _Copies(tree, chosen)
-  clean_values = _captured(copies, clean, part, streams)
+  clean_output, clean_values = _captured(copies, clean, part, streams)
   _, sites = copies.fresh()
   leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
   bases = np.cumsum([0, *(math.prod(lead) for lead in leads)]).tolist()
   count = 1 if positions is None else len(positions)
-  units = jnp.repeat(jnp.arange(bases[-1]), count)
+  # Two more forwards patch nothing: the corrupted run, and the clean run (its output
+  # taken from the clean forward), so the metric is traced once for every number.
+  units = jnp.concatenate([jnp.repeat(jnp.arange(bases[-1]), count), jnp.array(_BASELINES)])
   at = jnp.tile(jnp.asarray(positions or (0,)), bases[-1])
+  at = jnp.concatenate([at, jnp.zeros(len(_BASELINES), at.dtype)])
 
   def patched(unit_and_position: tuple[Any, Any]) -> Any:
     unit, position = unit_and_position
@@ -350,15 +439,21 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
       for site, base, lead, value in zip(sites, bases, leads, clean_values, strict=False)
     )
     output, _ = _run(copy, corrupted, edits, None, streams)
+    output = jax.tree_util.tree_map(
+      lambda c, o: jnp.where(unit == _CLEAN, c, o) if isinstance(o, jax.Array) else o,
+      clean_output,
+      output,
+    )
     return _metric_value(metric, output, scalar=False)
 
   if chunk_size is None:
     values = jax.vmap(patched)((units, at))
   else:
     values = jax.lax.map(patched, (units, at), batch_size=chunk_size)
+  values, baselines = values[: -len(_BASELINES)], (values[-1], values[-2])
   if positions is not None:
     values = values.reshape(bases[-1], count, *values.shape[1:])
-  return values, _rows(leads)
+  return values, _rows(leads), baselines
 
 
 _sweep_compiled = variable_jit(_sweep)
@@ -403,6 +498,7 @@ def sweep(
   part: Any = None,
   chunk_size: int | None = None,
   budget: int | None = None,
+  per_example: bool = False,
   random_streams: Any = None,
   jit: bool = True,
 ) -> SweepResult:
@@ -442,17 +538,23 @@ def sweep(
       estimated from its abstract shapes as every call's output and the metric's
       value (a forward's own temporaries inside calls are not counted). Not with
       `chunk_size`.
+    per_example: the metric returns one value per example (its leading axis: shape
+      `(batch, ...)`, for example `lambda out: out[:, -1, a] - out[:, -1, b]`); the
+      result keeps every example's value (`per_example`, examples last) and `values` is
+      their mean. Needed for `SweepResult.bootstrap` and `SweepResult.p_values`.
     random_streams: as for a tree call, used by every run.
     jit: compile (default); pass False inside your own `jax.jit`.
 
   Returns:
     A `SweepResult`: `values` of shape `(sites, [positions,] *metric shape)`, `sites`
-    (names), `positions`.
+    (names), `positions`, the unpatched clean and corrupted runs' metrics (`clean`,
+    `corrupted`: two more forwards in the batch, patching nothing) and, with
+    `per_example`, every example's values.
 
   Raises:
     SelectionError: a site matches no call (the closest names are listed).
-    ArgumentError: a site returns a structure and `part` is missing, or a position or
-      `axis` does not fit a site's value.
+    ArgumentError: a site returns a structure and `part` is missing, a position or
+      `axis` does not fit a site's value, or `per_example` with a scalar metric.
     UnsupportedFlaxFeatureError: a site runs inside an `nn.vmap`/`nnx.vmap` body.
     BudgetError: one patched forward does not fit `budget`.
 
@@ -484,7 +586,7 @@ def sweep(
   if budget is not None:
     chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
   run = _sweep_compiled if jit else _sweep
-  values, rows = run(
+  values, rows, (clean_metric, corrupted_metric) = run(
     tree,
     clean,
     corrupted,
@@ -496,7 +598,10 @@ def sweep(
     chunk_size,
     streams,
   )
-  return _result(tree, chosen, values, rows, positions)
+  result = _result(tree, chosen, values, rows, positions)
+  return _statistics.with_runs(
+    result, clean_metric, corrupted_metric, per_example=per_example, where="fl.sweep"
+  )
 
 
 # --- attribution patching and gradients ----------------------------------------------------
@@ -551,7 +656,7 @@ def _reduce(contribution: Any, lead: int, positions: Any, axis: int, name: str) 
 
 def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, streams):
   copies = _Copies(tree, chosen)
-  clean_values = _captured(copies, clean, part, streams)
+  clean_output, clean_values = _captured(copies, clean, part, streams)
   _, sites = copies.fresh()
   leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
 
@@ -562,14 +667,17 @@ def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, st
     return _metric_value(metric, output, scalar=True), values
 
   zeros = [jnp.zeros_like(v) for v in clean_values]
-  grads, corrupted_values = jax.grad(corrupted_metric, has_aux=True)(zeros)
+  (corrupted_metric_value, corrupted_values), grads = jax.value_and_grad(
+    corrupted_metric, has_aux=True
+  )(zeros)
   values = [
     _reduce((c - x) * g, len(lead), positions, axis, s.name).reshape(
       -1, *(() if positions is None else (len(positions),))
     )
     for s, lead, c, x, g in zip(sites, leads, clean_values, corrupted_values, grads, strict=True)
   ]
-  return jnp.concatenate(values), _rows(leads)
+  baselines = (_metric_value(metric, clean_output, scalar=True), corrupted_metric_value)
+  return jnp.concatenate(values), _rows(leads), baselines
 
 
 _attribute_compiled = variable_jit(_attribute)
@@ -598,7 +706,10 @@ def attribute(
   one backward pass estimate every site (every iteration of a call inside an
   `nn.scan`/`nnx.scan` body) and, with `positions`, every position (the sum then runs
   over all axes but `axis`). Arguments and result as for `fl.sweep`; `metric` must
-  return a scalar.
+  return a scalar. The result's `measure` is `"change"` (values estimate `patched -
+  corrupted`); its `clean` and `corrupted` metrics come from the two forwards it runs
+  anyway. It holds no per-example values: for intervals and p-values, run `fl.sweep`
+  with `per_example=True`.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
@@ -617,7 +728,7 @@ def attribute(
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
   run = _attribute_compiled if jit else _attribute
-  values, rows = run(
+  values, rows, (clean_metric, corrupted_metric) = run(
     tree,
     model_arguments(clean),
     model_arguments(corrupted),
@@ -628,7 +739,10 @@ def attribute(
     part,
     streams,
   )
-  return _result(tree, chosen, values, rows, positions)
+  result = dataclasses.replace(_result(tree, chosen, values, rows, positions), measure="change")
+  return _statistics.with_runs(
+    result, clean_metric, corrupted_metric, per_example=False, where="fl.attribute"
+  )
 
 
 def _grad_at(tree, argument, chosen, loss, part, streams):
