@@ -21,6 +21,7 @@ WORKFLOW_PAGES = [
   "interventions.md",
   "sweeps.md",
   "intervention-specs.md",
+  "lenses.md",
   "isolate.md",
   "export.md",
   "sharding.md",

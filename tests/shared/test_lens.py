@@ -107,15 +107,24 @@ def test_a_lens_with_no_call_after_the_last_block_says_how_to_name_the_head(corp
 
 def test_a_head_named_last_call_first_is_refused(corpora):
   case = corpora[LINEN]["transformer"]
-  with pytest.raises(fl.ArgumentError, match="LayerNorm_0 as the last call, but it runs before Dense_0"):
+  with pytest.raises(
+    fl.ArgumentError, match="LayerNorm_0 as the last call, but it runs before Dense_0"
+  ):
     fl.lens(
-      LINEN.convert(case), LINEN.argument(case), "TransformerBlock_*", head=["Dense_0", "LayerNorm_0"]
+      LINEN.convert(case),
+      LINEN.argument(case),
+      "TransformerBlock_*",
+      head=["Dense_0", "LayerNorm_0"],
     )
 
 
 def test_a_residual_that_cannot_enter_the_head_is_refused_naming_the_site(corpora):
   case = corpora[LINEN]["transformer"]
   with pytest.raises(fl.ArgumentError, match="residual at TransformerBlock_0/Dense_0"):
-    fl.lens(LINEN.convert(case), LINEN.argument(case), "TransformerBlock_0/Dense_0", jit=False,
-            head=["LayerNorm_0", "Dense_0"])
-
+    fl.lens(
+      LINEN.convert(case),
+      LINEN.argument(case),
+      "TransformerBlock_0/Dense_0",
+      jit=False,
+      head=["LayerNorm_0", "Dense_0"],
+    )

@@ -236,7 +236,9 @@ def lens(
   if index is not None:
     index = _split_index(index if isinstance(index, tuple) else (index,))
   runner = _lens_compiled if jit else _lens_once
-  output, logits = runner(tree, argument, names, ends, head if ends is None else None, part, index, random_streams)
+  output, logits = runner(
+    tree, argument, names, ends, head if ends is None else None, part, index, random_streams
+  )
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   top_probs, top_tokens = jax.lax.top_k(probs, min(top, logits.shape[-1]))
   return LensResult(names, logits, top_tokens, top_probs, output, ends)

@@ -65,7 +65,9 @@ class Splice(Struct):
       return edited
     if not self._edited():
       return value
-    clean = run_tree(self.module, ArgsAndKwargs(args=(read,), kwargs={}), None, {}, probing=Probing({}))
+    clean = run_tree(
+      self.module, ArgsAndKwargs(args=(read,), kwargs={}), None, {}, probing=Probing({})
+    )
     return value - (clean - edited)
 
   def _reconstruct(self, site: str, read: Any, value: Any) -> Any:
