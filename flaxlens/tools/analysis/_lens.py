@@ -193,22 +193,26 @@ def lens(
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> class Block(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return x + nn.Dense(8)(nn.relu(x))
     >>> class LM(nn.Module):
     ...   @nn.compact
     ...   def __call__(self, ids):
     ...     embed = nn.Embed(11, 8)
     ...     x = embed(ids)
-    ...     for i in range(3):
-    ...       x = x + nn.Dense(8, name=f"block_{i}")(x)
+    ...     for _ in range(3):
+    ...       x = Block()(x)
     ...     return embed.attend(nn.LayerNorm(name="ln_f")(x))
     >>> ids = jnp.arange(6).reshape(1, 6)
     >>> model = LM()
     >>> variables = model.init(jax.random.key(0), ids)
     >>> tree = fl.unflaxify(model, variables, ids)
-    >>> result = fl.lens(tree, ids, "block_*", top=3)
+    >>> result = fl.lens(tree, ids, "Block_*", top=3)
     >>> result.sites, result.head, result.logits.shape, result.top_tokens.shape
-    (('block_0', 'block_1', 'block_2'), ('ln_f', 'embed.attend'), (3, 1, 6, 11), (3, 1, 6, 3))
-    >>> bool((result["block_2"] == model.apply(variables, ids)).all())
+    (('Block_0', 'Block_1', 'Block_2'), ('ln_f', 'Embed_0.attend'), (3, 1, 6, 11), (3, 1, 6, 3))
+    >>> bool((result["Block_2"] == jax.jit(model.apply)(variables, ids)).all())
     True
   """
   check_tree(tree, "fl.lens")
