@@ -87,8 +87,11 @@ def _sites(root: CallNode, prefix: str | None, seen: dict[str, int]) -> list[Sit
   replaced: dict[tuple[int, Any], tuple[Any, str]] = {}
   for call in calls(root):
     node, spec = call.layer, call.spec
-    if call.relation is Relation.REPLACED:
-      replaced[id(call.parent), call.key] = (node, f"{call.parent.where()}: {call.key[1]}")
+    if call.relation is Relation.REPLACED:  # named as conversion saw it, until continued
+      path = "/".join(map(str, spec.path)) if spec is not None else call.key[1]
+      method = spec.method_name if spec is not None else "__call__"
+      where = path if method == "__call__" else f"{path}.{method}"
+      replaced[id(call.parent), call.key] = (node, where)
       continue
     if call.relation is Relation.NESTED:
       layer, outer = replaced[id(call.parent), call.key]
