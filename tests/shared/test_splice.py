@@ -160,3 +160,11 @@ def test_a_spliced_modules_submodule_is_not_matched_by_the_outer_trees_paths(cor
   spliced = SAE(LINEN).splice(tree, "TransformerBlock_0")
   _, cache = fl.capture(spliced, LINEN.argument(corpora[LINEN]["transformer"]), "**/enc")
   assert sorted(cache) == ["TransformerBlock_0/sae/enc"]
+
+
+def test_an_edit_placed_inside_a_spliced_module_is_refused_naming_fl_run(corpora):
+  case, tree = _case(corpora, LINEN)
+  spliced = SAE(LINEN).splice(tree, SITES[LINEN])
+  placed = fl.place(spliced, fl.ablate(f"{SITES[LINEN]}/sae.encode", where=jnp.s_[..., 5]))
+  with pytest.raises(fl.UnsupportedFlaxFeatureError, match=r"Pass edits of its calls to fl.run"):
+    LINEN.call(placed, case)

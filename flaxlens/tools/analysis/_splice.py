@@ -24,8 +24,8 @@ from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probing
 from flaxlens.core._runtime import run_tree
 from flaxlens.core._struct import Struct, static_field
-from flaxlens.core._walk import own_call_nodes
-from flaxlens.errors import ArgumentError
+from flaxlens.core._walk import own_call_nodes, pristine
+from flaxlens.errors import ArgumentError, UnsupportedFlaxFeatureError
 from flaxlens.tools.analysis._index import is_array
 from flaxlens.tools.analysis._interventions import placed, select_sites
 
@@ -59,6 +59,12 @@ class Splice(Struct):
     reconstruction's change, the clean reconstruction coming from a second run of the
     module that no edit reaches (`reconstruction + error` rounds otherwise).
     """
+    if not pristine(self.module):
+      raise UnsupportedFlaxFeatureError(
+        f"{site}: the spliced module {self.name} holds edits placed in it (fl.place), which"
+        " the error term cannot account for. Pass edits of its calls to fl.run"
+        " (interventions=[...]) on the spliced tree instead."
+      )
     read = value if self.reads == "output" else argument.args[0]
     edited = self._reconstruct(site, read, value)
     if not self.error:
