@@ -70,6 +70,11 @@ from flaxlens.tools.analysis._paths import Sites as Sites
 from flaxlens.tools.files._specs import save_interventions as save_interventions
 from flaxlens.tools.files._specs import load_interventions as load_interventions
 
+# Lenses and splicing.
+from flaxlens.tools.analysis._lens import lens as lens
+from flaxlens.tools.analysis._lens import LensResult as LensResult
+from flaxlens.tools.analysis._splice import splice as splice
+
 # Exporting and comparing.
 from flaxlens.tools.export._fold import fold as fold
 from flaxlens.tools.export._equivalence import check_equivalence as check_equivalence
@@ -161,6 +166,10 @@ __all__ = [
   "grad_at",
   "save_interventions",
   "load_interventions",
+  # Lenses and splicing.
+  "lens",
+  "LensResult",
+  "splice",
   # Exporting and comparing.
   "fold",
   "check_equivalence",

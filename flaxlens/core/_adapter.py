@@ -163,6 +163,11 @@ def adapter_of(node: CallNode) -> FrameworkAdapter:
   )
 
 
+def registered_adapters() -> tuple[FrameworkAdapter, ...]:
+  """The adapters of the Flax APIs, in the order they were registered."""
+  return tuple(_adapters)
+
+
 def adapter_for_model(model: Any) -> FrameworkAdapter | None:
   """The adapter whose `run_native` takes `model`, or None."""
   return next((a for a in _adapters if a.accepts_native(model)), None)

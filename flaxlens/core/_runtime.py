@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from flaxlens.core._active import current_interceptor
 from flaxlens.core._adapter import adapter_of
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._cache import Derived
@@ -136,22 +137,27 @@ def run_tree(
     "be called on its own. Call the tree it belongs to (patches inside it apply at every iteration)"
   )
   gathered = Gathered(root)
+  # A tree a replacement runs inside a probed run (a spliced module: `_walk`'s `NESTED`)
+  # is probed by that run: its calls are sites of the outer tree.
+  outer = getattr(current_interceptor(), "probing", None) if probing is None else None
   if interceptor is None:
     interceptor = adapter.new_interceptor(root, side_inputs)
-    # Plain runs of one tree share inner-jit traces; a recording run keeps its own.
-    interceptor.token = RunToken(
-      interceptor,
-      (root, side_inputs, probing_key),
-      gathered.entry_ids,
-    )
+    if outer is None:  # Plain runs of one tree share inner-jit traces; others keep their own.
+      interceptor.token = RunToken(
+        interceptor,
+        (root, side_inputs, probing_key),
+        gathered.entry_ids,
+      )
   run = adapter.native_run(root, gathered, random_streams, interceptor)
   method = root.method_name
   frame = Frame(root.path, node=root, absorb=interceptor.reported_name(method))
   interceptor.frames.append(frame)
   try:
-    if probing is None:
+    if probing is None and outer is None:
       with interceptor.active():
         output, updates = run(argument)
+    elif probing is None:
+      output, updates = _run_nested(root, run, argument, interceptor, outer)
     else:
       output, updates = _run_probed(root, run, argument, interceptor, probing)
   except Exception as e:  # Free unless raised: explained only after a failure.
@@ -186,6 +192,27 @@ def _run_probed(
       else:
         output = edited.around(lambda a: call(a.args, a.kwargs), argument, probing)
       probing.captured = probing.results()
+  return output, updates[-1]
+
+
+def _run_nested(
+  root: CallNode, run: Any, argument: ArgsAndKwargs, interceptor: CallInterceptor, probing: Probing
+) -> Any:
+  """Runs a nested tree under the probing of the run it is called in: its probed calls
+  are edited and captured into that run's channels (no channel of its own)."""
+  interceptor.probing = probing
+  with interceptor.active():
+    edited = probing.edits.get(id(root))
+    if edited is None:
+      return run(argument)
+    updates: list[Any] = []
+
+    def call(a: ArgsAndKwargs) -> Any:
+      output, changed = run(a)
+      updates.append(changed)
+      return output
+
+    output = edited.around(call, argument, probing)
   return output, updates[-1]
 
 

@@ -3,8 +3,9 @@
 A run of a root node makes the calls of its own nodes: the root, its children of the
 same conversion (`origin`), and, inside each replacement layer, the nodes that continue
 the replaced call (same conversion, same module path and method as the call conversion
-saw). Any other node a replacement holds (of another tree, or of another call of this
-one) runs as a tree of its own. `calls` yields one `Call` per call, in call order, and
+saw). Any other node a replacement holds runs as a tree of its own: a node of another
+conversion (a spliced sparse autoencoder) is a `NESTED` call, whose own calls are
+`calls(node)`, made inside the replaced call. `calls` yields one `Call` per call, in call order, and
 every view of a tree's calls is built on it, so that none can disagree with another:
 the nodes whose variables a run gathers (`own_call_nodes`), whether a tree holds
 replaced calls (`pristine`, `pristine_tree`, `calls_fixed`), the calls an export refuses
@@ -34,6 +35,7 @@ class Relation(enum.Enum):
   OWN = "own"  # a node of the same conversion, where conversion put it
   REPLACED = "replaced"  # a call whose entry is a layer or another tree's node
   CONTINUED = "continued"  # a node of this conversion that a replacement continues
+  NESTED = "nested"  # the root of another conversion's tree that a replacement holds
 
 
 class Call(NamedTuple):
@@ -62,7 +64,9 @@ def calls(root: CallNode) -> Iterator[Call]:
   Depth first: a call, then the calls made inside it. A replaced call comes first as
   `REPLACED`, then each node of the same conversion inside its replacement that
   continues it (`CONTINUED`; where conversion did not see the call, every node of the
-  same conversion inside is taken to continue it), each followed by its own calls.
+  same conversion inside is taken to continue it), each followed by its own calls, and
+  the root of each other conversion's tree inside it (`NESTED`; its calls are not
+  walked: that tree runs as a tree of its own, `calls(node)`).
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
@@ -90,13 +94,15 @@ def _inside(node: CallNode) -> Iterator[Call]:
         if spec is None or spec.continued_by(leaf):
           yield Call(leaf, node, key, spec, Relation.CONTINUED)
           yield from _inside(leaf)
+      elif is_call_node(leaf) and leaf.origin != node.origin:
+        yield Call(leaf, node, key, None, Relation.NESTED)
 
 
 def own_call_nodes(root: CallNode) -> Iterator[CallNode]:
   """The nodes whose variables a run of `root` uses, parents first (the calls it makes
-  through its own nodes: every call of `calls` but the replacements)."""
+  through its own nodes: every call of `calls` but the replacements and nested trees)."""
   for call in calls(root):
-    if call.relation is not Relation.REPLACED:
+    if call.relation not in (Relation.REPLACED, Relation.NESTED):
       yield call.layer
 
 

@@ -231,8 +231,11 @@ def test_the_views_of_a_tree_calls_agree_on_wrapped_foreign_and_own_calls(fw):
   sites = sites_of(patched)
   names = [host.key(i)[1].removesuffix(".__call__") for i in range(3)]
   assert [id(n) for n in nodes] == [id(patched), id(own[0]), id(own[2])]
-  assert [id(s.node) for s in sites] == [id(n) for n in nodes]
-  assert [s.name for s in sites[1:]] == [names[0], names[2]]
+  # The foreign node runs as a tree of its own, nested in the replaced call: a site named
+  # under that call, after the own calls made before it.
+  assert [id(s.node) for s in sites] == [id(nodes[0]), id(nodes[1]), id(teacher_node), id(nodes[2])]
+  nested = f"{names[1]}/{teacher_node.module_type.__name__}"
+  assert [s.name for s in sites[1:]] == [names[0], nested, names[2]]
   assert replaced_calls(patched) == [host.key(0)[1], host.key(1)[1]]
   # What the run does: the wrapped call and the own one run with the host's
   # parameters, the foreign node with the teacher's; captured as Flax computes them.

@@ -522,6 +522,8 @@ def build() -> dict[str, Case]:
     lambda: Case("variable_replaced_by_the_call", Recounted(RNGS()), (X,)),
     # Not in NAMES: for the tests of calls that fail inside the model (test_call_failures).
     lambda: Case("positional", Positional(RNGS()), (TOKENS,)),
+    # Not in NAMES: the counterpart of Linen's "transformer", for lenses (test_lens).
+    lambda: Case("transformer", Transformer(RNGS()), (TOKENS,)),
   ]
   cases = [b() for b in builders]
   return {c.name: c for c in cases}

@@ -54,12 +54,15 @@ class Site(NamedTuple):
     node: the call node.
     output: `(treedef, leaf summaries)` of the output conversion saw, or None.
     inputs: `(treedef, leaf summaries)` of `(args, kwargs)` conversion saw, or None.
+    nested: whether the call is one of a tree nested in a replaced call (a spliced
+      module): path patterns match it by its name only, not its module's own path.
   """
 
   name: str
   node: CallNode
   output: Any
   inputs: Any
+  nested: bool = False
 
 
 def sites_of(root: CallNode) -> list[Site]:
@@ -73,13 +76,32 @@ def sites_of(root: CallNode) -> list[Site]:
     >>> [site.name for site in sites_of(tree)]
     ['Sequential.__call__', 'layers_0', 'layers_2']
   """
-  sites, seen = [], {}
+  return _sites(root, None, {})
+
+
+def _sites(root: CallNode, prefix: str | None, seen: dict[str, int]) -> list[Site]:
+  """`sites_of(root)`; with `prefix`, the sites of a tree nested in a replaced call (a
+  spliced module), named under it: `prefix` for its root, `prefix.method` for its other
+  methods, `prefix/path` for its submodules."""
+  sites: list[Site] = []
+  replaced: dict[tuple[int, Any], tuple[Any, str]] = {}
   for call in calls(root):
-    if call.relation is Relation.REPLACED:
-      continue
     node, spec = call.layer, call.spec
+    if call.relation is Relation.REPLACED:  # named as conversion saw it, until continued
+      path = "/".join(map(str, spec.path)) if spec is not None else call.key[1]
+      method = spec.method_name if spec is not None else "__call__"
+      where = path if method == "__call__" else f"{path}.{method}"
+      replaced[id(call.parent), call.key] = (node, where)
+      continue
+    if call.relation is Relation.NESTED:
+      layer, outer = replaced[id(call.parent), call.key]
+      sites += _sites(node, f"{outer}/{_nested_name(layer, node)}", seen)
+      continue
     path, method = node.readable_path()
-    if node is root or not path:  # The root, or a module applied on its own inside.
+    if prefix is not None:
+      name = prefix + (f"/{path}" if path and node is not root else "")
+      name += "" if method == "__call__" else f".{method}"
+    elif node is root or not path:  # The root, or a module applied on its own inside.
       name = f"{node.module_type.__name__}.{method}"
     else:
       name = path if method == "__call__" else f"{path}.{method}"
@@ -87,10 +109,21 @@ def sites_of(root: CallNode) -> list[Site]:
     seen[name] = count + 1
     if count:
       name = f"{name}#{count}"
+    if call.relation is Relation.CONTINUED:  # trees nested in its replacement go under it
+      replaced[id(call.parent), call.key] = (replaced[id(call.parent), call.key][0], name)
     output = spec.output if spec is not None else None
     inputs = spec.inputs if spec is not None else None
-    sites.append(Site(name, node, output, inputs))
+    sites.append(Site(name, node, output, inputs, prefix is not None))
   return sites
+
+
+def _nested_name(layer: Any, node: CallNode) -> str:
+  """How the sites of a tree nested in a replacement are named under the replaced call:
+  the name of the edit holding it (`fl.splice`'s `name=`), else its module's class."""
+  for edit in getattr(layer, "edits", ()):
+    if getattr(edit, "module", None) is node:
+      return edit.name
+  return node.module_type.__name__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +145,9 @@ def _matches(at: Any, site: Site, root: CallNode) -> bool:
       at == site.name
       or path_matches(at, site.name)
       or (
-        site.node is not root and (path_matches(at, path) or path_matches(at, f"{path}.{method}"))
+        site.node is not root
+        and not site.nested
+        and (path_matches(at, path) or path_matches(at, f"{path}.{method}"))
       )
     )
   if isinstance(at, CallNode):
@@ -1077,11 +1112,17 @@ def place(tree: CallNode, interventions: Any, /) -> CallNode:
   """
   check_tree(tree, "fl.place")
   interventions = checked_interventions(interventions, "fl.place")
-  interventions, _ = nodes_by_name(tree, interventions, None)
-  layers = _probes_for(tree, interventions, None, False, None)
+  return placed(tree, interventions, "fl.place")
+
+
+def placed(tree: CallNode, edits: tuple[Any, ...], where: str) -> CallNode:
+  """`tree` with an `EditedCall` holding `edits` (objects with `at`, `on`, `part` and
+  `edit`: interventions, `fl.splice`'s edit) wrapping each call they edit."""
+  edits, _ = nodes_by_name(tree, edits, None)
+  layers = _probes_for(tree, edits, None, False, None)
   if id(tree) in layers:
     raise ArgumentError(
-      f"fl.place: an intervention edits the root call {layers[id(tree)].site}, which has no"
+      f"{where}: an intervention edits the root call {layers[id(tree)].site}, which has no"
       " caller in the tree to hand it to a layer. Pass that intervention to fl.run"
       " (interventions=[...]), or edit a call inside the model."
     )

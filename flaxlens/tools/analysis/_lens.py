@@ -1,0 +1,323 @@
+"""Lenses: read each captured residual stream through the model's own head (logit lens).
+
+`fl.lens` captures the value of chosen calls (each block's output, say) and projects
+each one through the model's own final layers: the run is patched at the input of the
+head's first call (the final norm) with the captured value, and the output of its last
+call (the unembedding) is read. The head is found from the tree (the calls that run
+after the last block, on the way to the output) or named by the user; whatever the
+model does between those calls (a tied unembedding through `Embed.attend`, a soft cap)
+runs as the model runs it, so the last block's lens is the model's own logits. All
+projections and the capture are one compiled program: the patched runs differ from
+the model's only after the head's input, so XLA drops every block before it. No Flax
+internals here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from flaxlens.core._jit import variable_jit
+from flaxlens.core._node import CallNode, check_tree
+from flaxlens.core._runtime import resolve_random_streams
+from flaxlens.errors import ArgumentError, SelectionError
+from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
+from flaxlens.tools.analysis._index import checked, is_array
+from flaxlens.tools.analysis._index import split as _split_index
+from flaxlens.tools.analysis._interventions import (
+  Site,
+  get_part,
+  patch,
+  run,
+  select_sites,
+  sites_of,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LensResult:
+  """What `fl.lens` read at each site.
+
+  Attributes:
+    sites: the lensed sites' names, in call order.
+    logits: the head's output at each site, stacked: `(len(sites), *logits shape)`
+      (the positions `index=` kept).
+    top_tokens: the `top` largest logits' indices at each site and position,
+      `(len(sites), ..., top)`, largest first.
+    top_probs: their softmax probabilities, same shape.
+    output: the model's own output on the arguments (unpatched).
+    head: the names of the head's first and last calls (`("ln_f", "lm_head")`), or
+      None for a head given as a function.
+
+  Example:
+    >>> import flaxlens as fl, numpy as np
+    >>> result = fl.LensResult(("Block_0", "Block_1"), np.zeros((2, 1, 5)),
+    ...   np.zeros((2, 1, 3), int), np.zeros((2, 1, 3)), np.zeros((1, 5)), ("ln", "head"))
+    >>> result["Block_1"].shape
+    (1, 5)
+  """
+
+  sites: tuple[str, ...]
+  logits: Any
+  top_tokens: Any
+  top_probs: Any
+  output: Any
+  head: tuple[str, str] | None
+
+  def __getitem__(self, site: str) -> Any:
+    """The logits at `site` (one of `sites`)."""
+    if site not in self.sites:
+      raise SelectionError(
+        f"LensResult: no site {site!r}; its sites are {list(self.sites)}. Index by one of them."
+      )
+    return self.logits[self.sites.index(site)]
+
+
+def _inside(site: Site, outer: Site) -> bool:
+  """Whether `site` is a call made inside `outer`'s module (by module path)."""
+  path, outer_path = tuple(site.node.path), tuple(outer.node.path)
+  return len(path) > len(outer_path) and path[: len(outer_path)] == outer_path
+
+
+def found_head(tree: CallNode, lensed: list[Site], sites: list[Site]) -> tuple[Site, Site]:
+  """The head's first and last calls: of the calls made after the last call like the last
+  lensed one (same class, method and parent module: the last block) and outside it, the
+  first, and the last that no other of them encloses.
+
+  Raises:
+    SelectionError: no call runs after the last block.
+  """
+  last = lensed[-1]
+  like = [
+    i
+    for i, s in enumerate(sites)
+    if s.node is not tree
+    and s.node.module_type is last.node.module_type
+    and s.node.method_name == last.node.method_name
+    and tuple(s.node.path[:-1]) == tuple(last.node.path[:-1])
+  ]
+  anchor = sites[like[-1]] if like else last
+  start = sites.index(anchor) + 1
+  after = [s for s in sites[start:] if not _inside(s, anchor)]
+  if not after:
+    raise SelectionError(
+      f"fl.lens: no call of {tree.where()} runs after {anchor.name} on the way to the"
+      " output, so its final norm and unembedding cannot be found. Name them:"
+      " head=['ln_f', 'lm_head'] (the first and last call of the head, as sites), or pass"
+      " a function of the residual returning the logits: head=lambda h: ..."
+    )
+  outer = [s for i, s in enumerate(after) if not any(_inside(s, o) for o in after[:i])]
+  return after[0], outer[-1]
+
+
+def _named_head(tree: CallNode, head: Sequence[Any], sites: list[Site]) -> tuple[Site, Site]:
+  if len(head) not in (1, 2):
+    raise ArgumentError(
+      f"fl.lens: head= names the head's first and last calls (two sites, or one for a"
+      f" single call), got {len(head)}. Pass head=['ln_f', 'lm_head']."
+    )
+  chosen = []
+  for at in head:
+    found = select_sites(tree, at, sites)
+    if len(found) != 1:
+      raise ArgumentError(
+        f"fl.lens: head= site {at!r} names {len(found)} calls ({[s.name for s in found][:6]});"
+        " each must name one call. Give its full name (as fl.capture keys it)."
+      )
+    chosen.append(found[0])
+  first, last = chosen[0], chosen[-1]
+  if sites.index(last) < sites.index(first):
+    raise ArgumentError(
+      f"fl.lens: head= names {last.name} as the last call, but it runs before {first.name}."
+      " Name the head's first call (the final norm) first, then its last (the unembedding)."
+    )
+  return first, last
+
+
+def _residual(value: Any, part: Any, site: str) -> Any:
+  target = get_part(value, part, site, "output")
+  if not is_array(target):
+    raise ArgumentError(
+      f"fl.lens: the output of {site} is a {type(target).__name__}, not an array. Pass"
+      " part= (part=0 for a block returning a tuple, as Hugging Face blocks do)."
+    )
+  return target
+
+
+@takes_model_arguments("fl.lens(tree, fl.ArgsAndKwargs.capture(ids, deterministic=True), 'h/*')")
+def lens(
+  tree: CallNode,
+  args: Any,
+  /,
+  at: Any,
+  *,
+  head: Any = None,
+  part: Any = None,
+  top: int = 5,
+  index: Any = None,
+  random_streams: Any = None,
+  jit: bool = True,
+) -> LensResult:
+  """Projects the value of each call `at` through the model's own head (a logit lens).
+
+  Each site's output (the residual stream after a block) is fed to the model's head in
+  place of the head's own input, and the head's output (the logits) is read. The head
+  is found from the tree: of the calls that run after the last block (the last call of
+  the lensed call's class, method and parent module), the first (the final norm) is
+  where the residual enters, and the last that no other of them encloses (the
+  unembedding: a `Dense`/`Linear`, or a tied `Embed.attend`) gives the logits.
+  Everything the model does in between runs as the model runs it, so the last block's
+  lens equals the model's logits bit for bit. The capture and every projection are one
+  compiled program.
+
+  Args:
+    tree: a converted tree.
+    args: the model's arguments (one value, a tuple, or `fl.ArgsAndKwargs`).
+    at: the sites to lens (`"Block_*"`, `"transformer/h/*"`), as `fl.capture` takes them.
+    head: None (find it), the head's first and last calls as sites
+      (`["ln_f", "lm_head"]`; one site for a head of one call), or a function of the
+      residual returning the logits.
+    part: for sites returning a structured value, which part is the residual
+      (`part=0` for Hugging Face blocks, which return tuples).
+    top: how many top tokens to keep per site and position.
+    index: keep `logits[index]` of each site (`jnp.s_[:, -1]`: the last position).
+    random_streams: as for a tree call (Linen: `{"dropout": key}`).
+    jit: compile the run (default); `jit=False` inside your own transforms.
+
+  Returns:
+    A `LensResult`: the sites, their logits stacked, the top tokens and probabilities,
+    the model's output and the head's calls.
+
+  Raises:
+    SelectionError: a site matches no call, or no call runs after the last block (name
+      the head with `head=`).
+    ArgumentError: a residual's shape is not the head's input shape, or `head=` names
+      calls that are not one call each, in order.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> class Block(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return x + nn.Dense(8)(nn.relu(x))
+    >>> class LM(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, ids):
+    ...     embed = nn.Embed(11, 8)
+    ...     x = embed(ids)
+    ...     for _ in range(3):
+    ...       x = Block()(x)
+    ...     return embed.attend(nn.LayerNorm(name="ln_f")(x))
+    >>> ids = jnp.arange(6).reshape(1, 6)
+    >>> model = LM()
+    >>> variables = model.init(jax.random.key(0), ids)
+    >>> tree = fl.unflaxify(model, variables, ids)
+    >>> result = fl.lens(tree, ids, "Block_*", top=3)
+    >>> result.sites, result.head, result.logits.shape, result.top_tokens.shape
+    (('Block_0', 'Block_1', 'Block_2'), ('ln_f', 'Embed_0.attend'), (3, 1, 6, 11), (3, 1, 6, 3))
+    >>> bool((result["Block_2"] == jax.jit(model.apply)(variables, ids)).all())
+    True
+  """
+  check_tree(tree, "fl.lens")
+  if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+    raise ArgumentError(f"fl.lens: top= is a positive int (tokens kept per position), got {top!r}.")
+  argument = model_arguments(args)
+  random_streams = resolve_random_streams(random_streams, tree.where())
+  sites = sites_of(tree)
+  lensed = select_sites(tree, at, sites)
+  if callable(head) and not isinstance(head, str | type | CallNode):
+    ends = None
+  else:
+    first, last = (
+      found_head(tree, lensed, sites)
+      if head is None
+      else _named_head(tree, list(head) if isinstance(head, list | tuple) else [head], sites)
+    )
+    ends = (first.name, last.name)
+    if any(s.name in ends for s in lensed):
+      raise ArgumentError(
+        f"fl.lens: the lensed sites include the head's call {ends}; lens the blocks"
+        " before the head (at='Block_*'), or name the head with head=[...]."
+      )
+  names = tuple(s.name for s in lensed)
+  if index is not None:
+    index = _split_index(index if isinstance(index, tuple) else (index,))
+  runner = _lens_compiled if jit else _lens_once
+  output, logits = runner(
+    tree, argument, names, ends, head if ends is None else None, part, index, random_streams
+  )
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  top_probs, top_tokens = jax.lax.top_k(probs, min(top, logits.shape[-1]))
+  return LensResult(names, logits, top_tokens, top_probs, output, ends)
+
+
+def _lens_once(
+  tree: CallNode,
+  argument: Any,
+  names: tuple[str, ...],
+  ends: tuple[str, str] | None,
+  fn: Callable[[Any], Any] | None,
+  part: Any,
+  index: Any,
+  random_streams: Any,
+) -> tuple[Any, Any]:
+  """The model's output and the stacked logits at each of `names` (uncompiled)."""
+  output, cache = run(
+    tree,
+    argument,
+    capture=list(names),
+    random_streams=random_streams,
+    jit=False,
+  )
+  projected = []
+  for name in names:
+    residual = _residual(cache[name], part, name)
+    if ends is None:
+      logits = fn(residual)
+    else:
+      logits = _through_head(tree, argument, ends, residual, name, random_streams)
+    if index is not None:
+      logits = logits[checked(*index, tuple(logits.shape), f"fl.lens: {name}: index=", "logits")]
+    projected.append(logits)
+  return output, jnp.stack(projected)
+
+
+def _through_head(
+  tree: CallNode,
+  argument: Any,
+  ends: tuple[str, str],
+  residual: Any,
+  name: str,
+  random_streams: Any,
+) -> Any:
+  """The head's output with `residual` as the head's input: the run patched there."""
+  first, last = ends
+  try:
+    _, cache = run(
+      tree,
+      argument,
+      interventions=[patch(first, residual, on="input")],
+      capture=last,
+      random_streams=random_streams,
+      jit=False,
+    )
+  except ArgumentError as e:
+    raise ArgumentError(
+      f"fl.lens: the residual at {name} (shape {tuple(residual.shape)}) cannot enter the"
+      f" head at {first}: {e} Lens sites whose output is the head's input (the blocks'"
+      " outputs), or name the head with head=[...]."
+    ) from e
+  logits = cache[last]
+  if not is_array(logits):
+    raise ArgumentError(
+      f"fl.lens: the head's last call {last} returns a {type(logits).__name__}, not the"
+      " logits array. Name the head's calls: head=['ln_f', 'lm_head']."
+    )
+  return logits
+
+
+_lens_compiled = variable_jit(_lens_once)

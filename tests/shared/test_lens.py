@@ -1,0 +1,130 @@
+"""`fl.lens`: each captured residual read through the model's own final norm and unembedding.
+
+The last block's lens must be the model's own logits, bit for bit; an intermediate
+block's lens must be the model's final layers applied natively (`module.apply` of the
+final norm and the unembedding, the NNX model's own modules) to the block's output.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from comparisons import assert_trees_equal
+from frameworks import LINEN, NNX
+
+import flaxlens as fl
+
+# (framework, corpus case, lensed blocks, the head's first and last calls)
+LENSED = [
+  (LINEN, "transformer", "TransformerBlock_*", ("LayerNorm_0", "Dense_0")),
+  (NNX, "transformer", "blocks/*", ("norm", "head")),
+]
+
+
+@pytest.mark.parametrize("fw, name, at, head", LENSED)
+def test_the_last_blocks_lens_equals_the_models_compiled_logits(corpora, fw, name, at, head):
+  case = corpora[fw][name]
+  result = fl.lens(fw.convert(case), fw.argument(case), at)
+  expected, _ = fw.native(case, jit=True)
+  assert_trees_equal(result.logits[-1], expected)
+
+
+@pytest.mark.parametrize("fw, name, at, head", LENSED)
+def test_the_head_found_is_the_final_norm_and_the_unembedding(corpora, fw, name, at, head):
+  case = corpora[fw][name]
+  assert fl.lens(fw.convert(case), fw.argument(case), at).head == head
+
+
+@pytest.mark.parametrize("fw, name, at, head", LENSED)
+def test_an_intermediate_lens_equals_the_native_head_on_the_native_residual(
+  corpora, fw, name, at, head
+):
+  case = corpora[fw][name]
+  tree = fw.convert(case)
+  result = fl.lens(tree, fw.argument(case), at, jit=False)
+  first = result.sites[0]
+  _, native = fw.native_captures(case)
+  residual = native[(*tree.select().at_path(first).get().path, "__call__")][0]
+  norm, unembed = (tree.select().at_path(h).get() for h in head)
+  normed, _ = fw.native_of_node(case, norm, residual)
+  expected, _ = fw.native_of_node(case, unembed, normed)
+  assert_trees_equal(result[first], expected)
+
+
+@pytest.mark.parametrize("fw", [LINEN, NNX])
+def test_a_tied_unembedding_is_found_and_equals_the_models_logits(corpora, fw):
+  case = corpora[fw]["self_method_calls"]  # decode(h) = embed.attend(h)
+  result = fl.lens(fw.convert(case), fw.argument(case), "proj")
+  assert result.head == ("EncoderDecoder.decode", "EncoderDecoder.decode")
+  expected, _ = fw.native(case, jit=True)
+  assert_trees_equal(result["proj"], expected)
+
+
+@pytest.mark.parametrize("fw, name, at, head", LENSED)
+def test_a_named_head_and_a_head_function_equal_the_found_head(corpora, fw, name, at, head):
+  case = corpora[fw][name]
+  tree = fw.convert(case)
+  found = fl.lens(tree, fw.argument(case), at, jit=False)
+  named = fl.lens(tree, fw.argument(case), at, head=list(head), jit=False)
+  norm, unembed = (tree.select().at_path(h).get() for h in head)
+
+  def native_head(h):
+    return fw.native_of_node(case, unembed, fw.native_of_node(case, norm, h)[0])[0]
+
+  function = fl.lens(tree, fw.argument(case), at, head=native_head, jit=False)
+  assert_trees_equal(named.logits, found.logits)
+  assert_trees_equal(function.logits, found.logits)
+  assert function.head is None
+
+
+def test_top_tokens_are_the_largest_softmax_probabilities_largest_first(corpora):
+  case = corpora[LINEN]["transformer"]
+  result = fl.lens(LINEN.convert(case), LINEN.argument(case), "TransformerBlock_*", top=3)
+  logits = np.asarray(result.logits, np.float64)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  expected = np.argsort(-probs, axis=-1, kind="stable")[..., :3]
+  np.testing.assert_array_equal(np.asarray(result.top_tokens), expected)
+  np.testing.assert_allclose(
+    np.asarray(result.top_probs), np.take_along_axis(probs, expected, -1), rtol=1e-5
+  )
+
+
+def test_index_keeps_part_of_each_sites_logits(corpora):
+  case = corpora[LINEN]["transformer"]
+  tree = LINEN.convert(case)
+  whole = fl.lens(tree, LINEN.argument(case), "TransformerBlock_*")
+  last = fl.lens(tree, LINEN.argument(case), "TransformerBlock_*", index=jnp.s_[:, -1])
+  assert_trees_equal(last.logits, whole.logits[:, :, -1])
+
+
+def test_a_lens_with_no_call_after_the_last_block_says_how_to_name_the_head(corpora):
+  case = corpora[LINEN]["transformer"]
+  with pytest.raises(fl.SelectionError, match=r"Dense_0 on the way to the output.*head="):
+    fl.lens(LINEN.convert(case), LINEN.argument(case), "Dense_0")
+
+
+def test_a_head_named_last_call_first_is_refused(corpora):
+  case = corpora[LINEN]["transformer"]
+  with pytest.raises(
+    fl.ArgumentError, match="LayerNorm_0 as the last call, but it runs before Dense_0"
+  ):
+    fl.lens(
+      LINEN.convert(case),
+      LINEN.argument(case),
+      "TransformerBlock_*",
+      head=["Dense_0", "LayerNorm_0"],
+    )
+
+
+def test_a_residual_that_cannot_enter_the_head_is_refused_naming_the_site(corpora):
+  case = corpora[LINEN]["transformer"]
+  with pytest.raises(fl.ArgumentError, match="residual at TransformerBlock_0/Dense_1"):
+    fl.lens(
+      LINEN.convert(case),
+      LINEN.argument(case),
+      "TransformerBlock_0/Dense_1",
+      jit=False,
+      head=["LayerNorm_0", "Dense_0"],
+    )
