@@ -148,7 +148,7 @@ def test_an_array_whose_manifest_shape_is_huge_is_refused_before_reading(saved):
     ('{"format": "flaxlens-interventions", "format_version": 7}', "format 7, newer"),
     (
       '{"format": "flaxlens-interventions", "format_version": 1}',
-      r"format 1; this flaxlens reads format 2 only \(arrays in arrays.safetensors",
+      r"format 1; this flaxlens reads formats 2 to 3 only \(arrays in arrays.safetensors",
     ),
   ],
   ids=["nan", "duplicate_key", "truncated", "not_an_object", "newer_version", "older_version"],
