@@ -24,7 +24,12 @@ import numpy as np
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._runtime import resolve_random_streams
-from flaxlens.core._variables import StateVariable, variables_in
+from flaxlens.core._variables import (
+  StateVariable,
+  bind_variables,
+  unbind_variables,
+  variables_in,
+)
 from flaxlens.errors import ArgumentError
 from flaxlens.tools.analysis._interventions import (
   LEARNED,
@@ -94,7 +99,7 @@ def _batch(batch: Any, number: int, where: str) -> tuple[Any, Any, Any]:
   if isinstance(batch, tuple) and len(batch) in (2, 3):
     return (*batch, None) if len(batch) == 2 else batch
   raise ArgumentError(
-    f"{where}: batch {number} is a {type(batch).__name__}; each batch is a tuple (args,"
+    f"{where}: batch {number} is of type {type(batch).__name__}; each batch is a tuple (args,"
     " data) or (args, data, source_args): the model's arguments as fl.run takes them, what"
     " the loss compares with, and for fl.interchange the source run's arguments."
   )
@@ -200,13 +205,26 @@ def train_interventions(
       sites[n] = [s.name for s in chosen]
     else:
       sites[n] = chosen[0].name
-  labels = {v.label for v in variables_in(tree) if isinstance(v, StateVariable)}
 
   def objective(learned: tuple, tree: CallNode, args: Any, data: Any, source: Any) -> Any:
+    slots, held = unbind_variables(tree, freeze=True)
+    tree = bind_variables(slots, held)  # variables of this trace: a run may not write them
+    before = [v.value for v in variables_in(tree)]
     edits = _joined(frames, learned)
     if source is not None:
       edits = _sourced(tree, edits, source)
     output = run(tree, args, interventions=edits, random_streams=streams, jit=False)
+    updated = [
+      v.label
+      for v, old in zip(variables_in(tree), before, strict=True)
+      if isinstance(v, StateVariable) and v.value is not old
+    ]
+    if updated:
+      raise ArgumentError(
+        f"{where}: a run of {tree.where()} updates the state variables {updated[:6]}, and a"
+        " frozen model's state must not change while interventions train. Run the model in"
+        " a mode that updates no state (train=False, model.eval())."
+      )
     value = loss(output, data)
     if jnp.shape(value) != ():
       raise ArgumentError(
@@ -245,17 +263,7 @@ def train_interventions(
 
   @variable_jit
   def step(tree: CallNode, learned: tuple, state: Any, args: Any, data: Any, source: Any) -> Any:
-    before = {v.label: v.value for v in variables_in(tree) if v.label in labels}
     value, grads = jax.value_and_grad(objective)(learned, tree, args, data, source)
-    updated = sorted(
-      v.label for v in variables_in(tree) if v.label in labels and v.value is not before[v.label]
-    )
-    if updated:
-      raise ArgumentError(
-        f"{where}: a run of {tree.where()} updates the state variables {updated[:6]}, and a"
-        " frozen model's state must not change while interventions train. Run the model in"
-        " a mode that updates no state (train=False, model.eval())."
-      )
     updates, state = optimizer.update(grads, state, learned)
     return optax.apply_updates(learned, updates), state, value
 
