@@ -199,9 +199,10 @@ class Intervention(Struct):
   """One edit of a call's input or output, applied wherever the call runs.
 
   Make one with `fl.ablate`, `fl.patch`, `fl.steer`, `fl.scale`, `fl.modify`,
-  `fl.low_rank_edit` or `fl.interchange`; pass a list of them to `fl.run`. Static fields (in the treedef, so a change recompiles):
-  `at`, `kind`, `on`, `part`, `index`, `fn`. Arrays (`operands`, `where_arrays`) are
-  pytree leaves: under `jax.jit` or `fl.run`, new values reuse the compiled program.
+  `fl.low_rank_edit` or `fl.interchange`; pass a list of them to `fl.run`. Static
+  fields (in the treedef, so a change recompiles): `at`, `kind`, `on`, `part`, `index`,
+  `fn`. Arrays (`operands`, `where_arrays`) are pytree leaves: under `jax.jit` or
+  `fl.run`, new values reuse the compiled program.
 
   Attributes:
     at: the site pattern, class, node or predicate (see `fl.run`).
@@ -340,9 +341,7 @@ def _checked_rows(site: str, matrix: Any, target: Any, what: str, on: str) -> An
       " of that shape."
     )
   if not jnp.issubdtype(matrix.dtype, jnp.floating):
-    raise ArgumentError(
-      f"{site}: {what} has dtype {matrix.dtype}; give a floating-point matrix."
-    )
+    raise ArgumentError(f"{site}: {what} has dtype {matrix.dtype}; give a floating-point matrix.")
   return orthonormal_rows(matrix)
 
 
@@ -703,13 +702,14 @@ def low_rank_edit(
   """
   maker = _maker("low_rank", at)
   projection = _array(projection, "projection", maker)
-  if projection.ndim != 2 or not jnp.issubdtype(projection.dtype, jnp.floating):
+  shape = tuple(projection.shape)
+  if len(shape) != 2 or shape[0] > shape[1] or not jnp.issubdtype(projection.dtype, jnp.floating):
     raise ArgumentError(
-      f"{maker}: projection has shape {tuple(projection.shape)} and dtype"
-      f" {projection.dtype}; give a floating-point (rank, features) matrix."
+      f"{maker}: projection has shape {shape} and dtype {projection.dtype}; give a"
+      " floating-point (rank, features) matrix with rank <= features."
     )
   if weight is None:
-    weight = orthonormal_rows(projection) if projection.shape[0] <= projection.shape[1] else projection
+    weight = orthonormal_rows(projection)
   if bias is None:
     bias = jnp.zeros(projection.shape[:1], projection.dtype)
   operands = (projection, _array(weight, "weight", maker), _array(bias, "bias", maker))

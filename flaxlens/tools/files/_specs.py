@@ -324,8 +324,8 @@ def load_interventions(
     ArgumentError: `path` is not a path, `allow` not a list of package names,
       `max_bytes` not a non-negative integer, or `import_path` not a list of folders.
     ArtifactError: the set is missing files, not regular files, truncated, too large,
-      corrupted or tampered with, from a newer format (format 2 sets load), or references code the policy
-      does not allow; the message says which, and how to allow a package.
+      corrupted or tampered with, from a newer format (format 2 sets load), or references
+      code the policy does not allow; the message says which, and how to allow a package.
 
   Example:
     >>> import flaxlens as fl, jax.numpy as jnp, tempfile
