@@ -314,3 +314,26 @@ def test_bad_training_input_is_refused(corpora, batch, edits, loss, message):
   edit = {"steer": fl.steer("Dense_1", jnp.zeros(4)), "ablate": fl.ablate("Dense_1")}[edits]
   with pytest.raises(fl.ArgumentError, match=message):
     fl.train_interventions(tree, [edit], batches, loss, optax.sgd(0.1))
+
+
+@pytest.mark.parametrize(
+  "make, message",
+  [
+    (
+      lambda: fl.interchange("layers_0", jnp.eye(4), jnp.ones(4), 2),
+      "it sets coordinates of the value to another run's activations",
+    ),
+    (
+      lambda: fl.low_rank_edit("layers_1", jnp.eye(4)[:2], jnp.ones((2, 4)), jnp.ones(2)),
+      r"with its parameters mapped by the edit misses the edited output .*not affine",
+    ),
+  ],
+  ids=["interchange", "low_rank_of_a_layer_norm"],
+)
+def test_fold_refuses_what_weights_cannot_express(make, message):
+  import flax.linen as nn
+
+  model, x = nn.Sequential([nn.Dense(4), nn.LayerNorm()]), jnp.arange(6.0).reshape(2, 3)
+  tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+  with pytest.raises(fl.ExportError, match=message):
+    fl.fold(tree, x, [make()])
