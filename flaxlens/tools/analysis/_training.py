@@ -212,7 +212,7 @@ def train_interventions(
     before = [v.value for v in variables_in(tree)]
     edits = _joined(frames, learned)
     if source is not None:
-      edits = _sourced(tree, edits, source)
+      edits = sourced(tree, edits, source)
     output = run(tree, args, interventions=edits, random_streams=streams, jit=False)
     updated = [
       v.label
@@ -233,7 +233,7 @@ def train_interventions(
       )
     return value
 
-  def _sourced(tree: CallNode, edits: tuple, source: Any) -> tuple:
+  def sourced(tree: CallNode, edits: tuple, source: Any) -> tuple:
     if not swaps:
       raise ArgumentError(
         f"{where}: a batch gives source arguments, and no intervention is an fl.interchange"
