@@ -82,6 +82,11 @@ from flaxlens.tools._compare import EquivalenceReport as EquivalenceReport
 from flaxlens.tools.export._saving import save_exported as save_exported
 from flaxlens.tools.export._saving import load_exported as load_exported
 
+# Training interventions.
+from flaxlens.tools.analysis._interventions import low_rank_edit as low_rank_edit
+from flaxlens.tools.analysis._interventions import interchange as interchange
+from flaxlens.tools.analysis._training import train_interventions as train_interventions
+
 # Isolating, saving and replaying.
 from flaxlens.tools.isolation._isolate import isolate as isolate
 from flaxlens.tools.isolation._replay import IsolatedSubmodel as IsolatedSubmodel
@@ -176,6 +181,10 @@ __all__ = [
   "EquivalenceReport",
   "save_exported",
   "load_exported",
+  # Training interventions.
+  "low_rank_edit",
+  "interchange",
+  "train_interventions",
   # Isolating, saving and replaying.
   "isolate",
   "IsolatedSubmodel",

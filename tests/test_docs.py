@@ -27,6 +27,7 @@ WORKFLOW_PAGES = [
   "export.md",
   "sharding.md",
   "harvest.md",
+  "training-interventions.md",
 ]
 
 

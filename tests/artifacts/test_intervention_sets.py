@@ -148,7 +148,7 @@ def test_an_array_whose_manifest_shape_is_huge_is_refused_before_reading(saved):
     ('{"format": "flaxlens-interventions", "format_version": 7}', "format 7, newer"),
     (
       '{"format": "flaxlens-interventions", "format_version": 1}',
-      r"format 1; this flaxlens reads format 2 only \(arrays in arrays.safetensors",
+      r"format 1; this flaxlens reads formats 2 to 3 only \(arrays in arrays.safetensors",
     ),
   ],
   ids=["nan", "duplicate_key", "truncated", "not_an_object", "newer_version", "older_version"],
@@ -240,3 +240,20 @@ def test_a_forged_where_that_is_no_index_is_refused_naming_the_site(saved, where
   _forge(saved, lambda m: m["interventions"][1].update(where=where))
   with pytest.raises(fl.FlaxlensError, match=rf"^fl\.steer\('Dense_0'\): where= .*{message}"):
     fl.load_interventions(saved)
+
+
+def test_a_format_2_set_still_loads(saved):
+  def edit(manifest):
+    manifest["format_version"] = 2
+
+  _forge(saved, edit)
+  loaded = fl.load_interventions(saved)
+  assert [i.kind for i in loaded] == ["modify", "steer", "zero"]
+
+
+def test_a_format_2_set_holding_a_kind_of_format_3_is_refused(tmp_path):
+  path = tmp_path / "set"
+  fl.save_interventions([fl.low_rank_edit("Dense_0", jnp.eye(4)[:2])], path)
+  _forge(path, lambda manifest: manifest.update(format_version=2))
+  with pytest.raises(fl.ArtifactError, match="kind 'low_rank', which format 2 does not have"):
+    fl.load_interventions(path)

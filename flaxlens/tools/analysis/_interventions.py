@@ -213,21 +213,39 @@ def _no_match(root: CallNode, at: Any, sites: list[Site]) -> str:
 
 # --- interventions ------------------------------------------------------------------------
 
-KINDS = ("zero", "patch", "mean", "resample", "steer", "scale", "modify")
+KINDS = (
+  "zero",
+  "patch",
+  "mean",
+  "resample",
+  "steer",
+  "scale",
+  "modify",
+  "low_rank",
+  "interchange",
+)
+# The operands a kind learns when trained (`fl.train_interventions`), by position; every
+# operand of "modify". The others are data: alpha, references, an interchange's source
+# values and the mask of its swapped coordinates.
+LEARNED = {"patch": (0,), "steer": (0,), "scale": (0,), "low_rank": (0, 1, 2), "interchange": (0,)}
 
 
 class Intervention(Struct):
   """One edit of a call's input or output, applied wherever the call runs.
 
-  Make one with `fl.ablate`, `fl.patch`, `fl.steer`, `fl.scale` or `fl.modify`; pass a
-  list of them to `fl.run`. Static fields (in the treedef, so a change recompiles):
-  `at`, `kind`, `on`, `part`, `index`, `fn`. Arrays (`operands`, `where_arrays`) are
-  pytree leaves: under `jax.jit` or `fl.run`, new values reuse the compiled program.
+  Make one with `fl.ablate`, `fl.patch`, `fl.steer`, `fl.scale`, `fl.modify`,
+  `fl.low_rank_edit` or `fl.interchange`; pass a list of them to `fl.run`. Static
+  fields (in the treedef, so a change recompiles): `at`, `kind`, `on`, `part`, `index`,
+  `fn`. Arrays (`operands`, `where_arrays`) are pytree leaves: under `jax.jit` or
+  `fl.run`, new values reuse the compiled program.
 
   Attributes:
     at: the site pattern, class, node or predicate (see `fl.run`).
-    kind: one of "zero", "patch", "mean", "resample", "steer", "scale", "modify".
-    operands: the arrays the edit uses (a patch's values, a steering vector and alpha).
+    kind: one of "zero", "patch", "mean", "resample", "steer", "scale", "modify",
+      "low_rank", "interchange".
+    operands: the arrays the edit uses (a patch's values, a steering vector and alpha, a
+      low-rank edit's projection, weight and bias, an interchange's rotation, source and
+      swapped coordinates).
     where_arrays: the arrays of `where` (a mask, or the integer arrays of an index).
     on: "output" or "input" (the call's first positional argument).
     part: which part of a structured output or input to edit (an index or key), or None.
@@ -258,7 +276,8 @@ class Intervention(Struct):
     if self.kind not in KINDS:
       raise ArgumentError(
         f"{maker}: unknown intervention kind {self.kind!r}; one of {KINDS}. Make"
-        " interventions with fl.ablate, fl.patch, fl.steer, fl.scale or fl.modify."
+        " interventions with fl.ablate, fl.patch, fl.steer, fl.scale, fl.modify,"
+        " fl.low_rank_edit or fl.interchange."
       )
     if self.on not in ("output", "input"):
       raise ArgumentError(
@@ -309,6 +328,24 @@ class Intervention(Struct):
     if kind == "scale":
       _check_fits(site, ops[0], target, "the factor", on)
       return target * ops[0]
+    if kind == "low_rank":
+      rows = _checked_rows(site, ops[0], target, "the projection", on)
+      _check_shape(site, ops[1], rows.shape, "the weight", "the projection's")
+      _check_shape(site, ops[2], rows.shape[:1], "the bias", "(rank,), the projection's rank")
+      x = target.astype(rows.dtype)
+      return x + (x @ ops[1].T + ops[2] - x @ rows.T) @ rows
+    if kind == "interchange":
+      rotation = _checked_rows(site, ops[0], target, "the rotation", on)
+      if rotation.shape[0] != rotation.shape[1]:
+        raise ArgumentError(
+          f"{site}: the rotation of fl.interchange has shape {tuple(ops[0].shape)}, not square."
+          f" Give a ({rotation.shape[1]}, {rotation.shape[1]}) matrix."
+        )
+      _check_fits(site, ops[1], target, "the source", on)
+      _check_shape(site, ops[2], rotation.shape[:1], "the swapped mask", "(features,)")
+      base = target.astype(rotation.dtype) @ rotation.T
+      source = jnp.broadcast_to(ops[1], target.shape).astype(rotation.dtype) @ rotation.T
+      return jnp.where(ops[2], source, base) @ rotation
     out = self.fn(argument, target, *ops)
     if getattr(out, "shape", None) != target.shape:
       raise ArgumentError(
@@ -317,6 +354,38 @@ class Intervention(Struct):
         f" {tuple(target.shape)}. Return an array of the same shape."
       )
     return out
+
+
+def orthonormal_rows(matrix: Any) -> Any:
+  """The rows of `matrix` (rank × features, rank <= features) made orthonormal: the
+  Q factor of `matrix.T`'s QR decomposition, each column's sign chosen so that R's
+  diagonal is positive (then rows that are orthonormal already come back unchanged, to
+  rounding, and the map is differentiable where `matrix` has full rank)."""
+  q, r = jnp.linalg.qr(matrix.T)
+  signs = jnp.where(jnp.diagonal(r) < 0, -1, 1).astype(q.dtype)
+  return (q * signs).T
+
+
+def _checked_rows(site: str, matrix: Any, target: Any, what: str, on: str) -> Any:
+  """`orthonormal_rows(matrix)` after checking it is (rank, features) of the target."""
+  shape, features = tuple(np.shape(matrix)), target.shape[-1] if target.ndim else None
+  if len(shape) != 2 or shape[1] != features or shape[0] > shape[1]:
+    raise ArgumentError(
+      f"{site}: {what} has shape {shape}; it acts on the {on}'s last axis of size"
+      f" {features}, so it must be (rank, {features}) with rank <= {features}. Give a matrix"
+      " of that shape."
+    )
+  if not jnp.issubdtype(matrix.dtype, jnp.floating):
+    raise ArgumentError(f"{site}: {what} has dtype {matrix.dtype}; give a floating-point matrix.")
+  return orthonormal_rows(matrix)
+
+
+def _check_shape(site: str, operand: Any, shape: tuple[int, ...], what: str, like: str) -> None:
+  if tuple(np.shape(operand)) != tuple(shape):
+    raise ArgumentError(
+      f"{site}: {what} has shape {tuple(np.shape(operand))}, where it must be"
+      f" {tuple(shape)} ({like}). Give an array of that shape."
+    )
 
 
 def where_mask(intervention: Intervention, site: str, target: Any) -> Any:
@@ -444,7 +513,12 @@ def _array(x: Any, name: str, maker: str) -> Any:
   )
 
 
-_MAKERS = {"zero": "ablate", "mean": "ablate", "resample": "ablate"}
+_MAKERS = {
+  "zero": "ablate",
+  "mean": "ablate",
+  "resample": "ablate",
+  "low_rank": "low_rank_edit",
+}
 
 
 def _maker(kind: str, at: Any) -> str:
@@ -630,6 +704,106 @@ def modify(
     )
   ops = tuple(_array(x, f"operand {n}", maker) for n, x in enumerate(operands))
   return _make("modify", at, ops, where, on, part, fn=fn)
+
+
+def low_rank_edit(
+  at: Any,
+  projection: Any,
+  weight: Any = None,
+  bias: Any = None,
+  *,
+  where: Any = None,
+  on: str = "output",
+  part: Any = None,
+) -> Intervention:
+  """A low-rank edit of a call's output (or input), as ReFT's LoReFT: `h ↦ h + Rᵀ(W h + b − R h)`.
+
+  The edit acts on the value's last (feature) axis of size `d`: it replaces the value's
+  coordinates in the `rank`-dimensional subspace spanned by the rows of `R` by `W h + b`.
+  `R` is the rows of `projection` (`(rank, d)`) made orthonormal (QR, signs fixed:
+  `projection` with orthonormal rows is `R` itself, to rounding), so training
+  `projection` freely (`fl.train_interventions`) keeps `R` orthonormal. `weight`
+  (`(rank, d)`, default `R`) and `bias` (`(rank,)`, default zeros) start the edit as the
+  identity. An edit of an affine call's output folds into its kernel and bias
+  (`fl.fold`).
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model, x = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)]), jnp.ones((1, 3))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> edit = fl.low_rank_edit("layers_0", jax.random.normal(jax.random.key(1), (2, 4)))
+    >>> bool(jnp.allclose(fl.run(tree, x, interventions=[edit]), fl.run(tree, x), atol=1e-6))
+    True
+  """
+  maker = _maker("low_rank", at)
+  projection = _array(projection, "projection", maker)
+  shape = tuple(projection.shape)
+  if len(shape) != 2 or shape[0] > shape[1] or not jnp.issubdtype(projection.dtype, jnp.floating):
+    raise ArgumentError(
+      f"{maker}: projection has shape {shape} and dtype {projection.dtype}; give a"
+      " floating-point (rank, features) matrix with rank <= features."
+    )
+  if weight is None:
+    weight = orthonormal_rows(projection)
+  if bias is None:
+    bias = jnp.zeros(projection.shape[:1], projection.dtype)
+  operands = (projection, _array(weight, "weight", maker), _array(bias, "bias", maker))
+  return _make("low_rank", at, operands, where, on, part)
+
+
+def interchange(
+  at: Any,
+  rotation: Any,
+  source: Any,
+  swapped: Any,
+  *,
+  where: Any = None,
+  on: str = "output",
+  part: Any = None,
+) -> Intervention:
+  """An interchange intervention in a rotated basis (distributed alignment search).
+
+  The call's value `h` (the base run's) and `source` (the same call's value in another
+  run, for example from `fl.capture`) are rotated into the basis of the rows of `Q`,
+  the coordinates `swapped` picks are taken from the source, the others kept, and the
+  result rotated back: `h ↦ Qᵀ(m ⊙ Q s + (1 − m) ⊙ Q h)`. `Q` is `rotation` (a
+  `(d, d)` matrix on the last axis, size `d`) made orthogonal (QR, signs fixed: an
+  orthogonal `rotation` is `Q` itself, to rounding), so training `rotation` freely
+  (`fl.train_interventions`) keeps `Q` orthogonal. `swapped` is an int `k` (the first
+  `k` coordinates) or a boolean mask of shape `(d,)`.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> model, x = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)]), jnp.ones((1, 3))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> _, cache = fl.capture(tree, 2 * x, "layers_0")
+    >>> swap_all = fl.interchange("layers_0", jnp.eye(4), cache["layers_0"], 4)
+    >>> bool(jnp.allclose(fl.run(tree, x, interventions=[swap_all]), fl.run(tree, 2 * x)))
+    True
+  """
+  maker = _maker("interchange", at)
+  rotation = _array(rotation, "rotation", maker)
+  if rotation.ndim != 2 or rotation.shape[0] != rotation.shape[1]:
+    raise ArgumentError(
+      f"{maker}: rotation has shape {tuple(rotation.shape)}; give a square (features,"
+      " features) matrix."
+    )
+  features = rotation.shape[0]
+  if isinstance(swapped, int) and not isinstance(swapped, bool):
+    if not 0 <= swapped <= features:
+      raise ArgumentError(
+        f"{maker}: swapped={swapped} coordinates, of {features}. Give an int from 0 to"
+        f" {features}, or a boolean mask of shape ({features},)."
+      )
+    swapped = jnp.arange(features) < swapped
+  mask = _array(swapped, "swapped", maker)
+  if mask.dtype != jnp.bool_ or mask.shape != (features,):
+    raise ArgumentError(
+      f"{maker}: swapped is {mask.dtype}{list(mask.shape)}; give an int k (the first k"
+      f" coordinates) or a boolean mask of shape ({features},)."
+    )
+  operands = (rotation, _array(source, "source", maker), mask)
+  return _make("interchange", at, operands, where, on, part)
 
 
 # --- running ------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from flaxlens.tools.analysis._interventions import (
   checked_interventions,
   get_part,
   nodes_by_name,
+  orthonormal_rows,
   run,
   select_sites,
   sites_of,
@@ -40,12 +41,17 @@ from flaxlens.tools.analysis._interventions import (
 from flaxlens.tools.isolation._isolate import isolate
 from flaxlens.tools.isolation._replay import IsolatedSubmodel
 
-_OPERANDS = {"steer": ("vector", "alpha"), "scale": ("factor",)}  # as the makers name them
+_OPERANDS = {  # as the makers name them
+  "steer": ("vector", "alpha"),
+  "scale": ("factor",),
+  "low_rank": ("projection", "weight", "bias"),
+}
 _NOT_WEIGHTS = {
   "patch": "it sets the value to given activations, which depend on other inputs",
   "mean": "it sets the value to the mean of other activations, which no weight holds",
   "resample": "it sets the value to other examples' activations",
   "modify": "it runs an arbitrary function, which weights cannot express",
+  "interchange": "it sets coordinates of the value to another run's activations",
 }
 
 
@@ -90,6 +96,10 @@ def fold(
     last (the bias of a Dense, Linear, Conv, DenseGeneral, a LayerNorm's bias); on a
     call's input (`on="input"`) it adds what the call makes of the vector, which folds
     into that parameter when the call is affine (the next affine layer of a value).
+  - `fl.low_rank_edit` on a call's output (`h ↦ h + Rᵀ(W h + b − R h)`, affine in `h`)
+    maps the parameters that end in the feature axis (an affine call's kernel and bias)
+    by the edit's matrix and adds its offset to the bias; a call that is not affine in
+    them (a LayerNorm) is refused by the check.
   - `fl.scale` and zero `fl.ablate` on a call's output multiply every parameter of the
     call by the factor (a linear call's kernel and bias; its output must scale with
     them); on its input they multiply the kernel entries that read the scaled inputs:
@@ -111,7 +121,8 @@ def fold(
     tree: a converted tree (`fl.unflaxify`); it is not modified.
     args: the model's arguments to check the folding on, as `fl.run` takes them: one
       value, a tuple of positional arguments, or `fl.ArgsAndKwargs`.
-    interventions: `fl.steer`, `fl.scale` and zero `fl.ablate` results, folded in order.
+    interventions: `fl.steer`, `fl.scale`, zero `fl.ablate` and `fl.low_rank_edit`
+      results, folded in order.
     atol: the largest absolute difference the check accepts per output leaf.
     rtol: the largest relative difference it accepts per output leaf.
     random_streams: as for `fl.run` (Linen rng keys).
@@ -160,7 +171,8 @@ def fold(
     raise ExportError(
       f"{tree.where()}: {len(refused)} of {len(interventions)} interventions cannot be"
       f" folded into weights:\n  {listed}\nFold only steering, scaling and zero ablation"
-      " of calls with parameters, constant along positions; export the others' effect"
+      " of calls with parameters, constant along positions, and low-rank edits of"
+      " affine calls' outputs; export the others' effect"
       " some other way, or keep running them with fl.run."
     )
   _verify(tree, folded, interventions, argument, streams, tolerance)
@@ -175,6 +187,7 @@ def _copy(tree: CallNode) -> CallNode:
 
 def _describe(intervention: Intervention) -> str:
   kind = "ablate" if intervention.kind in ("zero", "mean", "resample") else intervention.kind
+  kind = "low_rank_edit" if kind == "low_rank" else kind
   how = f", how={intervention.kind!r}" if kind == "ablate" else ""
   at = getattr(intervention.at, "name", intervention.at)
   extra = "".join(
@@ -309,6 +322,8 @@ def _fold_call(
     raise ExportError(f"{site.node.where()} has no parameters of its own to fold into")
   plain = call({})
   name = site.name
+  if intervention.kind == "low_rank":
+    return _low_rank(site, call, isolated, intervention, plain, tolerance)
   if intervention.on == "output":
     expected = intervention.edit(name, isolated.saved_arg, plain)
     target = get_part(plain, intervention.part, name, "output")
@@ -337,6 +352,56 @@ def _fold_call(
     return bool(jnp.all(jnp.abs(a - b) <= tolerance.atol + tolerance.rtol * scale))
 
   return _into_one(site, call, expected, _added(_trailing(delta, near), plain.shape), tolerance)
+
+
+def _low_rank(
+  site: Site,
+  call: _Call,
+  isolated: IsolatedSubmodel,
+  intervention: Intervention,
+  plain: Any,
+  tolerance: _Tolerance,
+) -> dict[str, Any]:
+  """A low-rank edit of the output `h ↦ h A + c₀` (`A = I + (W − R)ᵀR`, `c₀ = bR`) as the
+  parameters ending in the feature axis times `A`, and `c₀` added to one shaped as that
+  axis (a bias): exact for a call affine in them (`x K + c`)."""
+  if intervention.on != "output" or intervention.index is not None:
+    raise ExportError(
+      "a low-rank edit folds on a call's output, everywhere (no where=), and this one"
+      f" edits its {intervention.on}{' at where=...' if intervention.index else ''}"
+    )
+  expected = intervention.edit(site.name, isolated.saved_arg, plain)
+  projection, weight, bias = intervention.operands
+  rows = orthonormal_rows(projection)
+  features = rows.shape[1]
+  matrix = jnp.eye(features, dtype=rows.dtype) + (weight - rows).T @ rows
+  offset = bias @ rows
+  mapped = {
+    name: (p @ matrix).astype(p.dtype)
+    for name, p in call.parameters.items()
+    if p is not None and p.ndim and p.shape[-1] == features
+  }
+  shapes = {name: tuple(p.shape) for name, p in call.parameters.items() if p is not None}
+  if not mapped:
+    raise ExportError(
+      f"no parameter of {site.node.where()} ({shapes}) ends in the edited feature axis of"
+      f" size {features}, as an affine call's kernel and bias do"
+    )
+  tried = []
+  for name in [n for n in mapped if call.parameters[n].shape == (features,)] or [None]:
+    new = dict(mapped)
+    if name is not None:
+      new[name] = (new[name] + offset).astype(new[name].dtype)
+    output = call(new)
+    if tolerance.close(expected, output):
+      held = site.node.scope_data.parameters
+      return {n: _with_leaf(held[n].value, value) for n, value in new.items()}
+    tried.append(f"bias {name!r}: {tolerance.differs(expected, output)}")
+  raise ExportError(
+    f"{site.node.where()} ({shapes}) with its parameters mapped by the edit misses the"
+    f" edited output ({'; '.join(tried)}): the call is not affine (x K + c) in them, or"
+    " the tolerance is too tight"
+  )
 
 
 def _change(intervention: Intervention, site: str, target: Any) -> tuple[str, Any]:

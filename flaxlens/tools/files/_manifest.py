@@ -55,9 +55,12 @@ def fix_for(file_format: str) -> str:
   return f"It is corrupted or was tampered with; save it again with {_FORMATS[file_format][1]}."
 
 
-def read_manifest(raw: bytes, source: str, file_format: str, version: int) -> dict:
-  """The manifest `raw` of a file of `file_format` at `version`, checked against its
-  checksum and its schema; ArtifactError naming the fault and what to do.
+def read_manifest(
+  raw: bytes, source: str, file_format: str, version: int, oldest: int | None = None
+) -> dict:
+  """The manifest `raw` of a file of `file_format` at `version` (or any from `oldest`
+  on), checked against its checksum and its schema; ArtifactError naming the fault and
+  what to do.
 
   Files of an older version are refused (their arrays are in `arrays.npz`, which this
   flaxlens no longer reads), and so are files of a newer one.
@@ -79,9 +82,11 @@ def read_manifest(raw: bytes, source: str, file_format: str, version: int) -> di
       f"{source} uses {file_format} format {found}, newer than this flaxlens reads"
       f" ({version}). Upgrade flaxlens to load it."
     )
-  if found < version:
+  oldest = version if oldest is None else oldest
+  if found < oldest:
+    reads = f"format {version}" if oldest == version else f"formats {oldest} to {version}"
     raise ArtifactError(
-      f"{source} uses {file_format} format {found}; this flaxlens reads format {version}"
+      f"{source} uses {file_format} format {found}; this flaxlens reads {reads}"
       " only (arrays in arrays.safetensors, not arrays.npz). Save it again from its model"
       " with this flaxlens, or load it with the flaxlens version that wrote it (its"
       " manifest's 'versions')."

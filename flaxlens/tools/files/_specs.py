@@ -48,10 +48,22 @@ from flaxlens.tools.files._manifest import check_arrays, checksum, fix_for, read
 from flaxlens.tools.files._policy import reference
 
 FORMAT = "flaxlens-interventions"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+# Format 3 adds the kinds "low_rank" and "interchange"; a format 2 set loads as it is.
+OLDEST_VERSION = 2
+_NEW_KINDS = {3: ("low_rank", "interchange")}
 
 # How many operands each kind holds ("modify": any number).
-_OPERANDS = {"zero": 0, "patch": 1, "mean": 1, "resample": 1, "steer": 2, "scale": 1}
+_OPERANDS = {
+  "zero": 0,
+  "patch": 1,
+  "mean": 1,
+  "resample": 1,
+  "steer": 2,
+  "scale": 1,
+  "low_rank": 3,
+  "interchange": 3,
+}
 
 
 # --- saving -------------------------------------------------------------------------------
@@ -68,7 +80,8 @@ def save_interventions(
   as a predicate or a call node cannot be saved: give its path pattern instead.
 
   Args:
-    interventions: `fl.ablate`, `fl.patch`, `fl.steer`, `fl.scale`, `fl.modify` results.
+    interventions: `fl.ablate`, `fl.patch`, `fl.steer`, `fl.scale`, `fl.modify`,
+      `fl.low_rank_edit`, `fl.interchange` results (trained ones too).
     path: the directory to create.
     overwrite: replace an existing saved intervention set at `path`; anything else there
       is never replaced.
@@ -239,14 +252,17 @@ def _references(entries: list[dict]) -> Found:
   return found
 
 
-def _check_consistent(entry: dict, arrays: dict, where: str) -> None:
-  """What the schema cannot say: operand counts, a function exactly for "modify", and
-  `where_arrays` matching the structure of `where`."""
+def _check_consistent(entry: dict, arrays: dict, where: str, version: int) -> None:
+  """What the schema cannot say: kinds newer than the set's format, operand counts, a
+  function exactly for "modify", and `where_arrays` matching the structure of `where`."""
 
   def fail(fault: str) -> ArtifactError:
     return ArtifactError(f"{where} {fault}. {fix_for(FORMAT)}")
 
   kind, count = entry["kind"], len(entry["operands"])
+  newer = [v for v, kinds in _NEW_KINDS.items() if kind in kinds and v > version]
+  if newer:
+    raise fail(f"has kind {kind!r}, which format {version} does not have (from {newer[0]} on)")
   if (entry["fn"] is None) != (kind != "modify"):
     raise fail(f"holds a function for kind {kind!r}; only 'modify' has one")
   if kind in _OPERANDS and count != _OPERANDS[kind]:
@@ -266,9 +282,10 @@ def _check_consistent(entry: dict, arrays: dict, where: str) -> None:
 
 def _parse(raw: bytes, source: str) -> tuple[dict, Found]:
   """The checked manifest and what it references; ArtifactError at the first fault."""
-  data = read_manifest(raw, source, FORMAT, FORMAT_VERSION)
+  data = read_manifest(raw, source, FORMAT, FORMAT_VERSION, OLDEST_VERSION)
   for n, entry in enumerate(data["interventions"]):
-    _check_consistent(entry, data["arrays"], f"{source}: manifest.json's interventions[{n}]")
+    where = f"{source}: manifest.json's interventions[{n}]"
+    _check_consistent(entry, data["arrays"], where, data["format_version"])
   found = _references(data["interventions"])
   check_arrays(data, found, source, FORMAT)
   return data, found
@@ -307,8 +324,8 @@ def load_interventions(
     ArgumentError: `path` is not a path, `allow` not a list of package names,
       `max_bytes` not a non-negative integer, or `import_path` not a list of folders.
     ArtifactError: the set is missing files, not regular files, truncated, too large,
-      corrupted or tampered with, from a newer format, or references code the policy
-      does not allow; the message says which, and how to allow a package.
+      corrupted or tampered with, from a newer format (format 2 sets load), or references
+      code the policy does not allow; the message says which, and how to allow a package.
 
   Example:
     >>> import flaxlens as fl, jax.numpy as jnp, tempfile
