@@ -473,11 +473,16 @@ def sweep(
       f"fl.sweep: chunk_size={chunk_size} and budget={budget} both set how many patched"
       " forwards run at once. Pass one of them: budget= chooses the chunk size for you."
     )
-  chosen = _chosen(tree, at, part)
+  sweeps_itself = getattr(at, "sweep_units", None)  # a site of many units (fl.heads)
+  chosen = None if sweeps_itself is not None else _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
   clean, corrupted = model_arguments(clean), model_arguments(corrupted)
   if budget is not None:
     chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
+  if sweeps_itself is not None:
+    options = (positions, axis, part, chunk_size, streams, jit)
+    values, names = sweeps_itself(tree, clean, corrupted, metric, options)
+    return SweepResult(values, names, positions)
   run = _sweep_compiled if jit else _sweep
   values, rows = run(
     tree,
