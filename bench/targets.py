@@ -162,6 +162,24 @@ TARGETS: dict[str, Target] = {
     " gradients at every site.",
     "sweeps",
   ),
+  # Issue 24 (circuits).
+  "heads_sweep_vs_batched": Target(
+    "heads × positions patching sweep of the 12-layer model in one call / as many plain"
+    " forwards batched",
+    "≤",
+    "1.10",
+    "Batched, a heads sweep does the work of layers × heads × positions forwards; 10% bounds"
+    " the cost of viewing each attention output projection's input as heads and patching one.",
+    "heads",
+  ),
+  "heads_sweep_compiles": Target(
+    "compiled programs for heads sweeps on new inputs of the same shapes",
+    "=",
+    "1",
+    "A heads sweep is one program over every (layer, head, position): new clean or"
+    " corrupted inputs must reuse it, never compile again.",
+    "heads",
+  ),
   # Issue 15 (speed).
   "jitted_host_time": Target(
     "host time until a jitted tree call returns / native jax.jit",
