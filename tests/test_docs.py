@@ -20,6 +20,7 @@ WORKFLOW_PAGES = [
   "replace.md",
   "interventions.md",
   "sweeps.md",
+  "heads.md",
   "intervention-specs.md",
   "isolate.md",
   "export.md",
