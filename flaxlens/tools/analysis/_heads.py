@@ -343,6 +343,12 @@ class Heads:
     which: the heads named (None: every head).
     count: the head count the user gave (`heads=`), or None.
     on: "input" or "output" for a call that is not a Flax attention module, or None.
+
+  Example:
+    >>> import flaxlens as fl
+    >>> site = fl.heads("block_*/attn", [0, 2])
+    >>> site.which, site
+    ((0, 2), fl.heads('block_*/attn', [0, 2]))
   """
 
   at: Any
@@ -545,7 +551,17 @@ def _weights(module_type, settings, query, key, argument, site) -> Any:
 @dataclasses.dataclass(frozen=True)
 class AttentionPattern:
   """The attention weights of Flax attention modules, as a capture site (made by
-  `fl.attention_pattern`); captured as `"<site>:pattern"`."""
+  `fl.attention_pattern`); captured as `"<site>:pattern"`.
+
+  Attributes:
+    at: the site pattern, class or predicate naming attention modules.
+    which: the heads kept (None: every head).
+
+  Example:
+    >>> import flaxlens as fl
+    >>> fl.attention_pattern("**/attn", 3).which
+    (3,)
+  """
 
   at: Any
   which: tuple[int, ...] | None = None
