@@ -183,12 +183,12 @@ def test_capturing_named_heads_keeps_those_heads_only(setup):
   _bits_equal(named[key], cache[key][..., [3, 0], :])
 
 
-def test_patching_a_head_from_another_run_equals_setting_it_natively(setup):
-  site = fl.heads(setup.attn(1), 2)
+def test_patching_heads_from_another_runs_capture_equals_setting_them_natively(setup):
+  site = fl.heads(setup.attn(1), [2, 0])
   _, other = fl.capture(setup.tree, X2, at=site)
-  value = other[f"{setup.attn(1)}:heads"]  # (batch, seq, 1, dim): head 2 only
-  out = fl.run(setup.tree, X, interventions=[fl.patch(site, value[..., 0, :][..., None, :])])
-  expected = setup.native(X, {1: lambda v: v.at[..., 2, :].set(value[..., 0, :])})
+  value = other[f"{setup.attn(1)}:heads"]  # (batch, seq, 2, dim): heads 2 and 0, in order
+  out = fl.run(setup.tree, X, interventions=[fl.patch(site, value)])
+  expected = setup.native(X, {1: lambda v: v.at[..., jnp.array([2, 0]), :].set(value)})
   _bits_equal(out, expected)
 
 
@@ -377,3 +377,28 @@ def test_a_pattern_of_a_custom_attention_function_is_refused():
   tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
   with pytest.raises(fl.HeadsError, match="its attention_fn is attention"):
     fl.capture(tree, x, at=fl.attention_pattern("**"))
+
+
+def test_hugging_face_gpt2_heads_are_read_from_its_config():
+  transformers = pytest.importorskip("transformers")
+  transformers.utils.logging.set_verbosity_error()
+  config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+  module = transformers.FlaxGPT2LMHeadModel(config, _do_init=False).module
+  ids = jnp.array([[5, 17, 42, 8]])
+  inputs = (ids, jnp.ones_like(ids), jnp.arange(4)[None])
+  variables = {"params": jax.jit(module.init)(jax.random.key(0), *inputs)["params"]}
+  tree = fl.unflaxify(module, variables, *inputs)
+  site = fl.heads("transformer/h/0/attn/c_proj", 1, on="input")  # n_head=2 of 16 features
+  out = fl.run(tree, inputs, interventions=[fl.ablate(site)])
+
+  def zero_head_1(next_fun, args, kwargs, context):
+    if context.module.name == "c_proj" and context.module.path[-2] == "attn":
+      return next_fun(args[0].at[..., 16:32].set(0.0), *args[1:], **kwargs)
+    return next_fun(*args, **kwargs)
+
+  def native(variables, *inputs):
+    with nn.intercept_methods(zero_head_1):
+      return module.apply(variables, *inputs)
+
+  assert not np.array_equal(out.logits, fl.run(tree, inputs).logits)  # the edit acts
+  _bits_equal(out.logits, jax.jit(native)(variables, *inputs).logits)

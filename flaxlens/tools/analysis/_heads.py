@@ -130,7 +130,12 @@ def _checked_heads(which: tuple[int, ...] | None, count: int, name: str) -> tupl
       f"{name}: heads {outside} are out of range; the call has {count} heads. Give head"
       f" numbers from 0 to {count - 1} (negative ones count from the end)."
     )
-  return tuple(h % count for h in which)
+  out = tuple(h % count for h in which)
+  if len(set(out)) < len(out):
+    raise HeadsError(
+      f"{name}: which={list(which)} names a head twice (of {count} heads). Name each head once."
+    )
+  return out
 
 
 def _resolve(spec: Heads | AttentionPattern, tree: CallNode, sites: list[Site]) -> list[_Split]:
@@ -241,17 +246,13 @@ def _layout(split: _Split) -> _Layout:
   return _Layout(split.on, split.count, split.merged)
 
 
-def _head_mask(count: int, heads: tuple[int, ...]) -> Any:
-  """A `(heads, 1)` mask, true at `heads`, broadcasting to `(..., heads, head_dim)`."""
-  return np.isin(np.arange(count), heads)[:, None]
-
-
 class HeadEdit(Struct):
   """An intervention applied to some heads of a call's value, leaving the others.
 
   The value (its `part`) is viewed as `(..., heads, head_dim)`; the intervention edits
-  that view (its `where=` and operands read it so), the heads not named keep their
-  values, and the result goes back in the value's own shape.
+  the named heads of that view, `(..., len(heads), head_dim)` in the order named (its
+  `where=` and operands read it so: a capture of the same head site patches it back),
+  the other heads keep their values, and the result goes back in the value's own shape.
 
   Attributes:
     intervention: the edit, made for the headed view.
@@ -270,9 +271,12 @@ class HeadEdit(Struct):
   def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
     target = get_part(value, self.part, site, self.on)
     headed = _headed(target, self.layout, site)
-    new = self.intervention.edit(site, argument, headed)
-    if len(self.heads) < self.layout.count:
-      new = jnp.where(_head_mask(self.layout.count, self.heads), new, headed)
+    if self.heads == tuple(range(self.layout.count)):
+      new = self.intervention.edit(site, argument, headed)
+    else:
+      chosen = np.asarray(self.heads)
+      edited = self.intervention.edit(site, argument, headed[..., chosen, :])
+      new = headed.at[..., chosen, :].set(edited)
     return _set_part(value, self.part, new.reshape(target.shape))
 
 
@@ -429,10 +433,12 @@ def heads(at: Any, which: Any = None, *, heads: int | None = None, on: str | Non
   count is `heads=`, else the setting `num_heads`, `n_head` or `num_attention_heads`
   (also under `config`) of the call's module or the nearest module around it.
 
-  An intervention on a head site edits the value viewed as `(..., heads, head_dim)`:
-  its operands and `where=` read that view (`where=jnp.s_[:, 3]`: position 3 of every
-  named head), and the heads not named keep their values. `fl.capture` returns the
-  view of the heads named as `"<site>:heads"`; `fl.sweep` patches one head at a time.
+  An intervention on a head site edits the named heads of the value viewed as
+  `(..., heads, head_dim)`: its operands and `where=` read the view of those heads,
+  `(..., len(which), head_dim)` in the order named (`where=jnp.s_[:, 3]`: position 3;
+  a steering vector of shape `(head_dim,)`: added to each), and the other heads keep
+  their values. `fl.capture` returns that view as `"<site>:heads"` (so a capture of one
+  run patches the same head site of another); `fl.sweep` patches one head at a time.
 
   Args:
     at: the site(s): a path pattern (`"block_*/attn"`), a module class or a predicate.
