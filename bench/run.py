@@ -33,6 +33,7 @@ from bench.cases import (
   eager_call,
   extra_bytes,
   harvest,
+  heads,
   interventions,
   isolate_replay,
   jitted_forward,
@@ -53,6 +54,7 @@ CASES = (
   extra_bytes,
   isolate_replay,
   sweeps,
+  heads,
   harvest,
   paths,
 )

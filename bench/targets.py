@@ -172,6 +172,23 @@ TARGETS: dict[str, Target] = {
     " compilation, where a loop of single path patches would trace a program per sender.",
     "paths",
   ),
+  "heads_sweep_vs_batched": Target(
+    "heads × positions patching sweep of the 12-layer model in one call / as many plain"
+    " forwards batched",
+    "≤",
+    "1.10",
+    "Batched, a heads sweep does the work of layers × heads × positions forwards; 10% bounds"
+    " the cost of viewing each attention output projection's input as heads and patching one.",
+    "heads",
+  ),
+  "heads_sweep_compiles": Target(
+    "compiled programs for heads sweeps on new inputs of the same shapes",
+    "=",
+    "1",
+    "A heads sweep is one program over every (layer, head, position): new clean or"
+    " corrupted inputs must reuse it, never compile again.",
+    "heads",
+  ),
   # Issue 15 (speed).
   "jitted_host_time": Target(
     "host time until a jitted tree call returns / native jax.jit",

@@ -35,8 +35,8 @@ resid = {site: hidden for site, (hidden, *_) in cache.items()}
 print("residual stream:", {site: x.shape for site, x in resid.items()})
 
 # 2. Ablate head 1 of block 0. GPT-2 merges its 2 heads of 16 features before the output
-#    projection c_proj, so head 1 is features 16:32 of c_proj's input.
-head_1 = fl.ablate("transformer/h/0/attn/c_proj", on="input", where=jnp.s_[..., 16:32])
+#    projection c_proj; fl.heads reads n_head from the config (head 1: features 16:32).
+head_1 = fl.ablate(fl.heads("transformer/h/0/attn/c_proj", 1, on="input"))
 ablated = fl.run(tree, inputs, interventions=[head_1])
 print("ablating head 1 moves the logits by", float(jnp.abs(ablated.logits - out.logits).max()))
 

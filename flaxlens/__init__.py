@@ -61,6 +61,10 @@ from flaxlens.tools.analysis._interventions import scale as scale
 from flaxlens.tools.analysis._interventions import modify as modify
 from flaxlens.tools.analysis._interventions import place as place
 from flaxlens.core._edit import EditedCall as EditedCall
+from flaxlens.tools.analysis._heads import heads as heads
+from flaxlens.tools.analysis._heads import Heads as Heads
+from flaxlens.tools.analysis._heads import attention_pattern as attention_pattern
+from flaxlens.tools.analysis._heads import AttentionPattern as AttentionPattern
 from flaxlens.tools.analysis._sweeps import sweep as sweep
 from flaxlens.tools.analysis._sweeps import SweepResult as SweepResult
 from flaxlens.tools.analysis._sweeps import attribute as attribute
@@ -106,6 +110,7 @@ from flaxlens.errors import ArtifactError as ArtifactError
 from flaxlens.errors import BudgetError as BudgetError
 from flaxlens.errors import ExportError as ExportError
 from flaxlens.errors import HarvestError as HarvestError
+from flaxlens.errors import HeadsError as HeadsError
 from flaxlens.errors import ModelCallError as ModelCallError
 from flaxlens.errors import CallStructureError as CallStructureError
 from flaxlens.errors import ReplacementError as ReplacementError
@@ -163,6 +168,10 @@ __all__ = [
   "modify",
   "place",
   "EditedCall",
+  "heads",
+  "Heads",
+  "attention_pattern",
+  "AttentionPattern",
   "sweep",
   "SweepResult",
   "path_patch",
@@ -202,6 +211,7 @@ __all__ = [
   "BudgetError",
   "ExportError",
   "HarvestError",
+  "HeadsError",
   "ModelCallError",
   "CallStructureError",
   "ReplacementError",

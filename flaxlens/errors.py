@@ -37,6 +37,12 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   (two variables with one label, an unfilled slot), or a traced value would outlive its
   trace in a variable. Fix: relabel (`fl.relabel_variables`), pass the missing values,
   or run under `fl.variable_jit` instead of `jax.jit`.
+- `HeadsError` (an `ArgumentError`): a head site (`fl.heads`, `fl.attention_pattern`)
+  cannot split its call's value into heads: the head count does not divide the feature
+  axis or is not a positive int, a head number is out of range, nobody gave the count
+  (pass `heads=n`), or the attention module computes its pattern otherwise than Flax's
+  own `dot_product_attention` (a custom `attention_fn`, decoding). Raised while the
+  run is traced, before anything runs.
 - `SelectionError` (also `KeyError` and `ValueError`): a selection found other nodes than
   asked for, or cannot make the edit asked for. Fix: the message lists what it found.
 - `ExportError`: a tree cannot be exported as it is (a call was replaced or wrapped by a
@@ -146,6 +152,13 @@ class SelectionError(FlaxlensError, KeyError, ValueError):
 
   def __str__(self) -> str:
     return str(self.args[0]) if self.args else ""
+
+
+class HeadsError(ArgumentError):
+  """A head site (`fl.heads`, `fl.attention_pattern`) cannot split its call's value into
+  heads: a head count that is not a positive divisor of the feature axis, a head
+  number out of range, a call whose head count nobody gave, or a pattern flaxlens
+  cannot recompute as Flax does."""
 
 
 class ArtifactError(FlaxlensError):

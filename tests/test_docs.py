@@ -21,6 +21,7 @@ WORKFLOW_PAGES = [
   "interventions.md",
   "sweeps.md",
   "path-patching.md",
+  "heads.md",
   "intervention-specs.md",
   "lenses.md",
   "isolate.md",

@@ -20,7 +20,9 @@ There are two ways to use one:
   channel, `_probes`).
 
 An edit is any object with `on` (`"input"` or `"output"`) and `edit(site, argument,
-value) -> value` (the tools' `Intervention`). No Flax internals here.
+value) -> value` (the tools' `Intervention`); an edit with `records = True` may also
+record captures in the run's probing (`core/_probes.py: active_probing`). No Flax
+internals here.
 """
 
 from __future__ import annotations

@@ -68,6 +68,13 @@ class CallNode(Layer):
     path, method = self.readable_path()
     return f"{path or self.module_type.__name__}.{method}"
 
+  def settings(self) -> dict[str, Any]:
+    """The settings of the call's module, by name: a Linen module's dataclass fields, an
+    NNX module's static attributes (`{"num_heads": 8, ...}`); empty for a hand-built
+    node. Read-only: edit a Linen module's settings with `module.clone(...)`, an NNX
+    tree's with `set_attributes`."""
+    return {}
+
   def check_runs_alone(self, cannot: str) -> None:
     """Refuses an operation a sliced call cannot do; `cannot` completes the message."""
     if self.sliced:

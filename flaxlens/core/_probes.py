@@ -61,7 +61,8 @@ class Probing:
   Attributes:
     edits: `{id(node): EditedCall}`: the layer each probed call runs through
       (`core/_edit.py`), overlaid on the tree for this run.
-    capturing: whether any edited call captures (then staged bodies are wrapped).
+    capturing: whether any edited call captures, or has an edit that records captures
+      (`records`, as the head captures of `fl.heads` do); then staged bodies are wrapped.
     indexed: whether edits read `scan_iterations()` (then staged bodies are wrapped).
     iterations: the iteration numbers of the scan bodies being traced, outermost first
       (None for a vmap body).
@@ -85,7 +86,10 @@ class Probing:
     every_call: bool = False,
   ):
     self.edits = edits
-    self.capturing = any(e.output or e.input for e in edits.values())
+    self.capturing = any(
+      e.output or e.input or any(getattr(x, "records", False) for x in e.edits)
+      for e in edits.values()
+    )
     self.indexed = indexed
     self.iterations: list[Any] = []
     self.channels: list[Channel] = []

@@ -12,6 +12,7 @@ derivation and cannot run inside `nn.scan`/`nn.vmap` bodies. No Flax internals h
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from flaxlens.core._adapter import adapter_of
@@ -131,6 +132,14 @@ class InterceptedFlaxModuleMethod(CallNode):
   def module_type(self) -> type:
     """The class of the Linen module whose method this node calls."""
     return type(self.module)
+
+  def settings(self) -> dict[str, Any]:
+    """The Linen module's dataclass fields (`parent` and `name` left out)."""
+    return {
+      f.name: getattr(self.module, f.name)
+      for f in dataclasses.fields(self.module)
+      if f.name not in ("parent", "name")
+    }
 
   def export(self) -> dict[str, Any]:
     """The variables of this call's module as a Flax variables dict, edits included.

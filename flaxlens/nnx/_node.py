@@ -117,6 +117,10 @@ class InterceptedNNXModuleMethod(CallNode):
       )
     return run_tree(self, argument, None, side_inputs)
 
+  def settings(self) -> dict[str, Any]:
+    """The NNX module's static attributes, as its `GraphDef` records them."""
+    return dict(self.definition.statics().get((), {}))
+
   def export(self, into: nnx.Module | None = None) -> nnx.Module:
     """This call's module as plain NNX with the tree's current variables, edits included.
 

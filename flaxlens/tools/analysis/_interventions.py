@@ -843,22 +843,42 @@ def _probes_for(
 
   for intervention in interventions:
     required = unreached == "raise" and not _every_call(intervention.at)
-    for site in select_sites(tree, intervention.at, sites):
-      _check_part(site, intervention)
+    for site, edit in _edits_of(tree, intervention, sites):
+      _check_part(site, edit)
       fields = probe(site)
-      fields["edits"].append(intervention)
+      fields["edits"].append(edit)
       fields["required"] = fields.get("required", False) or required
   if capture is not None and capture is not False:
-    chosen = sites if capture is True else select_sites(tree, capture, sites)
+    options = capture if isinstance(capture, tuple) else (capture,)
+    # A site that captures through edits of its own (`fl.heads`) says where they go.
+    recording = [o for o in options if hasattr(o, "capture_edits")]
+    plain = tuple(o for o in options if not hasattr(o, "capture_edits"))
+    chosen = sites if capture is True else select_sites(tree, plain, sites) if plain else []
     required = unreached == "raise" and not _every_call(capture)
     for site in chosen:
       fields = probe(site)
       fields.update(output=True, input=inputs)
       fields["shape"] = None if shape is None else functools.partial(shape, site.name)
       fields["required"] = fields.get("required", False) or required
+    for option in recording:
+      for site, edit in option.capture_edits(tree, sites, shape):
+        fields = probe(site)
+        fields["edits"].append(edit)
+        fields["required"] = fields.get("required", False) or unreached == "raise"
   return {
     key: EditedCall(**{**fields, "edits": tuple(fields["edits"])}) for key, fields in found.items()
   }
+
+
+def _edits_of(
+  tree: CallNode, intervention: Intervention, sites: list[Site]
+) -> list[tuple[Site, Any]]:
+  """The calls `intervention` edits and the edit each runs: itself at each site its `at`
+  names, or what a site object that resolves itself (`fl.heads`: `edits_of`) says."""
+  resolve = getattr(intervention.at, "edits_of", None)
+  if resolve is not None:
+    return resolve(tree, sites, intervention)
+  return [(site, intervention) for site in select_sites(tree, intervention.at, sites)]
 
 
 def _every_call(at: Any) -> bool:

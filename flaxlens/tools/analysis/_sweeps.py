@@ -407,8 +407,8 @@ def _patcher(name: str, base: int, lead: tuple[int, ...], positions: Any, axis: 
   return patch_if_chosen
 
 
-_CORRUPTED, _CLEAN = -1, -2  # the numbers of the unpatched forwards: no site has them
-_BASELINES = (_CORRUPTED, _CLEAN)
+CORRUPTED_UNIT, CLEAN_UNIT = -1, -2  # the numbers of the unpatched forwards: no site has them
+BASELINES = (CORRUPTED_UNIT, CLEAN_UNIT)
 
 
 def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams):
@@ -420,9 +420,9 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
   count = 1 if positions is None else len(positions)
   # Two more forwards patch nothing: the corrupted run, and the clean run (its output
   # taken from the clean forward), so the metric is traced once for every number.
-  units = jnp.concatenate([jnp.repeat(jnp.arange(bases[-1]), count), jnp.array(_BASELINES)])
+  units = jnp.concatenate([jnp.repeat(jnp.arange(bases[-1]), count), jnp.array(BASELINES)])
   at = jnp.tile(jnp.asarray(positions or (0,)), bases[-1])
-  at = jnp.concatenate([at, jnp.zeros(len(_BASELINES), at.dtype)])
+  at = jnp.concatenate([at, jnp.zeros(len(BASELINES), at.dtype)])
 
   def patched(unit_and_position: tuple[Any, Any]) -> Any:
     unit, position = unit_and_position
@@ -440,7 +440,7 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
     )
     output, _ = _run(copy, corrupted, edits, None, streams)
     output = jax.tree_util.tree_map(
-      lambda c, o: jnp.where(unit == _CLEAN, c, o) if isinstance(o, jax.Array) else o,
+      lambda c, o: jnp.where(unit == CLEAN_UNIT, c, o) if isinstance(o, jax.Array) else o,
       clean_output,
       output,
     )
@@ -450,7 +450,7 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
     values = jax.vmap(patched)((units, at))
   else:
     values = jax.lax.map(patched, (units, at), batch_size=chunk_size)
-  values, baselines = values[: -len(_BASELINES)], (values[-1], values[-2])
+  values, baselines = values[: -len(BASELINES)], (values[-1], values[-2])
   if positions is not None:
     values = values.reshape(bases[-1], count, *values.shape[1:])
   return values, _rows(leads), baselines
@@ -580,11 +580,24 @@ def sweep(
       f"fl.sweep: chunk_size={chunk_size} and budget={budget} both set how many patched"
       " forwards run at once. Pass one of them: budget= chooses the chunk size for you."
     )
-  chosen = _chosen(tree, at, part)
+  sweeps_itself = getattr(at, "sweep_units", None)  # a site of many units (fl.heads)
+  chosen = None if sweeps_itself is not None else _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
   clean, corrupted = model_arguments(clean), model_arguments(corrupted)
   if budget is not None:
     chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
+  if sweeps_itself is not None:
+    options = (positions, axis, part, chunk_size, streams, jit)
+    values, names, (clean_metric, corrupted_metric) = sweeps_itself(
+      tree, clean, corrupted, metric, options
+    )
+    return _statistics.with_runs(
+      SweepResult(values, names, positions),
+      clean_metric,
+      corrupted_metric,
+      per_example=per_example,
+      where="fl.sweep",
+    )
   run = _sweep_compiled if jit else _sweep
   values, rows, (clean_metric, corrupted_metric) = run(
     tree,

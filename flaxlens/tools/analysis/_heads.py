@@ -1,0 +1,765 @@
+"""Attention heads as sites: edit, capture and sweep one head of a call without slicing.
+
+`fl.heads(at)` names the heads of calls. On a Flax attention module
+(`nn.MultiHeadDotProductAttention`, `nnx.MultiHeadAttention` and their subclasses) the
+heads are the input of its `out` projection, `(..., heads, head_dim)`, which Flax
+computes as the per-head values before merging them; on any other call they are its
+output's (or input's) last axis read as `heads` groups of `head_dim` features, the head
+count given as `heads=n` or read from the settings of the call's module or the nearest
+enclosing one (`num_heads`, `n_head`, `num_attention_heads`, also under `config`).
+Every edit is the one edit concept (`core/_edit.py`): an intervention on a head site
+resolves to the call holding the heads, and runs there on the value viewed as
+`(..., heads, head_dim)`, keeping the heads it does not name; captures are edits that
+record that view (`records`). `fl.attention_pattern(at)` captures the softmax weights
+`(batch..., heads, q, k)` that Flax sows with `sow_weights=True`, by calling Flax's own
+`dot_product_attention_weights` on the query and key the module computed and the mask
+it was given. Sweeps over heads (× positions) run as `fl.sweep` does: one compiled
+program, the clean run once and every patched forward batched. No Flax internals here:
+Flax's public attention classes and functions only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx.nn import attention as nnx_attention
+
+from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._jit import variable_jit
+from flaxlens.core._node import CallNode
+from flaxlens.core._probes import active_probing
+from flaxlens.core._struct import Struct, static_field
+from flaxlens.errors import ArgumentError, HeadsError
+from flaxlens.tools.analysis._interventions import (
+  Intervention,
+  Site,
+  _set_part,
+  get_part,
+  modify,
+  select_sites,
+  sites_of,
+)
+from flaxlens.tools.analysis._sweeps import (
+  BASELINES,
+  CLEAN_UNIT,
+  _Copies,
+  _iteration,
+  _metric_value,
+  _position_mask,
+  _rows,
+  _run,
+)
+
+ATTENTION = (nn.MultiHeadDotProductAttention, nnx.MultiHeadAttention)
+_COUNTS = ("num_heads", "n_head", "num_attention_heads")
+
+# --- resolving a head site ----------------------------------------------------------------
+
+
+class _Split(NamedTuple):
+  """Where a head site's heads are: one call's value and how it splits.
+
+  Attributes:
+    name: the site `at` named (`"block_0/attn"`): results and rows are named after it.
+    site: the call whose value holds the heads (an attention module's `out`).
+    on: "input" (its first positional argument) or "output".
+    count: the number of heads.
+    merged: whether the value's last axis holds the heads merged (`heads * head_dim`);
+      else its last two axes are `(heads, head_dim)`.
+    heads: the heads named, in order (every head when none were).
+    once: the value's shape per call, as conversion saw it.
+  """
+
+  name: str
+  site: Site
+  on: str
+  count: int
+  merged: bool
+  heads: tuple[int, ...]
+  once: tuple[int, ...]
+
+
+def _value_spec(site: Site, on: str) -> Any:
+  """The abstract value (`jax.ShapeDtypeStruct`) of a call's output or first argument."""
+  signature = site.output if on == "output" else site.inputs
+  if signature is None:
+    return None
+  value = jax.tree_util.tree_unflatten(*signature)
+  if on == "input":
+    args = value[0]
+    return args[0] if args else None
+  return value
+
+
+def _child(sites: list[Site], site: Site, name: str) -> Site | None:
+  """The site of the call `name.__call__` that `site`'s call makes, or None."""
+  for key, layer in site.node.submodule_calls.items():
+    if key[1] == f"{name}.__call__":
+      return next((s for s in sites if s.node is layer), None)
+  return None
+
+
+def _count_from_settings(sites: list[Site], site: Site) -> int | None:
+  """The head count in the settings of `site`'s module or the nearest enclosing one."""
+  path = tuple(site.node.path)
+  enclosing = [s for s in sites if tuple(s.node.path) == path[: len(s.node.path)]]
+  for outer in sorted(enclosing, key=lambda s: -len(s.node.path)):
+    settings = outer.node.settings()
+    for holder in (settings, settings.get("config")):
+      for key in _COUNTS:
+        value = holder.get(key) if isinstance(holder, dict) else getattr(holder, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+          return value
+  return None
+
+
+def _checked_heads(which: tuple[int, ...] | None, count: int, name: str) -> tuple[int, ...]:
+  if which is None:
+    return tuple(range(count))
+  outside = [h for h in which if not -count <= h < count]
+  if outside:
+    raise HeadsError(
+      f"{name}: heads {outside} are out of range; the call has {count} heads. Give head"
+      f" numbers from 0 to {count - 1} (negative ones count from the end)."
+    )
+  out = tuple(h % count for h in which)
+  if len(set(out)) < len(out):
+    raise HeadsError(
+      f"{name}: which={list(which)} names a head twice (of {count} heads). Name each head once."
+    )
+  return out
+
+
+def _resolve(spec: Heads | AttentionPattern, tree: CallNode, sites: list[Site]) -> list[_Split]:
+  """Where the heads of each call `spec.at` names are (see `_Split`).
+
+  Raises:
+    HeadsError: a head count that does not fit, a head out of range, no count known.
+  """
+  matched = select_sites(tree, spec.at, sites)
+  attention = [s for s in matched if issubclass(s.node.module_type, ATTENTION)]
+  inside = {tuple(s.node.path) for s in attention}
+  found = []
+  for site in matched:
+    path = tuple(site.node.path)
+    if site not in attention and any(path[: len(p)] == p for p in inside):
+      continue  # a call inside a named attention module: its heads are the module's
+    found.append(_split(spec, site, sites, site in attention))
+  return found
+
+
+def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
+  given, on = getattr(spec, "count", None), getattr(spec, "on", None)
+  if attention:
+    out = _child(sites, site, "out")
+    if out is None:
+      raise HeadsError(
+        f"{site.name}: this attention module made no call of its `out` projection that"
+        " the tree can edit (it was replaced or placed). Name the heads on the call that"
+        " holds them: fl.heads(path, heads=n, on='input')."
+      )
+    if on not in (None, "input"):
+      raise HeadsError(
+        f"{site.name}: the heads of a Flax attention module are the input of its out"
+        f" projection, (..., heads, head_dim); on={on!r} names another value. Leave on="
+        " out, or name a call: fl.heads(f'{path}/query', on='output')."
+      )
+    value = _value_spec(out, "input")
+    if value is None or len(value.shape) < 2:
+      raise HeadsError(
+        f"{site.name}: the input of its out projection is not one (..., heads, head_dim)"
+        " array. Name the heads on the call that holds them with heads=n."
+      )
+    count = value.shape[-2]
+    if given is not None and given != count:
+      raise HeadsError(
+        f"{site.name}: heads={given}, but this attention module has {count} heads (its"
+        f" out projection's input has shape {tuple(value.shape)}). Leave heads= out, or"
+        f" give heads={count}."
+      )
+    heads = _checked_heads(spec.which, count, site.name)
+    return _Split(site.name, out, "input", count, False, heads, tuple(value.shape))
+  on = on or "output"
+  value = _value_spec(site, on)
+  if not isinstance(value, jax.ShapeDtypeStruct) or not value.shape:
+    shown = "nothing" if value is None else type(value).__name__
+    raise HeadsError(
+      f"{site.name}: the {on} of this call is {shown}, not one array whose last axis holds"
+      " heads. Name a call whose value is one array (a projection), or on='input'."
+    )
+  features = value.shape[-1]
+  count = given if given is not None else _count_from_settings(sites, site)
+  if count is None:
+    raise HeadsError(
+      f"{site.name}: no head count is known for this call (its module and the modules"
+      f" around it have no num_heads, n_head or num_attention_heads setting), so its"
+      f" {features} features cannot be split into heads. Pass heads=n to fl.heads."
+    )
+  if features % count:
+    raise HeadsError(
+      f"{site.name}: the {on}'s last axis has {features} features, which {count} heads do"
+      f" not divide. Give the call's head count: a divisor of {features}"
+      " (heads * head_dim = features)."
+    )
+  heads = _checked_heads(spec.which, count, site.name)
+  return _Split(site.name, site, on, count, True, heads, tuple(value.shape))
+
+
+# --- the headed view ----------------------------------------------------------------------
+
+
+def _headed(x: Any, split: _Split | _Layout, site: str) -> Any:
+  """`x` viewed as `(..., heads, head_dim)`; checked against the value the call has."""
+  shape = tuple(x.shape)
+  if split.merged:
+    if not shape or shape[-1] % split.count:
+      raise HeadsError(
+        f"{site}: the {split.on} has shape {shape}, whose last axis {split.count} heads do"
+        " not divide. Give the call's head count (heads=n)."
+      )
+    return x.reshape(*shape[:-1], split.count, shape[-1] // split.count)
+  if len(shape) < 2 or shape[-2] != split.count:
+    raise HeadsError(
+      f"{site}: the {split.on} has shape {shape}, not (..., {split.count}, head_dim)."
+      " Convert the model with arguments of the shapes it runs with."
+    )
+  return x
+
+
+class _Layout(NamedTuple):
+  """How an edit reads a value's heads (the static part of `_Split`)."""
+
+  on: str
+  count: int
+  merged: bool
+
+
+def _layout(split: _Split) -> _Layout:
+  return _Layout(split.on, split.count, split.merged)
+
+
+class HeadEdit(Struct):
+  """An intervention applied to some heads of a call's value, leaving the others.
+
+  The value (its `part`) is viewed as `(..., heads, head_dim)`; the intervention edits
+  the named heads of that view, `(..., len(heads), head_dim)` in the order named (its
+  `where=` and operands read it so: a capture of the same head site patches it back),
+  the other heads keep their values, and the result goes back in the value's own shape.
+
+  Attributes:
+    intervention: the edit, made for the headed view.
+    on: "input" or "output" of the call.
+    part: which part of a structured value holds the heads, or None.
+    layout: how the value splits into heads.
+    heads: the heads edited.
+  """
+
+  intervention: Intervention
+  on: str = static_field()
+  part: Any = static_field()
+  layout: _Layout = static_field()
+  heads: tuple[int, ...] = static_field()
+
+  def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
+    target = get_part(value, self.part, site, self.on)
+    headed = _headed(target, self.layout, site)
+    if self.heads == tuple(range(self.layout.count)):
+      new = self.intervention.edit(site, argument, headed)
+    else:
+      chosen = np.asarray(self.heads)
+      edited = self.intervention.edit(site, argument, headed[..., chosen, :])
+      new = headed.at[..., chosen, :].set(edited)
+    return _set_part(value, self.part, new.reshape(target.shape))
+
+
+class HeadCapture(Struct):
+  """An edit that records a call's value viewed as `(..., heads, head_dim)` (the heads
+  named only) as the capture `key`, and changes nothing."""
+
+  records = True
+  on: str = static_field()
+  layout: _Layout = static_field()
+  heads: tuple[int, ...] = static_field()
+  key: str = static_field()
+  shape: Any = static_field(default=None)
+
+  def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
+    del argument
+    probing = active_probing()
+    if probing is not None:
+      headed = _headed(value, self.layout, site)
+      if len(self.heads) < self.layout.count:
+        headed = headed[..., list(self.heads), :]
+      probing.record(self.key, headed, self.shape)
+    return value
+
+
+# --- head sites ---------------------------------------------------------------------------
+
+
+def _static(at: Any) -> Any:
+  if isinstance(at, CallNode):
+    raise ArgumentError(
+      f"fl.heads({at.where()}): give the call's path pattern ('{at.readable_path()[0]}'),"
+      " a module class or a predicate: a call node is not kept by compiled runs."
+    )
+  return tuple(at) if isinstance(at, list) else at
+
+
+def _which(which: Any, maker: str) -> tuple[int, ...] | None:
+  if which is None:
+    return None
+  items = [which] if isinstance(which, int | np.integer) else which
+  try:
+    out = tuple(int(h) for h in np.asarray(items).reshape(-1))
+  except (TypeError, ValueError):
+    out = None
+  if (
+    out is None or isinstance(which, bool) or not np.issubdtype(np.asarray(items).dtype, np.integer)
+  ):
+    raise HeadsError(
+      f"{maker}: which={which!r} names no heads. Give a head number, a list of them, or"
+      " None (every head)."
+    )
+  if not out:
+    raise HeadsError(f"{maker}: which= is empty. Give at least one head, or None (every head).")
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+  """A head site: the heads of the calls `at` names (made by `fl.heads`).
+
+  Interventions (`fl.ablate`, `fl.patch`, `fl.steer`, `fl.scale`, `fl.modify`) take it
+  as their site, `fl.run`/`fl.capture` capture it (as `"<site>:heads"`, with a heads
+  axis), and `fl.sweep` sweeps it one head at a time.
+
+  Attributes:
+    at: the site pattern, class or predicate.
+    which: the heads named (None: every head).
+    count: the head count the user gave (`heads=`), or None.
+    on: "input" or "output" for a call that is not a Flax attention module, or None.
+
+  Example:
+    >>> import flaxlens as fl
+    >>> site = fl.heads("block_*/attn", [0, 2])
+    >>> site.which, site
+    ((0, 2), fl.heads('block_*/attn', [0, 2]))
+  """
+
+  at: Any
+  which: tuple[int, ...] | None = None
+  count: int | None = None
+  on: str | None = None
+
+  def __repr__(self) -> str:
+    shown = [repr(self.at) if isinstance(self.at, str) else getattr(self.at, "__name__", "…")]
+    if self.which is not None:
+      shown.append(repr(list(self.which)))
+    if self.count is not None:
+      shown.append(f"heads={self.count}")
+    if self.on is not None:
+      shown.append(f"on={self.on!r}")
+    return f"fl.heads({', '.join(shown)})"
+
+  def splits(self, tree: CallNode, sites: list[Site] | None = None) -> list[_Split]:
+    return _resolve(self, tree, sites_of(tree) if sites is None else sites)
+
+  def edits_of(
+    self, tree: CallNode, sites: list[Site], intervention: Intervention
+  ) -> list[tuple[Site, HeadEdit]]:
+    """The call holding each named module's heads, and the edit it runs (`fl.run`)."""
+    if intervention.on != "output":
+      raise HeadsError(
+        f"{intervention.at!r}: on= of a head site is fl.heads' own (fl.heads(at,"
+        f" on='input')); the intervention's on={intervention.on!r} would name another"
+        " value. Leave on= out of the intervention."
+      )
+    out = []
+    for split in self.splits(tree, sites):
+      inner = dataclasses.replace(intervention, on=split.on, part=None)
+      layout = _layout(split)
+      out.append((split.site, HeadEdit(inner, split.on, intervention.part, layout, split.heads)))
+    return out
+
+  def capture_edits(
+    self, tree: CallNode, sites: list[Site], shape: Callable[[str, Any], Any] | None
+  ) -> list[tuple[Site, HeadCapture]]:
+    """The edits that record each named module's heads as `"<site>:heads"` (`fl.run`)."""
+    out = []
+    for split in self.splits(tree, sites):
+      key = f"{split.name}:heads"
+      shaped = None if shape is None else functools.partial(shape, key)
+      edit = HeadCapture(split.on, _layout(split), split.heads, key, shaped)
+      out.append((split.site, edit))
+    return out
+
+  def sweep_units(self, tree, clean, corrupted, metric, options) -> tuple[Any, tuple, tuple]:
+    """`fl.sweep` over these heads: the values, one row per head (and iteration), and the
+    (clean, corrupted) runs' metrics."""
+    positions, axis, part, chunk_size, streams, jit = options
+    if part is not None:
+      raise HeadsError(
+        f"{self!r}: part= is not taken by a heads sweep: the heads are one array (a Flax"
+        " attention module's out projection input, or a call's value). Leave part= out."
+      )
+    splits = self.splits(tree)
+    run = _sweep_compiled if jit else _sweep_heads
+    values, rows, baselines = run(
+      tree, clean, corrupted, self, metric, positions, axis, chunk_size, streams
+    )
+    names = []
+    for split, row in zip(splits, rows, strict=True):
+      for index in np.ndindex(*row.shape[:-1]):
+        label = split.name + (f"[{','.join(map(str, index))}]" if index else "")
+        names.extend(f"{label} head {h}" for h in split.heads)
+    return values, tuple(names), baselines
+
+
+def heads(at: Any, which: Any = None, *, heads: int | None = None, on: str | None = None) -> Heads:
+  """Names attention heads as a site: edit, capture and sweep them without slicing.
+
+  On a Flax attention module (`nn.MultiHeadDotProductAttention`, `nn.SelfAttention`,
+  `nnx.MultiHeadAttention`, subclasses too) the heads are the input of its `out`
+  projection, `(..., heads, head_dim)`: the values each head computes, before they are
+  merged. On any other call they are the last axis of its output (or, `on="input"`, of
+  its first positional argument) read as `heads` groups of `head_dim` features: a
+  query/key/value projection's output, or a Hugging Face `c_proj`'s input. The head
+  count is `heads=`, else the setting `num_heads`, `n_head` or `num_attention_heads`
+  (also under `config`) of the call's module or the nearest module around it.
+
+  An intervention on a head site edits the named heads of the value viewed as
+  `(..., heads, head_dim)`: its operands and `where=` read the view of those heads,
+  `(..., len(which), head_dim)` in the order named (`where=jnp.s_[:, 3]`: position 3;
+  a steering vector of shape `(head_dim,)`: added to each), and the other heads keep
+  their values. `fl.capture` returns that view as `"<site>:heads"` (so a capture of one
+  run patches the same head site of another); `fl.sweep` patches one head at a time.
+
+  Args:
+    at: the site(s): a path pattern (`"block_*/attn"`), a module class or a predicate.
+    which: a head number or a list of them (negative count from the end); None: all.
+    heads: the head count of a call that is not a Flax attention module, where no
+      setting says it.
+    on: "output" (default) or "input", for a call that is not a Flax attention module.
+
+  Returns:
+    A `fl.Heads` site.
+
+  Raises:
+    HeadsError: (when the run is traced, before anything runs) a head count that does
+      not divide the feature axis or disagrees with the module, a head out of range,
+      or no head count known.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> attn, x = nn.MultiHeadDotProductAttention(num_heads=4), jnp.ones((1, 3, 8))
+    >>> tree = fl.unflaxify(attn, attn.init(jax.random.key(0), x), x)
+    >>> _, cache = fl.capture(tree, x, at=fl.heads("MultiHeadDotProductAttention.__call__"))
+    >>> cache["MultiHeadDotProductAttention.__call__:heads"].shape  # (batch, seq, heads, dim)
+    (1, 3, 4, 2)
+    >>> out = fl.run(tree, x, interventions=[fl.ablate(fl.heads("**", 2))])
+  """
+  maker = f"fl.heads({at!r})"
+  if heads is not None and (
+    not isinstance(heads, int | np.integer) or isinstance(heads, bool) or heads < 1
+  ):
+    raise HeadsError(
+      f"{maker}: heads={heads!r} is no head count. Give the number of heads, a positive int."
+    )
+  if on not in (None, "input", "output"):
+    raise HeadsError(f"{maker}: on= is 'output' or 'input', got {on!r}. Pass one of these.")
+  return Heads(_static(at), _which(which, maker), None if heads is None else int(heads), on)
+
+
+# --- attention patterns -------------------------------------------------------------------
+
+
+class _Stash(Struct):
+  """Records a call's output under `key` for the pattern edit of its module to take."""
+
+  records = True
+  key: str = static_field()
+  on: str = static_field(default="output")
+
+  def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
+    del site, argument
+    probing = active_probing()
+    if probing is not None:
+      probing.record(self.key, value)
+    return value
+
+
+class PatternCapture(Struct):
+  """Records an attention module's softmax weights, `(batch..., heads, q, k)`, as Flax's
+  own `dot_product_attention_weights` computes them from the module's query and key
+  (stashed by `_Stash` edits of its calls) and the mask it was given."""
+
+  records = True
+  query: str = static_field()
+  key: str = static_field()
+  name: str = static_field()
+  heads: tuple[int, ...] = static_field()
+  count: int = static_field()
+  module_type: type = static_field()
+  settings: tuple[tuple[str, Any], ...] = static_field()
+  shape: Any = static_field(default=None)
+  on: str = static_field(default="output")
+
+  def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
+    probing = active_probing()
+    if probing is None:
+      return value
+    stashed = probing.channels[-1].values
+    if self.query not in stashed or self.key not in stashed:
+      return value  # a trace Flax makes of a body only to learn its shapes
+    query, key = stashed.pop(self.query), stashed.pop(self.key)
+    weights = _weights(self.module_type, dict(self.settings), query, key, argument, site)
+    if len(self.heads) < self.count:
+      weights = weights[..., list(self.heads), :, :]
+    probing.record(f"{self.name}:pattern", weights, self.shape)
+    return value
+
+
+def _weights(module_type, settings, query, key, argument, site) -> Any:
+  """Flax's own attention weights of one call, from its query, key and arguments."""
+  bound = inspect.signature(module_type.__call__).bind(None, *argument.args, **argument.kwargs)
+  given = bound.arguments
+  mask = given.get("mask")
+  if given.get("decode"):
+    raise HeadsError(
+      f"{site}: this call decodes (decode=True): its keys come from the cache, which"
+      " the pattern would not read. Capture patterns of calls that do not decode."
+    )
+  if issubclass(module_type, nn.MultiHeadDotProductAttention):
+    return nn.dot_product_attention_weights(
+      query,
+      key,
+      mask=mask,
+      dtype=settings["dtype"],
+      precision=settings["precision"],
+      force_fp32_for_softmax=settings["force_fp32_for_softmax"],
+    )
+  return nnx_attention.dot_product_attention_weights(
+    query,
+    key,
+    mask=mask,
+    dtype=settings["dtype"],
+    precision=settings["precision"],
+    is_causal=bool(given.get("is_causal", False)),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPattern:
+  """The attention weights of Flax attention modules, as a capture site (made by
+  `fl.attention_pattern`); captured as `"<site>:pattern"`.
+
+  Attributes:
+    at: the site pattern, class or predicate naming attention modules.
+    which: the heads kept (None: every head).
+
+  Example:
+    >>> import flaxlens as fl
+    >>> fl.attention_pattern("**/attn", 3).which
+    (3,)
+  """
+
+  at: Any
+  which: tuple[int, ...] | None = None
+
+  def __repr__(self) -> str:
+    return f"fl.attention_pattern({self.at!r})"
+
+  def capture_edits(
+    self, tree: CallNode, sites: list[Site], shape: Callable[[str, Any], Any] | None
+  ) -> list[tuple[Site, Any]]:
+    out = []
+    for site in select_sites(tree, self.at, sites):
+      if not issubclass(site.node.module_type, ATTENTION):
+        continue
+      settings = site.node.settings()
+      _check_pattern(site, settings)
+      ln = "_ln" if settings.get("normalize_qk") else ""
+      query, key = _child(sites, site, f"query{ln}"), _child(sites, site, f"key{ln}")
+      if query is None or key is None:
+        raise HeadsError(
+          f"{site.name}: this attention module made no query{ln}/key{ln} calls the tree can"
+          " read (they were replaced or placed), so its pattern cannot be recomputed."
+          " Capture the pattern on a tree without them replaced."
+        )
+      count = _value_spec(query, "output").shape[-2]
+      heads = _checked_heads(self.which, count, site.name)
+      kept = tuple((k, settings.get(k)) for k in _PATTERN_SETTINGS)
+      q_key, k_key = f"{site.name}:query (pattern)", f"{site.name}:key (pattern)"
+      shaped = None if shape is None else functools.partial(shape, f"{site.name}:pattern")
+      out.append((query, _Stash(q_key)))
+      out.append((key, _Stash(k_key)))
+      edit = PatternCapture(
+        q_key, k_key, site.name, heads, count, site.node.module_type, kept, shaped
+      )
+      out.append((site, edit))
+    if not out:
+      raise HeadsError(
+        f"{self!r}: no call it names is a Flax attention module (nn.MultiHeadDotProductAttention,"
+        " nnx.MultiHeadAttention). Name attention modules: their patterns are what Flax"
+        " sows with sow_weights=True."
+      )
+    return out
+
+
+_PATTERN_SETTINGS = ("dtype", "precision", "force_fp32_for_softmax")
+
+
+def _check_pattern(site: Site, settings: dict[str, Any]) -> None:
+  """Refuses a module whose weights are not Flax's `dot_product_attention_weights`."""
+  own = (nn.dot_product_attention, nnx.dot_product_attention)
+  problem = None
+  if settings.get("attention_fn") not in own:
+    problem = f"its attention_fn is {getattr(settings.get('attention_fn'), '__name__', '?')}"
+  elif settings.get("decode"):
+    problem = "it decodes (decode=True), reading keys from its cache"
+  elif settings.get("qk_attn_weights_einsum_cls") is not None:
+    problem = "it computes q·k with its own einsum (qk_attn_weights_einsum_cls)"
+  if problem:
+    raise HeadsError(
+      f"{site.name}: {problem}, so its pattern is not Flax's dot_product_attention_weights"
+      " of its query and key. Capture the values your attention function computes"
+      " (fl.capture of its inputs), or use Flax's own dot_product_attention."
+    )
+
+
+def attention_pattern(at: Any, which: Any = None) -> AttentionPattern:
+  """Names the attention weights of Flax attention modules as a capture site.
+
+  `fl.capture(tree, x, at=fl.attention_pattern("block_*/attn"))` returns each module's
+  softmax weights as `"<site>:pattern"`, of shape `(batch..., heads, q_length,
+  kv_length)`: what the module sows with `sow_weights=True` (before dropout), computed
+  by Flax's own `dot_product_attention_weights` from the query and key the module made
+  in this run (after `query_ln`/`key_ln` when it normalises them) and the `mask` (and,
+  NNX, `is_causal`) it was called with. Interventions earlier in the run change it as
+  they change the module's query and key.
+
+  Args:
+    at: the attention modules: a path pattern, a module class or a predicate; calls it
+      names that are not Flax attention modules are passed over.
+    which: a head number or list of them to keep; None: every head.
+
+  Returns:
+    An `AttentionPattern` site for `fl.capture`/`fl.run(capture=...)`.
+
+  Raises:
+    HeadsError: (when the run is traced) the site names no Flax attention module, or
+      one whose weights Flax's function does not compute (a custom `attention_fn`,
+      `decode=True`, a custom q·k einsum).
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> attn, x = nn.MultiHeadDotProductAttention(num_heads=4), jnp.ones((1, 3, 8))
+    >>> tree = fl.unflaxify(attn, attn.init(jax.random.key(0), x), x)
+    >>> _, cache = fl.capture(tree, x, at=fl.attention_pattern(nn.MultiHeadDotProductAttention))
+    >>> cache["MultiHeadDotProductAttention.__call__:pattern"].shape
+    (1, 4, 3, 3)
+  """
+  return AttentionPattern(_static(at), _which(which, f"fl.attention_pattern({at!r})"))
+
+
+# --- sweeps over heads --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _HeadPatcher:
+  """The edit of one head site in every patched forward: the clean value at the head
+  (and position) the forward's unit names, the corrupted value elsewhere."""
+
+  name: str
+  base: int
+  lead: tuple[int, ...]
+  layout: _Layout
+  heads: tuple[int, ...]
+  positions: tuple[int, ...] | None
+  axis: int
+
+  def __call__(self, argument: Any, value: Any, clean: Any, unit: Any, at: Any) -> Any:
+    del argument
+    found = _iteration(self.name, self.lead)
+    if found is None:
+      return value
+    iterations, number = found
+    if iterations:
+      clean = clean[tuple(iterations)]
+    headed = _headed(value, self.layout, self.name)
+    n = len(self.heads)
+    rel = unit - self.base - number * n
+    head = jnp.asarray(self.heads)[jnp.clip(rel, 0, n - 1)]
+    chosen = ((rel >= 0) & (rel < n)) & (jnp.arange(self.layout.count) == head)[:, None]
+    if self.positions is not None:
+      chosen = chosen & _position_mask(self.name, headed, self.axis, self.positions, at)
+    return jnp.where(chosen, clean, headed).reshape(value.shape)
+
+
+def _sweep_heads(tree, clean, corrupted, spec, metric, positions, axis, chunk_size, streams):
+  sites = sites_of(tree)
+  splits = spec.splits(tree, sites)
+  chosen = tuple(sites.index(s.site) for s in splits)
+  copies = _Copies(tree, chosen)
+  copy, _ = copies.fresh()
+  clean_output, cache = _run(copy, clean, (), (dataclasses.replace(spec, which=None),), streams)
+  leads, clean_values = [], []
+  for split in splits:
+    value = cache[f"{split.name}:heads"]
+    once = len(split.once) + (1 if split.merged else 0)
+    leads.append(tuple(value.shape[: value.ndim - once]))
+    clean_values.append(value)
+  units_of = [math.prod(lead) * len(s.heads) for s, lead in zip(splits, leads, strict=True)]
+  bases = np.cumsum([0, *units_of]).tolist()
+  count = 1 if positions is None else len(positions)
+  # Two more forwards patch nothing: the corrupted run, and the clean run (its output
+  # taken from the clean forward), as fl.sweep's own, so the metric is traced once.
+  units = jnp.concatenate([jnp.repeat(jnp.arange(bases[-1]), count), jnp.array(BASELINES)])
+  at = jnp.tile(jnp.asarray(positions or (0,)), bases[-1])
+  at = jnp.concatenate([at, jnp.zeros(len(BASELINES), at.dtype)])
+
+  def patched(unit_and_position: tuple[Any, Any]) -> Any:
+    unit, position = unit_and_position
+    copy, fresh = copies.fresh()
+    edits = tuple(
+      modify(
+        site.node,
+        _HeadPatcher(s.name, base, lead, _layout(s), s.heads, positions, axis),
+        value,
+        unit,
+        position,
+        on=s.on,
+      )
+      for site, s, base, lead, value in zip(fresh, splits, bases, leads, clean_values, strict=False)
+    )
+    output, _ = _run(copy, corrupted, edits, None, streams)
+    output = jax.tree_util.tree_map(
+      lambda c, o: jnp.where(unit == CLEAN_UNIT, c, o) if isinstance(o, jax.Array) else o,
+      clean_output,
+      output,
+    )
+    return _metric_value(metric, output, scalar=False)
+
+  if chunk_size is None:
+    values = jax.vmap(patched)((units, at))
+  else:
+    values = jax.lax.map(patched, (units, at), batch_size=chunk_size)
+  values, baselines = values[: -len(BASELINES)], (values[-1], values[-2])
+  if positions is not None:
+    values = values.reshape(bases[-1], count, *values.shape[1:])
+  rows = _rows([(*lead, len(s.heads)) for s, lead in zip(splits, leads, strict=True)])
+  return values, rows, baselines
+
+
+_sweep_compiled = variable_jit(_sweep_heads)

@@ -1,0 +1,411 @@
+"""Attention heads as sites (`fl.heads`, `fl.attention_pattern`), against native Flax.
+
+Each behaviour is checked on a hand-written two-block attention model, Linen and NNX,
+against the same model run natively with the edit written by hand: Linen through
+`nn.intercept_methods` around the attention's `out` projection, NNX through a copy whose
+`out` projection's class edits its input. Head ablation and patching equal editing those
+columns of the `out` projection's input natively, bit for bit; captured heads are that
+input; patterns are the weights Flax sows with `sow_weights=True`; a heads sweep equals
+the native patch of each head at each position; a merged-heads call (a Hugging Face
+`c_proj`) is split by `heads=n` or by its module's settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flaxlens as fl
+
+FEATURES, HEADS, DIM = 16, 4, 4
+
+
+class LinenBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, sow=False):
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+    attn = nn.MultiHeadDotProductAttention(num_heads=HEADS, name="attn")
+    return x + attn(nn.LayerNorm(name="ln")(x), mask=mask, sow_weights=sow)
+
+
+class LinenModel(nn.Module):
+  @nn.compact
+  def __call__(self, x, sow=False):
+    for i in range(2):
+      x = LinenBlock(name=f"block_{i}")(x, sow)
+    return nn.Dense(8, name="head")(x)
+
+
+class NNXBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.ln = nnx.LayerNorm(FEATURES, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(HEADS, FEATURES, decode=False, rngs=rngs)
+
+  def __call__(self, x, sow=False):
+    mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+    return x + self.attn(self.ln(x), mask=mask, sow_weights=sow)
+
+
+class NNXModel(nnx.Module):
+  def __init__(self, rngs):
+    self.blocks = nnx.List([NNXBlock(rngs) for _ in range(2)])
+    self.head = nnx.Linear(FEATURES, 8, rngs=rngs)
+
+  def __call__(self, x, sow=False):
+    for block in self.blocks:
+      x = block(x, sow)
+    return self.head(x)
+
+
+X = jax.random.normal(jax.random.key(1), (2, 5, FEATURES))
+X2 = jax.random.normal(jax.random.key(2), (2, 5, FEATURES))
+
+
+@dataclasses.dataclass
+class Setup:
+  """A converted model and its native runs with the `out` projections' inputs edited."""
+
+  tree: Any
+  attn: Callable[[int], str]  # the site name of block i's attention
+  native: Callable[..., Any]  # native(x, {block: fn of out's input}) -> output, jitted
+  patterns: Callable[[Any], list]  # the weights Flax sows, per block, jitted
+
+
+def _linen() -> Setup:
+  model = LinenModel()
+  variables = model.init(jax.random.key(0), X)
+
+  def native(x, edits):
+    def edit_out_input(next_fun, args, kwargs, context):
+      path = context.module.path
+      if context.method_name == "__call__" and path[-1:] == ("out",):
+        block = int(path[0].split("_")[1])
+        if block in edits:
+          return next_fun(edits[block](args[0]), *args[1:], **kwargs)
+      return next_fun(*args, **kwargs)
+
+    def run(x):
+      with nn.intercept_methods(edit_out_input):
+        return model.apply(variables, x)
+
+    return jax.jit(run)(x)
+
+  def patterns(x):
+    apply = jax.jit(lambda x: model.apply(variables, x, sow=True, mutable="intermediates"))
+    _, state = apply(x)
+    inter = state["intermediates"]
+    return [inter[f"block_{i}"]["attn"]["attention_weights"][0] for i in range(2)]
+
+  tree = fl.unflaxify(model, variables, X)
+  return Setup(tree, lambda i: f"block_{i}/attn", native, patterns)
+
+
+def _edited_class(cls: type, fn: Callable) -> type:
+  def __call__(self, x, *args, **kwargs):
+    return cls.__call__(self, fn(x), *args, **kwargs)
+
+  return type(f"Edited{cls.__name__}", (cls,), {"__call__": __call__})
+
+
+def _nnx() -> Setup:
+  model = NNXModel(nnx.Rngs(0))
+  tree = fl.unflaxify(model, X)
+
+  def native(x, edits):
+    copy = nnx.clone(model)
+    for block, fn in edits.items():
+      out = copy.blocks[block].attn.out
+      object.__setattr__(out, "__class__", _edited_class(type(out), fn))
+    return nnx.jit(lambda m, x: m(x))(copy, x)
+
+  def patterns(x):
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, x):
+      copy = nnx.merge(graphdef, state)
+      copy(x, sow=True)
+      return [copy.blocks[i].attn.attention_weights.get_value()[0] for i in range(2)]
+
+    return run(state, x)
+
+  return Setup(tree, lambda i: f"blocks/{i}/attn", native, patterns)
+
+
+@pytest.fixture(scope="module", params=["linen", "nnx"])
+def setup(request) -> Setup:
+  return {"linen": _linen, "nnx": _nnx}[request.param]()
+
+
+def _bits_equal(a: Any, b: Any) -> None:
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b), strict=True)
+
+
+def test_ablating_heads_equals_zeroing_their_columns_natively(setup):
+  out = fl.run(setup.tree, X, interventions=[fl.ablate(fl.heads(setup.attn(1), [1, 3]))])
+  expected = setup.native(X, {1: lambda v: v.at[..., jnp.array([1, 3]), :].set(0.0)})
+  _bits_equal(out, expected)
+
+
+def test_ablating_a_head_at_one_position_equals_zeroing_it_natively(setup):
+  edit = fl.ablate(fl.heads(setup.attn(0), 2), where=jnp.s_[:, 3])
+  out = fl.run(setup.tree, X, interventions=[edit])
+  _bits_equal(out, setup.native(X, {0: lambda v: v.at[:, 3, 2, :].set(0.0)}))
+
+
+def test_captured_heads_are_the_out_projection_input(setup):
+  site = fl.heads(setup.attn(0))
+  _, cache = fl.capture(setup.tree, X, at=site)
+  value = cache[f"{setup.attn(0)}:heads"]
+  assert value.shape == (2, 5, HEADS, DIM)
+  # Natively, the out projection's input minus the capture is zero everywhere exactly
+  # when the capture is that input: the run then equals ablating every head.
+  native = setup.native(X, {0: lambda v: v - value})
+  ablated = fl.run(setup.tree, X, interventions=[fl.ablate(site)])
+  _bits_equal(native, ablated)
+
+
+def test_capturing_named_heads_keeps_those_heads_only(setup):
+  _, cache = fl.capture(
+    setup.tree, X, at=[fl.heads(setup.attn(1), [3, 0]), fl.heads(setup.attn(1))]
+  )
+  key = f"{setup.attn(1)}:heads"
+  assert cache[key].shape[-2:] == (HEADS, DIM)
+  _, named = fl.capture(setup.tree, X, at=fl.heads(setup.attn(1), [3, 0]))
+  _bits_equal(named[key], cache[key][..., [3, 0], :])
+
+
+def test_patching_heads_from_another_runs_capture_equals_setting_them_natively(setup):
+  site = fl.heads(setup.attn(1), [2, 0])
+  _, other = fl.capture(setup.tree, X2, at=site)
+  value = other[f"{setup.attn(1)}:heads"]  # (batch, seq, 2, dim): heads 2 and 0, in order
+  out = fl.run(setup.tree, X, interventions=[fl.patch(site, value)])
+  expected = setup.native(X, {1: lambda v: v.at[..., jnp.array([2, 0]), :].set(value)})
+  _bits_equal(out, expected)
+
+
+def test_steering_a_head_equals_adding_to_its_columns_natively(setup):
+  vector = jnp.arange(DIM, dtype=jnp.float32)
+  out = fl.run(setup.tree, X, interventions=[fl.steer(fl.heads(setup.attn(0), 1), vector, 2.0)])
+  expected = setup.native(X, {0: lambda v: v.at[..., 1, :].set(v[..., 1, :] + 2.0 * vector)})
+  _bits_equal(out, expected)
+
+
+def test_attention_pattern_equals_the_weights_flax_sows(setup):
+  _, cache = fl.capture(setup.tree, X, at=fl.attention_pattern("**"))
+  sown = setup.patterns(X)
+  for i in range(2):
+    pattern = cache[f"{setup.attn(i)}:pattern"]
+    assert pattern.shape == (2, HEADS, 5, 5)
+    _bits_equal(pattern, sown[i])
+
+
+def test_attention_pattern_of_named_heads(setup):
+  _, cache = fl.capture(setup.tree, X, at=fl.attention_pattern(setup.attn(0), [2]))
+  _bits_equal(cache[f"{setup.attn(0)}:pattern"], setup.patterns(X)[0][:, [2]])
+
+
+def test_heads_sweep_equals_patching_each_head_and_position_natively(setup):
+  site = fl.heads(setup.attn(1))
+
+  def metric(out):
+    return out[:, -1, 0].sum()
+
+  positions = (1, 4)
+  result = fl.sweep(setup.tree, X2, X, site, metric, positions=positions)
+  assert result.sites == tuple(f"{setup.attn(1)} head {h}" for h in range(HEADS))
+  assert result.values.shape == (HEADS, len(positions))
+  _, clean = fl.capture(setup.tree, X2, at=site)
+  clean = clean[f"{setup.attn(1)}:heads"]
+  for h in range(HEADS):
+    for j, p in enumerate(positions):
+      native = setup.native(X, {1: lambda v, h=h, p=p: v.at[:, p, h].set(clean[:, p, h])})
+      np.testing.assert_allclose(result.values[h, j], metric(native), rtol=1e-6, atol=1e-6)
+
+
+def test_heads_sweep_keeps_the_native_clean_and_corrupted_metrics(setup):
+  def metric(out):
+    return out[:, -1, 0]
+
+  result = fl.sweep(setup.tree, X2, X, fl.heads(setup.attn(1)), metric, per_example=True)
+  np.testing.assert_array_equal(result.clean_per_example, metric(setup.native(X2, {})))
+  np.testing.assert_array_equal(result.corrupted_per_example, metric(setup.native(X, {})))
+  np.testing.assert_allclose(result.per_example.mean(-1), result.values, rtol=1e-6, atol=1e-6)
+
+
+def test_layer_head_grid_sweep_has_a_row_per_layer_and_head(setup):
+  result = fl.sweep(
+    setup.tree, X2, X, fl.heads(setup.attn(0).replace("0", "*")), lambda o: o[0, -1, 0]
+  )
+  assert result.sites == tuple(f"{setup.attn(i)} head {h}" for i in range(2) for h in range(HEADS))
+  single = fl.sweep(setup.tree, X2, X, fl.heads(setup.attn(1), 3), lambda o: o[0, -1, 0])
+  assert single.sites == (f"{setup.attn(1)} head 3",)
+  np.testing.assert_allclose(result.values[-1], single.values[0], rtol=1e-6, atol=1e-6)
+
+
+# --- merged heads: a call whose feature axis holds heads * head_dim ----------------------
+
+
+def _merged_attention(x, heads):
+  """Causal attention over (batch, seq, heads * dim), heads merged back on the last axis."""
+  b, s, f = x.shape
+  q = x.reshape(b, s, heads, f // heads)
+  w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, q) + jnp.triu(jnp.full((s, s), -1e9), 1))
+  return jnp.einsum("bhqk,bkhd->bqhd", w, q).reshape(b, s, f)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  n_head: int
+
+
+class LinenMerged(nn.Module):  # as Hugging Face's Flax GPT-2: c_attn, then c_proj
+  config: Config
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(FEATURES, name="c_attn")(x)
+    return nn.Dense(FEATURES, name="c_proj")(_merged_attention(h, self.config.n_head))
+
+
+class NNXMerged(nnx.Module):
+  def __init__(self, rngs):
+    self.num_heads = HEADS
+    self.c_attn = nnx.Linear(FEATURES, FEATURES, rngs=rngs)
+    self.c_proj = nnx.Linear(FEATURES, FEATURES, rngs=rngs)
+
+  def __call__(self, x):
+    return self.c_proj(_merged_attention(self.c_attn(x), self.num_heads))
+
+
+@pytest.fixture(scope="module", params=["linen", "nnx"])
+def merged(request):
+  """The tree and a native run with c_proj's input edited: native(x, fn) -> output."""
+  if request.param == "linen":
+    model = LinenMerged(Config(HEADS))
+    variables = model.init(jax.random.key(0), X)
+
+    def native(x, fn):
+      def icpt(next_fun, args, kwargs, context):
+        if context.module.name == "c_proj":
+          return next_fun(fn(args[0]), *args[1:], **kwargs)
+        return next_fun(*args, **kwargs)
+
+      def run(x):
+        with nn.intercept_methods(icpt):
+          return model.apply(variables, x)
+
+      return jax.jit(run)(x)
+
+    return fl.unflaxify(model, variables, X), native
+  model = NNXMerged(nnx.Rngs(0))
+
+  def native(x, fn):
+    copy = nnx.clone(model)
+    object.__setattr__(copy.c_proj, "__class__", _edited_class(type(copy.c_proj), fn))
+    return nnx.jit(lambda m, x: m(x))(copy, x)
+
+  return fl.unflaxify(model, X), native
+
+
+def test_merged_heads_split_by_the_given_count(merged):
+  tree, native = merged
+  site = fl.heads("c_proj", [0, 2], heads=HEADS, on="input")
+  out = fl.run(tree, X, interventions=[fl.ablate(site)])
+  expected = native(X, lambda v: v.at[..., 0:DIM].set(0.0).at[..., 2 * DIM : 3 * DIM].set(0.0))
+  _bits_equal(out, expected)
+
+
+def test_merged_heads_count_read_from_the_module_settings(merged):
+  tree, native = merged
+  _, cache = fl.capture(tree, X, at=fl.heads("c_proj", on="input"))  # n_head / num_heads
+  value = cache["c_proj:heads"]
+  assert value.shape == (2, 5, HEADS, DIM)
+  out = fl.run(tree, X, interventions=[fl.ablate(fl.heads("c_proj", 1, on="input"))])
+  _bits_equal(out, native(X, lambda v: v.at[..., DIM : 2 * DIM].set(0.0)))
+
+
+def test_merged_heads_on_a_projection_output(merged):
+  tree, native = merged
+  _, cache = fl.capture(tree, X, at=["c_attn", fl.heads("c_attn", heads=2)])
+  _bits_equal(cache["c_attn:heads"], cache["c_attn"].reshape(2, 5, 2, FEATURES // 2))
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  ("site", "says"),
+  [
+    (lambda: fl.heads("c_proj", heads=5, on="input"), "16 features, which 5 heads do not divide"),
+    (lambda: fl.heads("c_proj", 7, on="input"), "heads [7] are out of range"),
+    (lambda: fl.heads("c_proj", [1, -3], on="input"), "names a head twice"),
+  ],
+)
+def test_bad_head_counts_on_merged_calls_raise_before_running(merged, site, says):
+  tree, _ = merged
+  with pytest.raises(fl.HeadsError) as error:
+    fl.run(tree, X, interventions=[fl.ablate(site())])
+  assert says in str(error.value)
+  assert str(error.value).startswith("c_proj: ")
+
+
+def test_a_head_count_that_disagrees_with_the_attention_module_is_refused(setup):
+  with pytest.raises(fl.HeadsError, match=r"heads=8, but this attention module has 4 heads"):
+    fl.capture(setup.tree, X, at=fl.heads(setup.attn(0), heads=8))
+
+
+def test_a_call_with_no_known_head_count_is_refused(setup):
+  name = "head"
+  with pytest.raises(fl.HeadsError, match=r"no head count is known .* Pass heads=n"):
+    fl.run(setup.tree, X, interventions=[fl.ablate(fl.heads(name))])
+
+
+@pytest.mark.parametrize("count", [0, -2, 2.5, True])
+def test_a_head_count_that_is_not_a_positive_int_is_refused(count):
+  with pytest.raises(fl.HeadsError, match="is no head count"):
+    fl.heads("attn", heads=count)
+
+
+def test_a_pattern_of_a_custom_attention_function_is_refused():
+  def attention(query, key, value, **kwargs):
+    return nn.dot_product_attention(query, key, value)
+
+  model = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=attention)
+  x = jnp.ones((1, 3, 4))
+  tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+  with pytest.raises(fl.HeadsError, match="its attention_fn is attention"):
+    fl.capture(tree, x, at=fl.attention_pattern("**"))
+
+
+def test_hugging_face_gpt2_heads_are_read_from_its_config():
+  transformers = pytest.importorskip("transformers")
+  transformers.utils.logging.set_verbosity_error()
+  config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+  module = transformers.FlaxGPT2LMHeadModel(config, _do_init=False).module
+  ids = jnp.array([[5, 17, 42, 8]])
+  inputs = (ids, jnp.ones_like(ids), jnp.arange(4)[None])
+  variables = {"params": jax.jit(module.init)(jax.random.key(0), *inputs)["params"]}
+  tree = fl.unflaxify(module, variables, *inputs)
+  site = fl.heads("transformer/h/0/attn/c_proj", 1, on="input")  # n_head=2 of 16 features
+  out = fl.run(tree, inputs, interventions=[fl.ablate(site)])
+
+  def zero_head_1(next_fun, args, kwargs, context):
+    if context.module.name == "c_proj" and context.module.path[-2] == "attn":
+      return next_fun(args[0].at[..., 16:32].set(0.0), *args[1:], **kwargs)
+    return next_fun(*args, **kwargs)
+
+  def native(variables, *inputs):
+    with nn.intercept_methods(zero_head_1):
+      return module.apply(variables, *inputs)
+
+  assert not np.array_equal(out.logits, fl.run(tree, inputs).logits)  # the edit acts
+  _bits_equal(out.logits, jax.jit(native)(variables, *inputs).logits)
