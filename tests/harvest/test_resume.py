@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import flax.linen as nn
+import jax
 import numpy as np
 import pytest
 
@@ -101,3 +103,21 @@ def test_a_store_stopped_by_an_error_mid_stream_is_partial(linen_model, tmp_path
   with pytest.raises(fl.HarvestError, match="not complete"):
     stored.batches(4)
   assert sum(len(b["Block_0"]) for b in stored.batches(4, partial=True)) == 6
+
+
+def test_a_call_on_its_own_complete_store_runs_no_model_code(tmp_path):
+  traced = []
+
+  class Counting(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      traced.append(tokens.shape)  # runs each time the model is traced or run eagerly
+      return nn.Dense(models.WIDTH)(nn.Embed(models.VOCAB, models.WIDTH)(tokens))
+
+  batches = models.token_batches(2)
+  module = Counting()
+  tree = fl.unflaxify(module, module.init(jax.random.key(0), batches[0]), batches[0])
+  first = fl.harvest(tree, batches, "Dense_0", tmp_path / "s")
+  traced.clear()
+  again = fl.harvest(tree, batches, "Dense_0", tmp_path / "s")
+  assert traced == [] and again.complete and len(again) == len(first)

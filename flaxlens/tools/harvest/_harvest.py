@@ -571,8 +571,19 @@ def _rule_text(rule: Any) -> Any:
 
 
 def _metadata(
-  tree: CallNode, batch: Any, plan: _Plan, shapes: dict[str, Any], random_streams: Any
+  tree: CallNode,
+  batch: Any,
+  plan: _Plan,
+  shapes: dict[str, Any] | None,
+  random_streams: Any,
+  stored: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+  """The store's metadata for this call. The sites' dtypes, feature shapes, chunking and
+  ids dtypes come from `shapes` (the step's output, or its abstract value), or, with
+  `shapes` None, from the sites `stored` in a store: they follow from the settings that
+  are compared (the model, the sites and rules, the first batch's shapes and dtypes), so a
+  store whose other settings are this call's has this call's (and every batch is checked
+  against them before it is written)."""
   variables = [
     (v.label or str(i), leaf)  # a boxed value (nn.Partitioned) by its array
     for i, v in enumerate(variables_in(tree))
@@ -583,6 +594,20 @@ def _metadata(
   arrays = [leaf for leaf in leaves if _traced_leaf(leaf)]
   sites = []
   for k, site in enumerate(plan.sites):
+    if shapes is None:
+      derived = ("dtype", "features", "chunk", "ids")
+      entry = stored[k] if stored is not None and k < len(stored) else {}
+      sites.append(
+        {
+          "name": site.name,
+          "group": f"s{k}",
+          "positions": _rule_text(site.rule),
+          **{key: entry.get(key) for key in derived},
+        }
+      )
+      if site.dtype is not None:
+        sites[-1]["dtype"] = site.dtype.name
+      continue
     found = shapes[site.name]
     dtype = np.dtype(found["values"].dtype)
     sites.append(
@@ -633,6 +658,21 @@ def _differences(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
 
 
 # --- the store on disk ------------------------------------------------------------------------
+
+
+def _adopted(
+  path: str, tree: CallNode, batch: Any, plan: _Plan, random_streams: Any
+) -> dict[str, Any] | None:
+  """The metadata of the store at `path` where this call made it (to resume, or complete
+  already), found without tracing the model; None where there is none, or another call's
+  (or in a multi-process run, where every process must trace alike)."""
+  if jax.process_count() > 1 or not os.path.isdir(path):
+    return None
+  existing = _store.read_metadata(path)
+  if existing is None or not isinstance(existing.get("sites"), list):
+    return None
+  guess = _metadata(tree, batch, plan, None, random_streams, stored=existing["sites"])
+  return existing if not _differences(existing, guess) else None
 
 
 def _prepare(path: str, metadata: dict[str, Any], overwrite: bool) -> dict[str, Any]:
@@ -1033,8 +1073,17 @@ def harvest(
   chunks = None if budget is None else _Chunks(tree, plan, random_streams, budget, sharding)
   if chunks is not None:
     chunks.split(first, 0)  # refuses what the budget cannot split before anything is written
-  shapes = _shapes(tree, first, plan, random_streams)
-  metadata = _metadata(tree, first, plan, shapes, random_streams)
+  metadata, first_out = _adopted(path, tree, first, plan, random_streams), None
+  if metadata is None and jax.process_count() > 1:
+    metadata = _metadata(
+      tree, first, plan, _shapes(tree, first, plan, random_streams), random_streams
+    )
+  elif metadata is None:
+    # The first step, dispatched now, gives the rows' shapes (its trace is the one the loop
+    # reuses) and runs while the store is prepared.
+    part = first if chunks is None else chunks.split(first, 0)[0]
+    first_out = _step(tree, part, plan, random_streams, _groups(part))
+    metadata = _metadata(tree, first, plan, first_out, random_streams)
   state = _prepare(path, metadata, overwrite)
   if state["complete"]:
     return _store.open_harvest(path)
@@ -1042,7 +1091,18 @@ def harvest(
   display = _Display(show, total, state["batches"])
   try:
     _run(
-      tree, first, stream, plan, random_streams, sharding, path, metadata, state, display, chunks
+      tree,
+      first,
+      stream,
+      plan,
+      random_streams,
+      sharding,
+      path,
+      metadata,
+      state,
+      display,
+      chunks,
+      first_out,
     )
   finally:
     display.close()
@@ -1061,6 +1121,7 @@ def _run(
   state: dict[str, Any],
   display: _Display,
   chunks: _Chunks | None,
+  first_out: dict[str, Any] | None = None,
 ) -> None:
   """The loop over batches. In a multi-process run every process runs it alike: the same
   batches skipped, each step one SPMD program over the global devices, each process writing
@@ -1106,7 +1167,10 @@ def _run(
       parts = [batch] if chunks is None else chunks.split(batch, number)
       for last, part in enumerate(parts, 1 - len(parts)):
         # Dispatched: runs while the writes of the batches before it go on.
-        out = _step(tree, part, plan, random_streams, _groups(part))
+        if first_out is not None and number == 0 and last == 1 - len(parts):
+          out, first_out = first_out, None  # dispatched already, to read the rows' shapes
+        else:
+          out = _step(tree, part, plan, random_streams, _groups(part))
         _check_batch(out, expected, number, path, batches)
         # Processes commit at the same points (a barrier each), so not when a write is done.
         while pending and (len(pending) >= IN_FLIGHT or (not several and pending[0].done())):
