@@ -311,6 +311,12 @@ def test_heads_as_senders_and_receiver_equal_the_three_runs_natively(framework):
   assert result.receivers == ("block_1/attn/query[..., 0, :]",)
   assert not np.allclose(expected[0], _metric(native.run(clean)), atol=1e-4)
   np.testing.assert_allclose(result.values, expected, rtol=1e-5, atol=1e-6)
+  # fl.heads names the same senders: the attention module's heads, one per row.
+  by_heads = fl.path_patch(
+    tree, clean, corrupted, fl.heads("block_0/attn"), receiver, _metric, freeze="block_0/mlp"
+  )
+  assert by_heads.sites == result.sites
+  np.testing.assert_array_equal(by_heads.values, result.values)
 
 
 # --- sweeps and grids ---------------------------------------------------------------------
@@ -350,6 +356,18 @@ def test_each_receiver_grid_equals_one_receiver_at_a_time(framework):
   np.testing.assert_array_equal(grid.values[:, 1:], np.stack(columns, axis=1))
   # block_1/attn starts before block_1/attn ends: that cell changes nothing.
   np.testing.assert_array_equal(grid.values[1, 0], _metric(native.run(clean)))
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_path_patch_keeps_the_native_clean_and_corrupted_metrics(framework):
+  native, clean = _stack(framework)
+  corrupted = clean[::-1] + 0.25
+  result = fl.path_patch(
+    native.tree(clean), clean, corrupted, ATTN, "readout", _metric, per_example=True
+  )
+  np.testing.assert_array_equal(result.clean_per_example, _metric(native.run(clean)))
+  np.testing.assert_array_equal(result.corrupted_per_example, _metric(native.run(corrupted)))
+  np.testing.assert_array_equal(result.values, result.per_example.mean(-1))
 
 
 def test_all_senders_of_one_receiver_compile_once():

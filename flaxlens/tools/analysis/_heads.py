@@ -375,6 +375,25 @@ class Heads:
   def splits(self, tree: CallNode, sites: list[Site] | None = None) -> list[_Split]:
     return _resolve(self, tree, sites_of(tree) if sites is None else sites)
 
+  def path_sites(self, tree: CallNode) -> tuple[list[str], str, list[Any]]:
+    """`(calls, on, slices)` naming these heads for `fl.path_patch` (as `fl.Sites` takes
+    them): the calls holding the heads and one slice per head, the same in every call."""
+    splits = self.splits(tree)
+    layouts = {(s.on, s.count, s.merged, s.heads, s.once[-1]) for s in splits}
+    if len(layouts) != 1:
+      raise HeadsError(
+        f"{self!r}: fl.path_patch takes heads that are the same slices of every call named,"
+        f" and these calls hold them differently ({sorted(map(str, layouts))}). Name calls"
+        " of one layout per fl.heads, or give fl.Sites with explicit where= slices."
+      )
+    on, count, merged, heads, features = layouts.pop()
+    if merged:
+      width = features // count
+      where = [jnp.s_[..., h * width : (h + 1) * width] for h in heads]
+    else:
+      where = [jnp.s_[..., h, :] for h in heads]
+    return [s.site.name for s in splits], on, where
+
   def edits_of(
     self, tree: CallNode, sites: list[Site], intervention: Intervention
   ) -> list[tuple[Site, HeadEdit]]:

@@ -23,6 +23,7 @@ tree's call order (`core/_walk.py`). No Flax internals here.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -39,6 +40,7 @@ from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._variables import bind_variables, unbind_variables
 from flaxlens.core._walk import Relation, calls
 from flaxlens.errors import ArgumentError, SelectionError, UnsupportedFlaxFeatureError
+from flaxlens.tools.analysis import _statistics
 from flaxlens.tools.analysis._calling import check_callable, model_arguments, takes_model_arguments
 from flaxlens.tools.analysis._index import MASK, index_text
 from flaxlens.tools.analysis._interventions import (
@@ -103,7 +105,12 @@ class Sites:
     return tuple(self.where) if isinstance(self.where, list) else (self.where,)
 
 
-def _as_sites(value: Any) -> Sites:
+def _as_sites(value: Any, tree: CallNode) -> Sites:
+  """`value` as `Sites`; a site object that knows its slices (`fl.heads`) says them."""
+  as_sites = getattr(value, "path_sites", None)
+  if as_sites is not None:
+    at, on, where = as_sites(tree)
+    return Sites(at, on=on, where=where)
   return value if isinstance(value, Sites) else Sites(value)
 
 
@@ -318,13 +325,14 @@ class _Run:
     copy = bind_variables(self.slots, self.values)
     return copy, sites_of(copy)
 
-  def capture(self, argument: ArgsAndKwargs, indices: list[int]) -> tuple[list[Site], dict]:
-    """The sites at `indices`: their outputs and inputs in a run on `argument`."""
+  def capture(self, argument: ArgsAndKwargs, indices: list[int]) -> tuple[list[Site], dict, Any]:
+    """The sites at `indices`: their outputs and inputs in a run on `argument`, and the
+    run's output."""
     tree, sites = self.fresh()
     nodes = tuple(sites[k].node for k in indices)
     probing = Probing(_probes_for(tree, (), nodes, True, None), unreached_fix=_UNREACHED_FIX)
-    run_tree(tree, argument, self.streams, {}, probing=probing, probing_key=nodes)
-    return sites, probing.captured
+    output = run_tree(tree, argument, self.streams, {}, probing=probing, probing_key=nodes)
+    return sites, probing.captured, output
 
   def edited(self, argument: ArgsAndKwargs, edits: Callable[[list[Site]], dict]) -> tuple:
     """`(output, recorded)` of a run on `argument` with `edits(sites)`: `{site index:
@@ -457,7 +465,7 @@ def _receiver_edits(plan: _Plan, recorded: dict, column: Any) -> Callable:
 def _path_patch(tree, clean, corrupted, plan: _Plan, metric, streams):
   runs = _Run(tree, streams)
   components = [k for k, _, _ in plan.sides]
-  sites, clean_cache = runs.capture(clean, components)
+  sites, clean_cache, clean_output = runs.capture(clean, components)
   for k in components:
     _check_unstacked(sites[k], clean_cache[sites[k].name])
   clean_values, clean_outputs = {}, {}
@@ -467,7 +475,7 @@ def _path_patch(tree, clean, corrupted, plan: _Plan, metric, streams):
     clean_outputs[k] = clean_cache[sites[k].name]
   sender_on, sender_part = plan.sender_side
   sending = list(dict.fromkeys(u.site for u in plan.senders))
-  _, corrupted_cache = runs.capture(corrupted, sending)
+  _, corrupted_cache, corrupted_output = runs.capture(corrupted, sending)
   corrupted_values = {
     k: get_part(_side(corrupted_cache, sites[k], sender_on), sender_part, sites[k].name, sender_on)
     for k in sending
@@ -479,13 +487,27 @@ def _path_patch(tree, clean, corrupted, plan: _Plan, metric, streams):
 
     def per_receiver(column: Any) -> Any:
       output, _ = runs.edited(clean, _receiver_edits(plan, recorded, column))
-      return _metric_value(metric, output, scalar=False)
+      return output
 
     if plan.each_receiver:
       return jax.vmap(per_receiver)(jnp.arange(len(plan.receivers)))
     return per_receiver(0)
 
-  return jax.vmap(per_sender)(jnp.arange(len(plan.senders)))
+  outputs = jax.vmap(per_sender)(jnp.arange(len(plan.senders)))
+  # Every patched output and the clean and corrupted runs' go through the metric as one
+  # batch, so it is traced once.
+  shape = (len(plan.senders), len(plan.receivers)) if plan.each_receiver else (len(plan.senders),)
+  grid = math.prod(shape)
+  both = jax.tree_util.tree_map(
+    lambda patched, c, o: jnp.concatenate(
+      [patched.reshape(grid, *patched.shape[len(shape) :]), jnp.stack([c, o])]
+    ),
+    outputs,
+    clean_output,
+    corrupted_output,
+  )
+  values = jax.vmap(lambda out: _metric_value(metric, out, scalar=False))(both)
+  return values[:grid].reshape(*shape, *values.shape[1:]), (values[grid], values[grid + 1])
 
 
 _path_patch_compiled = variable_jit(_path_patch)
@@ -503,6 +525,7 @@ def path_patch(
   *,
   freeze: Any = None,
   each_receiver: bool = False,
+  per_example: bool = False,
   random_streams: Any = None,
   jit: bool = True,
 ) -> SweepResult:
@@ -542,13 +565,17 @@ def path_patch(
     each_receiver: a column per receiver (a senders × receivers grid) instead of all
       receivers at once. Run (2) is shared by a sender's columns. A cell whose receiver
       runs before its sender holds the clean metric (the path patch changes nothing).
+    per_example: the metric returns one value per example (its leading axis); the result
+      keeps every example's value for `SweepResult.bootstrap` and `.p_values`, and
+      `values` is their mean (as `fl.sweep(per_example=True)`).
     random_streams: as for a tree call, used by every run.
     jit: compile (default); pass False inside your own `jax.jit`.
 
   Returns:
     A `SweepResult`: `values` of shape `(senders, *metric shape)`, or
     `(senders, receivers, *metric shape)` with `each_receiver`; `sites` names the senders
-    (`"Block_0/attn/out:input[..., 2, :]"`), `receivers` the receivers.
+    (`"Block_0/attn/out:input[..., 2, :]"`), `receivers` the receivers; `clean` and
+    `corrupted` hold the unpatched runs' metrics (so `normalised()` and the plot work).
 
   Raises:
     SelectionError: a site matches no call (closest names listed), a receiver is a
@@ -576,13 +603,18 @@ def path_patch(
   check_callable(metric, "metric", "fl.path_patch")
   if not isinstance(each_receiver, bool):
     raise ArgumentError(f"fl.path_patch: each_receiver= is True or False, got {each_receiver!r}.")
-  senders, receivers = _as_sites(senders), _as_sites(receivers)
+  senders, receivers = _as_sites(senders, tree), _as_sites(receivers, tree)
   plan = _plan(tree, senders, receivers, freeze, each_receiver)
   streams = resolve_random_streams(random_streams, tree.where())
   run = _path_patch_compiled if jit else _path_patch
-  values = run(tree, model_arguments(clean), model_arguments(corrupted), plan, metric, streams)
-  return SweepResult(
+  values, (clean_metric, corrupted_metric) = run(
+    tree, model_arguments(clean), model_arguments(corrupted), plan, metric, streams
+  )
+  result = SweepResult(
     values,
     tuple(u.name for u in plan.senders),
     receivers=tuple(u.name for u in plan.receivers),
+  )
+  return _statistics.with_runs(
+    result, clean_metric, corrupted_metric, per_example=per_example, where="fl.path_patch"
   )
