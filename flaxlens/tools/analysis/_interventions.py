@@ -814,7 +814,10 @@ def checked_interventions(interventions: Any, where: str) -> tuple[Intervention,
   anything else refused naming `where` (`"fl.run"`)."""
   if isinstance(interventions, Intervention):
     return (interventions,)
-  expected = "a list of fl.ablate, fl.patch, fl.steer, fl.scale or fl.modify results"
+  expected = (
+    "a list of interventions (fl.ablate, fl.patch, fl.steer, fl.scale, fl.modify,"
+    " fl.low_rank_edit or fl.interchange results)"
+  )
   fix = "Pass [] for none, or fl.load_interventions(path) for a saved set."
   if not isinstance(interventions, list | tuple):
     raise refuse(where, "interventions", interventions, expected, fix)
