@@ -909,13 +909,37 @@ def _check_part(site: Site, intervention: Intervention) -> None:
   if not isinstance(target, jax.ShapeDtypeStruct):
     raise ArgumentError(
       f"{site.name}: the {intervention.on} is {_describe(target)}, not one array; pass"
-      " part=... (an index or key) to choose the array to edit."
+      f" part= to choose the array to edit{_part_hint(target)}."
     )
 
 
 def _describe(value: Any) -> str:
   leaves = jax.tree_util.tree_leaves(value)
+  if isinstance(value, tuple | list) and len(value) <= 8:
+    parts = ", ".join(_short(x) for x in value)
+    return f"a {type(value).__name__} ({parts})"
+  if isinstance(value, dict) and len(value) <= 8:
+    parts = ", ".join(f"{k!r}: {_short(x)}" for k, x in value.items())
+    return f"a dict ({parts})"
   return f"a {type(value).__name__} of {len(leaves)} leaves"
+
+
+def _short(value: Any) -> str:
+  if isinstance(value, jax.ShapeDtypeStruct | jax.Array | np.ndarray):
+    return f"{np.dtype(value.dtype).name}{list(value.shape)}"
+  return type(value).__name__
+
+
+def _part_hint(value: Any) -> str:
+  """How to choose a part of `value`: its first array's index or key, as an example."""
+  if isinstance(value, tuple | list) and value:
+    return (
+      " (part=0: the first, as Hugging Face blocks return (hidden_states, ...);"
+      " fl.sweep, fl.attribute and fl.grad_at take part= too)"
+    )
+  if isinstance(value, dict) and value:
+    return f" (an index or key: part={next(iter(value))!r})"
+  return " (an index or key)"
 
 
 def _shaper(index: Any, dtype: Any) -> Callable[[str, Any], Any] | None:
