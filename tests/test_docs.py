@@ -25,6 +25,7 @@ WORKFLOW_PAGES = [
   "export.md",
   "sharding.md",
   "harvest.md",
+  "circuits.md",
 ]
 
 
