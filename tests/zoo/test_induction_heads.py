@@ -36,7 +36,8 @@ def _load_example():
 
 @pytest.fixture(scope="module")
 def example():
-  return _load_example()
+  yield _load_example()
+  sys.modules.pop("induction_heads")
 
 
 @pytest.fixture(scope="module")
