@@ -1,14 +1,16 @@
 """Induction heads in a two-layer attention-only transformer, found with flaxlens.
 
 Run: python examples/induction_heads.py (trains three seeds in one compiled program, about
-100 s of CPU, then analyses each in about 8 s; `--quick` trains one seed for 20 steps, as
+80 s of CPU, then analyses each in about 10 s; `--quick` trains one seed for 20 steps, as
 CI runs it, which only shows the calls work).
 
 The model is Flax's own `nn.MultiHeadDotProductAttention` twice over a residual stream
-(token and learned position embeddings, pre-LayerNorm, no MLPs). The data are random
-tokens in which one segment of random length (12 to 32 tokens) is repeated later at a
-random distance, so no fixed positional offset predicts the repeat: only an induction
-head can ("after the previous occurrence of this token came X, so predict X").
+(token and learned position embeddings, pre-LayerNorm, no MLPs), 4 heads in layer 0 and
+one in layer 1 (`--layer1-heads 4`: four, which all become induction heads and share the
+work). The data are random tokens in which one segment of random length (12 to 32 tokens)
+is repeated later at a random distance, so no fixed positional offset predicts the repeat:
+only an induction head can ("after the previous occurrence of this token came X, so
+predict X").
 
 With the public API only, the script then
 1. reads every head's attention pattern (the attention's query and key calls captured,
@@ -24,10 +26,11 @@ With the public API only, the script then
 4. reports how much of the way each ablation takes the repeated tokens' loss back to the
    unrepeated tokens' loss: (ablated - clean repeated) / (unrepeated - clean repeated).
 
-What it finds (numbers in docs/circuits.md): every layer-1 head becomes an induction head
-and they share the work, so ablating any one of them undoes only 0 to 13% of it; ablating
-them together undoes all of it. Path patching finds the previous-token head (or, where
-two share that job, the stronger) whose output their keys read.
+What it finds (numbers in docs/circuits.md): the layer-1 head is an induction head, and
+ablating it takes the repeated tokens' loss all the way back to the unrepeated tokens'
+(more than any layer-0 head's ablation); path patching finds the previous-token head
+whose output its keys read. With four heads in layer 1, all four become induction heads
+and share the work: ablating any one undoes 0-13% of it, all four together all of it.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ import optax
 
 import flaxlens as fl
 
-VOCAB, LENGTH, DIM, HEADS = 64, 64, 64, 4
+VOCAB, LENGTH, DIM = 64, 64, 64
+HEADS = (4, 1)  # per layer; with 4 in layer 1, all 4 become induction heads (see docs)
 SEGMENT = (12, 32)  # lengths of the repeated segment, inclusive
 
 
@@ -60,13 +64,15 @@ class Block(nn.Module):
 class AttentionOnly(nn.Module):
   """Two attention-only blocks: embeddings, residual stream, final LayerNorm, unembedding."""
 
+  heads: tuple[int, int] = HEADS
+
   @nn.compact
   def __call__(self, tokens):
     x = nn.Embed(VOCAB, DIM, name="embed")(tokens)
     x = x + nn.Embed(LENGTH, DIM, name="pos")(jnp.arange(tokens.shape[-1]))
     mask = nn.make_causal_mask(tokens)
-    for i in range(2):
-      x = Block(HEADS, name=f"block_{i}")(x, mask)
+    for i, heads in enumerate(self.heads):
+      x = Block(heads, name=f"block_{i}")(x, mask)
     return nn.Dense(VOCAB, name="unembed")(nn.LayerNorm(name="ln_f")(x))
 
 
@@ -106,19 +112,25 @@ def token_losses(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 MODEL = AttentionOnly()
 
 
-def train(seeds: list[int], steps: int = 1500, batch_size: int = 32, learning_rate: float = 3e-3):
+def train(
+  seeds: list[int],
+  model: AttentionOnly = MODEL,
+  steps: int = 1500,
+  batch_size: int = 32,
+  learning_rate: float = 3e-3,
+):
   """Trains one model per seed (vmapped, one compiled program); returns stacked variables."""
   optimizer = optax.adamw(learning_rate, weight_decay=0.01)
 
   def one(seed):
     key = jax.random.key(seed)
-    variables = MODEL.init(key, jnp.zeros((1, LENGTH), jnp.int32))
+    variables = model.init(key, jnp.zeros((1, LENGTH), jnp.int32))
 
     def step(carry, step_key):
       params, state = carry
       tokens = make_batch(step_key, batch_size).tokens
       loss, grads = jax.value_and_grad(
-        lambda p: token_losses(MODEL.apply(p, tokens), tokens).mean()
+        lambda p: token_losses(model.apply(p, tokens), tokens).mean()
       )(params)
       updates, state = optimizer.update(grads, state, params)
       return (optax.apply_updates(params, updates), state), loss
@@ -147,8 +159,8 @@ def attention_patterns(tree: fl.CallNode, tokens: jax.Array) -> list[jax.Array]:
   ]
 
 
-def head_scores(patterns: list[jax.Array], batch: Batch) -> tuple[jax.Array, jax.Array]:
-  """(induction, previous-token) scores, each (layers, heads), averaged over the batch.
+def head_scores(patterns: list[jax.Array], batch: Batch) -> tuple[list, list]:
+  """(induction, previous-token) scores: per layer, (heads,), averaged over the batch.
 
   Induction: the attention from each repeated token (one whose next token is the 2nd+ of
   the repeat) to the token after its previous occurrence. Previous token: the attention
@@ -162,7 +174,7 @@ def head_scores(patterns: list[jax.Array], batch: Batch) -> tuple[jax.Array, jax
     to_target = jnp.take_along_axis(w[:, :, :-1], target[:, None, :, None], axis=3)[..., 0]
     induction.append(jnp.einsum("bhq,bq->h", to_target, weight))
     previous.append(w[:, :, query + 1, query].mean((0, 2)))
-  return jnp.stack(induction), jnp.stack(previous)
+  return induction, previous
 
 
 def losses(logits: jax.Array, batch: Batch) -> tuple[float, float]:
@@ -215,9 +227,9 @@ class Findings:
 
   repeated: float  # clean loss on repeated tokens
   unrepeated: float  # clean loss on unrepeated tokens
-  induction: jax.Array  # (layers, heads) induction scores
-  previous: jax.Array  # (layers, heads) previous-token scores
-  ablated: jax.Array  # (layers, heads) repeated-token loss with that one head ablated
+  induction: list[jax.Array]  # per layer, (heads,): induction scores
+  previous: list[jax.Array]  # per layer, (heads,): previous-token scores
+  ablated: list[jax.Array]  # per layer, (heads,): repeated-token loss, that one head ablated
   induction_heads: tuple[int, ...]  # layer-1 heads with induction score >= INDUCTION_SCORE
   induction_heads_ablated: float  # repeated-token loss with all of them ablated
   path_patched: jax.Array  # (heads,) repeated-token loss, layer-0 head -> induction keys
@@ -233,29 +245,29 @@ class Findings:
     return int(self.ablated[1].argmax())
 
 
-def analyse(variables, key: jax.Array, size: int = 256) -> Findings:
+def analyse(variables, key: jax.Array, size: int = 256, model: AttentionOnly = MODEL) -> Findings:
   """Finds the induction heads and the previous-token head of one trained model."""
   k_batch, k_corrupted = jax.random.split(key)
   batch = make_batch(k_batch, size)
-  tree = fl.unflaxify(MODEL, variables, batch.tokens)
+  tree = fl.unflaxify(model, variables, batch.tokens)
   repeated, unrepeated = losses(fl.run(tree, batch.tokens), batch)
   induction, previous = head_scores(attention_patterns(tree, batch.tokens), batch)
-  ablated = jnp.array(
-    [
+  ablated = [
+    jnp.array(
       [
         losses(fl.run(tree, batch.tokens, interventions=[ablate_head(layer, head)]), batch)[0]
-        for head in range(HEADS)
+        for head in range(count)
       ]
-      for layer in range(2)
-    ]
-  )
-  heads = [h for h in range(HEADS) if induction[1, h] >= INDUCTION_SCORE] or [
+    )
+    for layer, count in enumerate(model.heads)
+  ]
+  heads = [h for h in range(model.heads[1]) if induction[1][h] >= INDUCTION_SCORE] or [
     int(ablated[1].argmax())
   ]
   all_ablated = losses(fl.run(tree, batch.tokens, interventions=[ablate_head(1, heads)]), batch)
   corrupted = make_batch(k_corrupted, size).tokens
   path_patched = jnp.array(
-    [path_patch_keys(tree, batch, corrupted, sender, heads) for sender in range(HEADS)]
+    [path_patch_keys(tree, batch, corrupted, sender, heads) for sender in range(model.heads[0])]
   )
   return Findings(
     repeated,
@@ -290,21 +302,23 @@ def report(seed: int, f: Findings) -> None:
   )
   print(
     f"  previous-token head 0.{f.previous_token_head} ablated:"
-    f" {f.fraction(f.ablated[0, f.previous_token_head]):.2f} of the way"
+    f" {f.fraction(f.ablated[0][f.previous_token_head]):.2f} of the way"
   )
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="one seed, a few steps (CI)")
+  parser.add_argument("--layer1-heads", type=int, default=HEADS[1], help="heads of layer 1")
   options = parser.parse_args()
+  model = AttentionOnly(heads=(HEADS[0], options.layer1_heads))
   seeds, steps = ([0], 20) if options.quick else ([0, 1, 2], 1500)
   start = time.process_time()
-  variables, _ = jax.block_until_ready(train(seeds, steps=steps))
+  variables, _ = jax.block_until_ready(train(seeds, model, steps=steps))
   print(f"trained {len(seeds)} model(s), {steps} steps: {time.process_time() - start:.0f}s CPU")
   for i, seed in enumerate(seeds):
     one = jax.tree.map(lambda v, i=i: v[i], variables)
-    report(seed, analyse(one, jax.random.key(1000 + seed), size=32 if options.quick else 256))
+    report(seed, analyse(one, jax.random.key(1000 + seed), 32 if options.quick else 256, model))
 
 
 if __name__ == "__main__":

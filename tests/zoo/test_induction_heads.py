@@ -1,8 +1,9 @@
 """Induction heads, end to end: examples/induction_heads.py's findings hold on three seeds.
 
-Three two-layer attention-only transformers (Flax's `nn.MultiHeadDotProductAttention`)
-are trained here on random tokens with one segment repeated at a random length and
-distance (about 100 s of CPU for the three, in one compiled program), then analysed with
+Three two-layer attention-only transformers (Flax's `nn.MultiHeadDotProductAttention`,
+4 heads in layer 0, one in layer 1) are trained here on random tokens with one segment
+repeated at a random length and distance (about 80 s of CPU for the three, in one
+compiled program), then analysed with
 the public API only, as the example does. Each test states one finding for every seed;
 the two tools whose values the findings rest on (a head's ablation, the hand-written path
 patching) are compared against native Flax computations.
@@ -90,9 +91,9 @@ def test_ablating_a_head_equals_zeroing_its_slice_of_the_output_projection_nativ
 ):
   batch = example.make_batch(jax.random.key(7), 8)
   tree = fl.unflaxify(example.MODEL, trained[0], batch.tokens)
-  ablated = fl.run(tree, batch.tokens, interventions=[example.ablate_head(1, 2)])
+  ablated = fl.run(tree, batch.tokens, interventions=[example.ablate_head(0, 2)])
   zero_head = lambda x: x.at[:, :, 2].set(0.0)
-  native, _ = _native(example, trained[0], batch.tokens, {("block_1/attn/out", "input"): zero_head})
+  native, _ = _native(example, trained[0], batch.tokens, {("block_0/attn/out", "input"): zero_head})
   assert (ablated == native).all()
 
 
@@ -113,26 +114,24 @@ def test_path_patching_by_hand_equals_a_native_three_run_computation(example, tr
   assert patched > example.losses(fl.run(tree, batch.tokens), batch)[0] + 0.5  # it matters
 
 
-def test_the_heads_whose_ablation_hurts_repeated_tokens_most_are_layer_one_induction_heads(
-  findings,
-):
+def test_the_layer_one_head_attends_like_an_induction_head_and_layer_zero_does_not(findings):
   for f in findings:
-    assert f.strongest_head in f.induction_heads, (f.induction[1], f.ablated[1])
+    assert f.induction_heads == (0,), f.induction[1]
+    assert f.induction[1][0] > 0.5, f.induction[1]
     assert (f.induction[0] < 0.2).all(), f.induction[0]  # one layer cannot do induction
 
 
-def test_the_induction_heads_share_the_work(findings):
+def test_ablating_the_induction_head_hurts_repeated_tokens_more_than_any_other_head(findings):
   for f in findings:
-    assert len(f.induction_heads) >= 2, f.induction[1]
-    assert max(f.fraction(loss) for loss in f.ablated[1]) < 0.3, f.ablated[1]
+    assert f.ablated[1][0] > f.ablated[0].max() + 1.0, (f.ablated[0], f.ablated[1])
 
 
 def test_path_patching_into_the_induction_heads_keys_finds_a_previous_token_head(findings):
   for f in findings:
-    assert f.previous[0, f.previous_token_head] > 0.25, f.previous[0]
-    assert f.fraction(f.path_patched.max()) > 0.3, f.path_patched
+    assert f.previous[0][f.previous_token_head] > 0.25, f.previous[0]
+    assert f.fraction(f.path_patched.max()) > 0.2, f.path_patched
 
 
-def test_ablating_the_induction_heads_takes_repeated_tokens_most_of_the_way_back(findings):
+def test_ablating_the_induction_head_takes_repeated_tokens_most_of_the_way_back(findings):
   for f in findings:
-    assert f.fraction(f.induction_heads_ablated) >= 0.8, f.induction_heads_ablated
+    assert f.fraction(f.ablated[1][0]) >= 0.8, f.ablated[1]
