@@ -29,6 +29,7 @@ WORKFLOW_PAGES = [
   "sharding.md",
   "harvest.md",
   "training-interventions.md",
+  "circuits.md",
 ]
 
 
