@@ -13,15 +13,16 @@ only an induction head can ("after the previous occurrence of this token came X,
 predict X").
 
 With the public API only, the script then
-1. reads every head's attention pattern (the attention's query and key calls captured,
-   the softmax taken by Flax's own `nn.dot_product_attention_weights`) and scores it:
+1. reads every head's attention pattern (`fl.attention_pattern`: Flax's own softmax of
+   the query and key each attention computed) and scores it:
    induction score (attention from a repeated token to the token after its previous
    occurrence), previous-token score (attention to the position before);
-2. ablates each head (zeroing its slice of the output projection's input), and then the
+2. ablates each head (`fl.ablate(fl.heads(...))`: zeroing what it writes), and then the
    induction heads together, measuring the loss on repeated tokens (the 2nd and later
    tokens of a repeat) and on unrepeated ones;
-3. path-patches each layer-0 head into the induction heads' keys (the sender's output from
-   a run on other random tokens, every other call left as in the clean run): the head
+3. path-patches each layer-0 head into the induction heads' keys (`fl.path_patch`, every
+   layer-0 head in one program; the sender's output from a run on other random tokens,
+   every other component left as in the clean run): the head
    whose path raises the loss most is the previous-token head they compose with;
 4. reports how much of the way each ablation takes the repeated tokens' loss back to the
    unrepeated tokens' loss: (ablated - clean repeated) / (unrepeated - clean repeated).
@@ -148,15 +149,9 @@ def train(
 
 
 def attention_patterns(tree: fl.CallNode, tokens: jax.Array) -> list[jax.Array]:
-  """Each layer's attention weights, (batch, heads, query, key), from its captured q and k."""
-  _, cache = fl.capture(tree, tokens, at=["block_*/attn/query", "block_*/attn/key"])
-  mask = nn.make_causal_mask(tokens)
-  return [
-    nn.dot_product_attention_weights(
-      cache[f"block_{i}/attn/query"], cache[f"block_{i}/attn/key"], mask=mask
-    )
-    for i in range(2)
-  ]
+  """Each layer's attention weights, (batch, heads, query, key), as Flax computes them."""
+  _, cache = fl.capture(tree, tokens, at=fl.attention_pattern("block_*/attn"))
+  return [cache[f"block_{i}/attn:pattern"] for i in range(2)]
 
 
 def head_scores(patterns: list[jax.Array], batch: Batch) -> tuple[list, list]:
@@ -187,35 +182,37 @@ def losses(logits: jax.Array, batch: Batch) -> tuple[float, float]:
 
 
 def ablate_head(layer: int, head: int | list[int]) -> fl.Intervention:
-  """Zero head `head` (or heads) of layer `layer`: its slice of the output projection's input.
+  """Zero head `head` (or heads) of layer `layer`: what it writes, before the output
+  projection merges the heads (`fl.heads` finds that value in Flax's attention module)."""
+  return fl.ablate(fl.heads(f"block_{layer}/attn", head))
 
-  Flax's attention calls its `out` projection (a `DenseGeneral` over the last two axes)
-  on the heads' outputs, shaped (batch, length, heads, head_dim).
-  """
-  return fl.ablate(f"block_{layer}/attn/out", on="input", where=jnp.s_[:, :, head])
+
+def repeated_loss(batch: Batch):
+  """The metric of a run: mean loss on the repeated tokens (traceable)."""
+
+  def metric(logits: jax.Array) -> jax.Array:
+    per_token = token_losses(logits, batch.tokens)
+    return per_token.sum(where=batch.repeated) / batch.repeated.sum()
+
+  return metric
 
 
 def path_patch_keys(
-  tree: fl.CallNode, batch: Batch, corrupted: jax.Array, sender: int, receiver: int | list[int]
-) -> float:
-  """Repeated-token loss when only the keys of layer-1 head(s) `receiver` see layer-0 head
-  `sender` as it was on the `corrupted` tokens; every other call is the clean run's.
+  tree: fl.CallNode, batch: Batch, corrupted: jax.Array, receiver: int | list[int]
+) -> jax.Array:
+  """Repeated-token loss, per layer-0 head (the sender), when only the keys of layer-1
+  head(s) `receiver` see that head as it was on the `corrupted` tokens; every other
+  component (the layer-0 heads, the receivers' keys) keeps the clean run's value.
 
-  Three runs: the corrupted run gives the sender's output; a clean run with the sender
-  patched gives the receiver's keys (the key projection is per head, so the receiver's
-  slice of it is what the receiver's key input produces); a clean run with only those
-  keys patched gives the metric. In a two-layer model every other path from the sender
-  skips the receiver's keys, so they keep their clean values.
+  `fl.path_patch` runs the three runs (corrupted; clean with the sender corrupted,
+  recording the receivers' keys; clean with those keys patched) for every layer-0 head
+  in one compiled program.
   """
-  _, dirty = fl.capture(tree, corrupted, at="block_0/attn/out", inputs=True)
-  sender_patch = fl.patch(
-    "block_0/attn/out", dirty["block_0/attn/out:input"], on="input", where=jnp.s_[:, :, sender]
+  keys = fl.Sites("block_1/attn/key", where=jnp.s_[:, :, receiver])  # (batch, len, heads, dim)
+  result = fl.path_patch(
+    tree, batch.tokens, corrupted, fl.heads("block_0/attn"), keys, repeated_loss(batch)
   )
-  _, keys = fl.capture(tree, batch.tokens, at="block_1/attn/key", interventions=[sender_patch])
-  receiver_patch = fl.patch(
-    "block_1/attn/key", keys["block_1/attn/key"], where=jnp.s_[:, :, receiver]
-  )
-  return losses(fl.run(tree, batch.tokens, interventions=[receiver_patch]), batch)[0]
+  return result.values
 
 
 INDUCTION_SCORE = 0.3  # a layer-1 head at least this induction score is an induction head
@@ -266,9 +263,7 @@ def analyse(variables, key: jax.Array, size: int = 256, model: AttentionOnly = M
   ]
   all_ablated = losses(fl.run(tree, batch.tokens, interventions=[ablate_head(1, heads)]), batch)
   corrupted = make_batch(k_corrupted, size).tokens
-  path_patched = jnp.array(
-    [path_patch_keys(tree, batch, corrupted, sender, heads) for sender in range(model.heads[0])]
-  )
+  path_patched = path_patch_keys(tree, batch, corrupted, heads)
   return Findings(
     repeated,
     unrepeated,
