@@ -32,6 +32,7 @@ import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._edit import EditedCall
+from flaxlens.core._functions import traced_function
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probing, active_probing
@@ -579,6 +580,8 @@ def path_patch(
   senders, receivers = _as_sites(senders), _as_sites(receivers)
   plan = _plan(tree, senders, receivers, freeze, each_receiver)
   streams = resolve_random_streams(random_streams, tree.where())
+  if jit:
+    metric = traced_function(metric, "metric", "fl.path_patch")
   run = _path_patch_compiled if jit else _path_patch
   values = run(tree, model_arguments(clean), model_arguments(corrupted), plan, metric, streams)
   return SweepResult(

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._functions import traced_function
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probing, scan_iterations
@@ -489,7 +490,7 @@ def sweep(
     clean,
     corrupted,
     chosen,
-    metric,
+    traced_function(metric, "metric", "fl.sweep") if jit else metric,
     positions,
     axis,
     part,
@@ -622,7 +623,7 @@ def attribute(
     model_arguments(clean),
     model_arguments(corrupted),
     chosen,
-    metric,
+    traced_function(metric, "metric", "fl.attribute") if jit else metric,
     positions,
     axis,
     part,
@@ -701,5 +702,7 @@ def grad_at(
   check_callable(metric, "metric", "fl.grad_at")
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
+  if jit:
+    metric = traced_function(metric, "metric", "fl.grad_at")
   run = _grad_at_compiled if jit else _grad_at
   return run(tree, model_arguments(args), chosen, metric, part, streams)

@@ -1,0 +1,333 @@
+"""Functions given to compiled tools, keyed by what they compute instead of their identity.
+
+`jax.jit` keys a function argument on the function object, so a metric written as a new
+`lambda` at every call (in a loop, in a helper) traces and compiles again although it
+computes the same thing. `traced_function(fn, ...)` makes a pytree of `fn` whose
+static part is its code, its globals (by identity) and the values it closes over and
+has as defaults, and whose leaves are the arrays among those values: two functions with
+equal code and equal closed-over values share one compiled program, and closing over a
+new array of the same shape and dtype is a new input, not a new program. Python numbers
+and strings are compared by value (they are baked into the program); any other object
+(a list, a module, a model) by identity, as `jax.jit` compares it. When a function with
+the code of one traced before is traced again for another value, `MetricRetraceWarning`
+says once, per code and tool, which value made the difference. No Flax internals here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dis
+import functools
+import os
+import sys
+import sysconfig
+import threading
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from flaxlens.errors import MetricRetraceWarning
+
+_ARRAY = ("array",)
+_ARRAYS = (jax.Array, np.ndarray, np.generic)
+_VALUES = (int, str, bytes, bool, type(None))
+_MAX_DEPTH = 8
+
+
+class _Same:
+  """An object compared by identity (and kept alive while its key is)."""
+
+  __slots__ = ("obj",)
+
+  def __init__(self, obj: Any):
+    self.obj = obj
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Same) and self.obj is other.obj
+
+  def __hash__(self) -> int:
+    return id(self.obj)
+
+  def __repr__(self) -> str:
+    return f"the object {_short(self.obj)}"
+
+
+class _Static:
+  """A hashable object compared as `jax.jit` compares a static argument: by `==`."""
+
+  __slots__ = ("obj",)
+
+  def __init__(self, obj: Any):
+    self.obj = obj
+
+  def __eq__(self, other: object) -> bool:
+    return (
+      isinstance(other, _Static) and type(self.obj) is type(other.obj) and self.obj == other.obj
+    )
+
+  def __hash__(self) -> int:
+    return hash(self.obj)
+
+  def __repr__(self) -> str:
+    return _short(self.obj)
+
+
+def _short(obj: Any) -> str:
+  text = repr(obj)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _float_key(x: float) -> Any:
+  return (type(x), x.hex())  # -0.0 and nan compare as themselves.
+
+
+@functools.lru_cache(maxsize=1024)
+def _writes_cells(code: types.CodeType) -> bool:
+  """Whether `code` (or code nested in it) assigns a closed-over name (`nonlocal`)."""
+  for instruction in dis.get_instructions(code):
+    if instruction.opname in ("STORE_DEREF", "DELETE_DEREF") and instruction.argval in (
+      code.co_freevars
+    ):
+      return True
+  return any(_writes_cells(c) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def _describe(value: Any, leaves: list[Any], depth: int) -> Any:
+  """The static key of `value`; its arrays are appended to `leaves`."""
+  if isinstance(value, _ARRAYS):
+    leaves.append(value)
+    return _ARRAY
+  kind = type(value)
+  if kind in _VALUES:
+    return (kind, value)
+  if kind is float:
+    return _float_key(value)
+  if kind is complex:
+    return (kind, _float_key(value.real), _float_key(value.imag))
+  if depth < _MAX_DEPTH:
+    if kind is tuple:
+      return ("tuple", tuple(_describe(v, leaves, depth + 1) for v in value))
+    if kind is types.FunctionType:
+      return _describe_function(value, leaves, depth)
+    if kind is functools.partial and not value.__dict__:
+      return (
+        "partial",
+        _describe(value.func, leaves, depth + 1),
+        tuple(_describe(v, leaves, depth + 1) for v in value.args),
+        tuple((k, _describe(v, leaves, depth + 1)) for k, v in value.keywords.items()),
+      )
+  try:
+    hash(value)
+  except TypeError:
+    return _Same(value)
+  return _Static(value)
+
+
+def _describe_function(fn: types.FunctionType, leaves: list[Any], depth: int) -> Any:
+  code = fn.__code__
+  if fn.__dict__ or _writes_cells(code):
+    return _Static(fn)
+  parts: list[tuple[str, Any]] = []
+  start = len(leaves)
+  try:
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
+      parts.append((f"closure variable {name!r}", _describe(cell.cell_contents, leaves, depth + 1)))
+  except ValueError:  # An empty cell (a name not assigned yet): the function as it is.
+    del leaves[start:]
+    return _Static(fn)
+  positional = code.co_varnames[: code.co_argcount]
+  for name, default in zip(
+    positional[len(positional) - len(fn.__defaults__ or ()) :], fn.__defaults__ or (), strict=True
+  ):
+    parts.append((f"default of {name!r}", _describe(default, leaves, depth + 1)))
+  for name, default in sorted((fn.__kwdefaults__ or {}).items()):
+    parts.append((f"default of {name!r}", _describe(default, leaves, depth + 1)))
+  return ("function", code, _Same(fn.__globals__), tuple(parts))
+
+
+def _has_arrays(key: Any) -> bool:
+  if key is _ARRAY:
+    return True
+  if isinstance(key, tuple):
+    return any(_has_arrays(k) for k in key)
+  return False
+
+
+def _rebuild(value: Any, key: Any, leaves: Any) -> Any:
+  """`value` with the arrays its key counted replaced by the next of `leaves`."""
+  if key is _ARRAY:
+    return next(leaves)
+  if not _has_arrays(key):
+    return value
+  kind = key[0]
+  if kind == "tuple":
+    return tuple(_rebuild(v, k, leaves) for v, k in zip(value, key[1], strict=True))
+  if kind == "partial":
+    func = _rebuild(value.func, key[1], leaves)
+    args = [_rebuild(v, k, leaves) for v, k in zip(value.args, key[2], strict=True)]
+    keywords = {n: _rebuild(value.keywords[n], k, leaves) for n, k in key[3]}
+    return functools.partial(func, *args, **keywords)
+  fn: types.FunctionType = value
+  parts = iter(key[3])
+  cells = tuple(
+    types.CellType(_rebuild(cell.cell_contents, k, leaves)) if _has_arrays(k) else cell
+    for cell, (_, k) in zip(fn.__closure__ or (), parts, strict=False)
+  )
+  defaults = tuple(_rebuild(d, next(parts)[1], leaves) for d in fn.__defaults__ or ())
+  kwdefaults = {
+    name: _rebuild(fn.__kwdefaults__[name], next(parts)[1], leaves)
+    for name in sorted(fn.__kwdefaults__ or {})
+  }
+  out = types.FunctionType(
+    fn.__code__, fn.__globals__, fn.__name__, defaults or None, cells or None
+  )
+  out.__kwdefaults__ = kwdefaults or None
+  out.__qualname__ = fn.__qualname__
+  return out
+
+
+class _Key:
+  """The static part of a `TracedFunction`: compared by its key; holds the function."""
+
+  __slots__ = ("key", "fn", "argument", "tool", "_hash")
+
+  def __init__(self, key: Any, fn: Callable, argument: str, tool: str):
+    self.key, self.fn, self.argument, self.tool = key, fn, argument, tool
+    self._hash = hash((key, argument, tool))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: object) -> bool:
+    return (
+      isinstance(other, _Key)
+      and self._hash == other._hash
+      and self.argument == other.argument
+      and self.tool == other.tool
+      and self.key == other.key
+    )
+
+
+class TracedFunction:
+  """A function as a pytree: its arrays are leaves, the rest of it is static.
+
+  Calling it calls the function; under a trace, with the arrays it closes over replaced
+  by the traced leaves. Made by `traced_function`.
+  """
+
+  __slots__ = ("static", "leaves", "_fn")
+
+  def __init__(self, static: _Key, leaves: list[Any]):
+    self.static = static
+    self.leaves = leaves
+    self._fn: Callable | None = None
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if self._fn is None:
+      static = self.static
+      self._fn = _rebuild(static.fn, static.key, iter(self.leaves))
+      _note_trace(static)
+    return self._fn(*args, **kwargs)
+
+
+jax.tree_util.register_pytree_node(
+  TracedFunction,
+  lambda f: (f.leaves, f.static),
+  lambda static, leaves: TracedFunction(static, list(leaves)),
+)
+
+
+def traced_function(fn: Callable, argument: str, tool: str) -> TracedFunction:
+  """`fn` as a pytree keyed by its code and the values it closes over (see the module).
+
+  Args:
+    fn: the function (a metric, say).
+    argument: the name of the argument it was given as (`"metric"`), for the warning.
+    tool: the public function it was given to (`"fl.sweep"`), for the warning.
+  """
+  leaves: list[Any] = []
+  key = _describe(fn, leaves, 0)
+  return TracedFunction(_Key(key, fn, argument, tool), leaves)
+
+
+_lock = threading.Lock()
+_last: collections.OrderedDict[Any, Any] = collections.OrderedDict()  # (tool, code) -> key
+_warned: set[Any] = set()
+_MAX_CODES = 256
+
+
+def _note_trace(static: _Key) -> None:
+  """Warns once per code and tool when a function with known code is traced for new values."""
+  key = static.key
+  if not (isinstance(key, tuple) and key and key[0] == "function"):
+    code = getattr(getattr(static.fn, "__func__", static.fn), "__code__", None)
+    if code is None:
+      return
+    key = ("object", code, key)
+  site = (static.tool, static.argument, key[1])
+  with _lock:
+    before = _last.get(site)
+    _last[site] = key
+    _last.move_to_end(site)
+    while len(_last) > _MAX_CODES:
+      _last.popitem(last=False)
+    if before is None or before == key or site in _warned:
+      return
+    _warned.add(site)
+  warnings.warn(
+    MetricRetraceWarning(
+      f"{static.tool}: {static.argument}= is traced and compiled again: it has the code"
+      f" of the {static.argument} of an earlier call, but {_difference(before, key)}."
+      f" {_FIX}"
+    ),
+    stacklevel=_caller_level(),
+  )
+
+
+def _library_folders() -> tuple[str, ...]:
+  import flaxlens
+
+  folders = [os.path.dirname(os.path.dirname(flaxlens.__file__)) + os.sep + "flaxlens"]
+  folders += [os.path.dirname(jax.__file__), sysconfig.get_paths()["stdlib"]]
+  return tuple(os.path.join(os.path.realpath(f), "") for f in folders)
+
+
+def _caller_level() -> int:
+  """The `stacklevel` of the first frame outside flaxlens, JAX and the standard library."""
+  skipped = _library_folders()
+  frame, level = sys._getframe(1), 1
+  while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(skipped):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+_FIX = (
+  "Arrays a function closes over are inputs of the compiled program, Python numbers and"
+  " strings are baked into it, other objects are compared by identity: close over"
+  " jnp.asarray(value) for a number that changes, and reuse the same objects."
+)
+
+
+def _difference(before: Any, after: Any) -> str:
+  """Which closed-over value or default differs between two keys of the same code."""
+  if before[0] != "function" or after[0] != "function":
+    return "it is another object (compared by identity)"
+  if before[2] != after[2]:
+    return "its globals are another module's"
+  for (label, old), (_, new) in zip(before[3], after[3], strict=True):
+    if old != new:
+      return f"its {label} differs ({_shown(old)}, now {_shown(new)})"
+  return "it differs"
+
+
+def _shown(key: Any) -> str:
+  if isinstance(key, _Same | _Static):
+    return repr(key)
+  if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], type):
+    kind, value = key
+    return repr(float.fromhex(value) if kind is float else value)
+  return "another value"
