@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flaxlens.errors import MetricRetraceWarning
+from flaxlens.errors import FlaxlensError, MetricRetraceWarning
 
 _ARRAY = ("array",)
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
@@ -56,26 +56,6 @@ class _Same:
     return f"the object {_short(self.obj)}"
 
 
-class _Static:
-  """A hashable object compared as `jax.jit` compares a static argument: by `==`."""
-
-  __slots__ = ("obj",)
-
-  def __init__(self, obj: Any):
-    self.obj = obj
-
-  def __eq__(self, other: object) -> bool:
-    return (
-      isinstance(other, _Static) and type(self.obj) is type(other.obj) and self.obj == other.obj
-    )
-
-  def __hash__(self) -> int:
-    return hash(self.obj)
-
-  def __repr__(self) -> str:
-    return _short(self.obj)
-
-
 def _short(obj: Any) -> str:
   text = repr(obj)
   return text if len(text) <= 60 else text[:57] + "..."
@@ -96,9 +76,12 @@ def _writes_cells(code: types.CodeType) -> bool:
   return any(_writes_cells(c) for c in code.co_consts if isinstance(c, types.CodeType))
 
 
-def _describe(value: Any, leaves: list[Any], depth: int) -> Any:
-  """The static key of `value`; its arrays are appended to `leaves`."""
+def _describe(value: Any, leaves: list[Any] | None, depth: int) -> Any:
+  """The static key of `value`; its arrays are appended to `leaves` (None: arrays are
+  compared by identity, their values baked into the program)."""
   if isinstance(value, _ARRAYS):
+    if leaves is None:
+      return _Same(value)
     leaves.append(value)
     return _ARRAY
   kind = type(value)
@@ -107,12 +90,14 @@ def _describe(value: Any, leaves: list[Any], depth: int) -> Any:
   if kind is float:
     return _float_key(value)
   if kind is complex:
-    return (kind, _float_key(value.real), _float_key(value.imag))
+    return ("complex", _float_key(value.real), _float_key(value.imag))
   if depth < _MAX_DEPTH:
     if kind is tuple:
       return ("tuple", tuple(_describe(v, leaves, depth + 1) for v in value))
     if kind is types.FunctionType:
       return _describe_function(value, leaves, depth)
+    if kind is types.MethodType:
+      return ("method", _Same(value.__self__), _describe(value.__func__, leaves, depth + 1))
     if kind is functools.partial and not value.__dict__:
       return (
         "partial",
@@ -120,29 +105,25 @@ def _describe(value: Any, leaves: list[Any], depth: int) -> Any:
         tuple(_describe(v, leaves, depth + 1) for v in value.args),
         tuple((k, _describe(v, leaves, depth + 1)) for k, v in value.keywords.items()),
       )
-  try:
-    hash(value)
-  except TypeError:
-    return _Same(value)
-  return _Static(value)
+  return _Same(value)
 
 
-def _describe_function(fn: types.FunctionType, leaves: list[Any], depth: int) -> Any:
+def _describe_function(fn: types.FunctionType, leaves: list[Any] | None, depth: int) -> Any:
   code = fn.__code__
   if fn.__dict__ or _writes_cells(code):
-    return _Static(fn)
+    return _Same(fn)
   parts: list[tuple[str, Any]] = []
-  start = len(leaves)
+  start = len(leaves) if leaves is not None else 0
   try:
     for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
       parts.append((f"closure variable {name!r}", _describe(cell.cell_contents, leaves, depth + 1)))
   except ValueError:  # An empty cell (a name not assigned yet): the function as it is.
-    del leaves[start:]
-    return _Static(fn)
+    if leaves is not None:
+      del leaves[start:]
+    return _Same(fn)
   positional = code.co_varnames[: code.co_argcount]
-  for name, default in zip(
-    positional[len(positional) - len(fn.__defaults__ or ()) :], fn.__defaults__ or (), strict=True
-  ):
+  defaults = fn.__defaults__ or ()
+  for name, default in zip(positional[len(positional) - len(defaults) :], defaults, strict=True):
     parts.append((f"default of {name!r}", _describe(default, leaves, depth + 1)))
   for name, default in sorted((fn.__kwdefaults__ or {}).items()):
     parts.append((f"default of {name!r}", _describe(default, leaves, depth + 1)))
@@ -166,6 +147,8 @@ def _rebuild(value: Any, key: Any, leaves: Any) -> Any:
   kind = key[0]
   if kind == "tuple":
     return tuple(_rebuild(v, k, leaves) for v, k in zip(value, key[1], strict=True))
+  if kind == "method":
+    return types.MethodType(_rebuild(value.__func__, key[2], leaves), value.__self__)
   if kind == "partial":
     func = _rebuild(value.func, key[1], leaves)
     args = [_rebuild(v, k, leaves) for v, k in zip(value.args, key[2], strict=True)]
@@ -241,39 +224,79 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def traced_function(fn: Callable, argument: str, tool: str) -> TracedFunction:
+def traced_function(
+  fn: Callable, argument: str, tool: str, *, arrays_as_inputs: bool = True
+) -> TracedFunction:
   """`fn` as a pytree keyed by its code and the values it closes over (see the module).
 
   Args:
     fn: the function (a metric, say).
     argument: the name of the argument it was given as (`"metric"`), for the warning.
     tool: the public function it was given to (`"fl.sweep"`), for the warning.
+    arrays_as_inputs: whether the arrays it closes over are leaves (inputs of the
+      program) or, for a function that needs their values while traced, compared by
+      identity and baked in.
   """
-  leaves: list[Any] = []
+  leaves: list[Any] | None = [] if arrays_as_inputs else None
   key = _describe(fn, leaves, 0)
-  return TracedFunction(_Key(key, fn, argument, tool), leaves)
+  return TracedFunction(_Key(key, fn, argument, tool), leaves or [])
 
 
+def call_with_function(fn: Callable, argument: str, tool: str, call: Callable) -> Any:
+  """`call(traced_function(fn, ...))`; where tracing needs the value of an array `fn`
+  closes over (JAX raises a `ConcretizationTypeError`, or an `IndexError` or `TypeError`
+  for a traced slice bound or shape), called again with those arrays baked in, and so
+  from then on for functions of that code."""
+  code = getattr(fn, "__code__", None)
+  if code not in _needs_values:
+    traced = traced_function(fn, argument, tool)
+    if not traced.leaves:
+      return call(traced)
+    site = (tool, argument, _site(traced.static.key))
+    with _lock:
+      last = _last.get(site)
+    try:
+      return call(traced)
+    except FlaxlensError:
+      raise
+    except _NEEDS_VALUE:
+      with _lock:  # The failed trace is not one to compare with.
+        _last.pop(site, None)
+        if last is not None:
+          _last[site] = last
+      out = call(traced_function(fn, argument, tool, arrays_as_inputs=False))
+      if code is not None:
+        _needs_values.add(code)
+      return out
+  return call(traced_function(fn, argument, tool, arrays_as_inputs=False))
+
+
+_NEEDS_VALUE = (jax.errors.ConcretizationTypeError, IndexError, TypeError)
+_needs_values: set[Any] = set()  # Codes that read the value of an array they close over.
 _lock = threading.Lock()
-_last: collections.OrderedDict[Any, Any] = collections.OrderedDict()  # (tool, code) -> key
+_last: collections.OrderedDict[Any, Any] = collections.OrderedDict()  # site -> last key
 _warned: set[Any] = set()
-_MAX_CODES = 256
+_MAX_SITES = 256
+
+
+def _site(key: Any) -> Any:
+  """What keys of "the same function" share: its code (a callable object: its class)."""
+  if isinstance(key, _Same):
+    return type(key.obj)
+  if key[0] == "function":
+    return key[1]
+  return (key[0], _site(key[2] if key[0] == "method" else key[1]))
 
 
 def _note_trace(static: _Key) -> None:
-  """Warns once per code and tool when a function with known code is traced for new values."""
+  """Warns once per code and tool when a function of known code is traced for new values."""
   key = static.key
-  if not (isinstance(key, tuple) and key and key[0] == "function"):
-    code = getattr(getattr(static.fn, "__func__", static.fn), "__code__", None)
-    if code is None:
-      return
-    key = ("object", code, key)
-  site = (static.tool, static.argument, key[1])
+  site = (static.tool, static.argument, _site(key))
   with _lock:
     before = _last.get(site)
     _last[site] = key
     _last.move_to_end(site)
-    while len(_last) > _MAX_CODES:
+    while len(_last) > _MAX_SITES:
       _last.popitem(last=False)
     if before is None or before == key or site in _warned:
       return
@@ -313,9 +336,18 @@ _FIX = (
 
 
 def _difference(before: Any, after: Any) -> str:
-  """Which closed-over value or default differs between two keys of the same code."""
-  if before[0] != "function" or after[0] != "function":
+  """What differs between two keys of the same site, in words."""
+  if isinstance(before, _Same) or isinstance(after, _Same):
     return "it is another object (compared by identity)"
+  kind = before[0]
+  if kind == "method":
+    if before[1] != after[1]:
+      return "it is a method of another object (compared by identity)"
+    return _difference(before[2], after[2])
+  if kind == "partial":
+    if before[1] != after[1]:
+      return _difference(before[1], after[1])
+    return "its partial's arguments differ"
   if before[2] != after[2]:
     return "its globals are another module's"
   for (label, old), (_, new) in zip(before[3], after[3], strict=True):
@@ -325,9 +357,11 @@ def _difference(before: Any, after: Any) -> str:
 
 
 def _shown(key: Any) -> str:
-  if isinstance(key, _Same | _Static):
+  if isinstance(key, _Same):
     return repr(key)
-  if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], type):
+  if key is _ARRAY:
+    return "an array"
+  if len(key) == 2 and isinstance(key[0], type):
     kind, value = key
     return repr(float.fromhex(value) if kind is float else value)
-  return "another value"
+  return f"a {key[0]}"

@@ -12,6 +12,7 @@ the metric of the native output), an attribution then estimates zero change, and
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 
@@ -55,11 +56,11 @@ def _picking(k):
 _lines = itertools.count(1)
 
 
-def _new_picking():
-  """`_picking` with code new to this process (the warning is given once per code and
-  tool): compiled at a line number of its own, which code objects are compared by."""
-  source = "\n" * next(_lines) + "lambda k: lambda out: out.reshape(-1)[k] * 2.0"
-  return eval(compile(source, __file__, "eval"))
+def _new(source):
+  """The function `source` defines, with code new to this process (the warning is given
+  once per code and tool): compiled at a line number of its own, as code objects are
+  compared by their line numbers too."""
+  return eval(compile("\n" * next(_lines) + source, __file__, "eval"))
 
 
 @pytest.mark.parametrize("tool", TOOLS)
@@ -73,14 +74,26 @@ def test_a_new_metric_with_the_same_code_and_values_compiles_nothing(framework, 
   np.testing.assert_allclose(value, _expected(tool, _picking(3), native), rtol=1e-6, atol=1e-6)
 
 
+def _weighted(out, *, weights):
+  return (out * weights).sum()
+
+
+WEIGHTINGS = {
+  "lambda": lambda w: lambda out: (out * w).sum(),
+  "default": lambda w: lambda out, w=w: (out * w).sum(),
+  "partial": lambda w: functools.partial(_weighted, weights=w),
+}
+
+
+@pytest.mark.parametrize("form", WEIGHTINGS)
 @pytest.mark.parametrize("framework", [LINEN, NNX])
-def test_a_metric_closing_over_a_new_array_compiles_nothing_and_reads_it(framework, corpora):
+def test_a_metric_closing_over_a_new_array_compiles_nothing_and_reads_it(framework, form, corpora):
   tree, args, site, native = _setting(framework, corpora)
   weights = [jax.random.normal(jax.random.key(k), native.shape) for k in range(3)]
   traced = []
   for w in weights:
     with fl.count_compiles() as count:
-      value, _ = fl.grad_at(tree, args, site, lambda out, w=w: (out * w).sum())
+      value, _ = fl.grad_at(tree, args, site, WEIGHTINGS[form](w))
     traced.append(count.traces)
     np.testing.assert_allclose(value, (native * w).sum(), rtol=1e-5, atol=1e-5)
   assert traced[1:] == [0, 0]
@@ -90,7 +103,7 @@ def test_a_metric_closing_over_a_new_array_compiles_nothing_and_reads_it(framewo
 def test_a_metric_closing_over_another_number_traces_again_and_warns_once(framework, corpora):
   tree, args, site, native = _setting(framework, corpora)
 
-  picking = _new_picking()
+  picking = _new("lambda k: lambda out: out.reshape(-1)[k] * 2.0")
   fl.grad_at(tree, args, site, picking(0))
   for k, warns in [(1, True), (2, False)]:
     with fl.count_compiles() as count, warnings.catch_warnings(record=True) as caught:
@@ -104,6 +117,20 @@ def test_a_metric_closing_over_another_number_traces_again_and_warns_once(framew
       assert "fl.grad_at: metric=" in message and "closure variable 'k'" in message
       assert retraces[0].filename == __file__  # Points at the caller's line.
     np.testing.assert_allclose(value, native.reshape(-1)[k] * 2.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_a_metric_needing_the_value_of_an_array_it_closes_over_gets_it(framework, corpora):
+  tree, args, site, native = _setting(framework, corpora)
+  slicing = _new("lambda n: lambda out: out.reshape(-1)[:n].sum()")
+  for n in (np.int32(3), np.int32(5)):  # A slice bound: it must be known when traced.
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      value, _ = fl.grad_at(tree, args, site, slicing(n))
+    np.testing.assert_allclose(value, native.reshape(-1)[:n].sum(), rtol=1e-6)
+    # Its values are baked in: another value is another program, and says so.
+    warned = [str(w.message) for w in caught if w.category is fl.MetricRetraceWarning]
+    assert len(warned) == (n == 5) and all("closure variable 'n'" in w for w in warned)
 
 
 @pytest.mark.parametrize("framework", [LINEN, NNX])

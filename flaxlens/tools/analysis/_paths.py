@@ -32,7 +32,7 @@ import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._edit import EditedCall
-from flaxlens.core._functions import traced_function
+from flaxlens.core._functions import call_with_function
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probing, active_probing
@@ -580,10 +580,12 @@ def path_patch(
   senders, receivers = _as_sites(senders), _as_sites(receivers)
   plan = _plan(tree, senders, receivers, freeze, each_receiver)
   streams = resolve_random_streams(random_streams, tree.where())
-  if jit:
-    metric = traced_function(metric, "metric", "fl.path_patch")
-  run = _path_patch_compiled if jit else _path_patch
-  values = run(tree, model_arguments(clean), model_arguments(corrupted), plan, metric, streams)
+  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
+
+  def run(metric: Callable, run: Callable = _path_patch_compiled if jit else _path_patch) -> Any:
+    return run(tree, clean, corrupted, plan, metric, streams)
+
+  values = call_with_function(metric, "metric", "fl.path_patch", run) if jit else run(metric)
   return SweepResult(
     values,
     tuple(u.name for u in plan.senders),

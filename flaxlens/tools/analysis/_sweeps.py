@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._functions import traced_function
+from flaxlens.core._functions import call_with_function
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probing, scan_iterations
@@ -484,19 +484,11 @@ def sweep(
   clean, corrupted = model_arguments(clean), model_arguments(corrupted)
   if budget is not None:
     chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
-  run = _sweep_compiled if jit else _sweep
-  values, rows = run(
-    tree,
-    clean,
-    corrupted,
-    chosen,
-    traced_function(metric, "metric", "fl.sweep") if jit else metric,
-    positions,
-    axis,
-    part,
-    chunk_size,
-    streams,
-  )
+
+  def run(metric: Callable, run: Callable = _sweep_compiled if jit else _sweep) -> Any:
+    return run(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams)
+
+  values, rows = call_with_function(metric, "metric", "fl.sweep", run) if jit else run(metric)
   return _result(tree, chosen, values, rows, positions)
 
 
@@ -617,18 +609,15 @@ def attribute(
   positions = _checked_positions(positions)
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
-  run = _attribute_compiled if jit else _attribute
-  values, rows = run(
-    tree,
-    model_arguments(clean),
-    model_arguments(corrupted),
-    chosen,
-    traced_function(metric, "metric", "fl.attribute") if jit else metric,
-    positions,
-    axis,
-    part,
-    streams,
-  )
+  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
+
+  def run(metric: Callable, run: Callable = _attribute_compiled if jit else _attribute) -> Any:
+    return run(tree, clean, corrupted, chosen, metric, positions, axis, part, streams)
+
+  if jit:
+    values, rows = call_with_function(metric, "metric", "fl.attribute", run)
+  else:
+    values, rows = run(metric)
   return _result(tree, chosen, values, rows, positions)
 
 
@@ -702,7 +691,9 @@ def grad_at(
   check_callable(metric, "metric", "fl.grad_at")
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
-  if jit:
-    metric = traced_function(metric, "metric", "fl.grad_at")
-  run = _grad_at_compiled if jit else _grad_at
-  return run(tree, model_arguments(args), chosen, metric, part, streams)
+  args = model_arguments(args)
+
+  def run(metric: Callable, run: Callable = _grad_at_compiled if jit else _grad_at) -> Any:
+    return run(tree, args, chosen, metric, part, streams)
+
+  return call_with_function(metric, "metric", "fl.grad_at", run) if jit else run(metric)
