@@ -26,6 +26,7 @@ WORKFLOW_PAGES = [
   "export.md",
   "sharding.md",
   "harvest.md",
+  "compilation.md",
 ]
 
 

@@ -124,6 +124,12 @@ class CompileCount:
       sweep or attribution is one; a jitted `jax.numpy` function called eagerly too).
     requests: XLA compilations asked for, each compiled or read from the persistent cache.
     cache_hits: those read from the persistent compilation cache.
+
+  Example:
+    >>> import flaxlens as fl
+    >>> count = fl.CompileCount(traces=1, requests=2, cache_hits=1)
+    >>> count.compilations
+    1
   """
 
   traces: int = 0

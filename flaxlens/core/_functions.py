@@ -311,11 +311,11 @@ def _note_trace(static: _Key) -> None:
   )
 
 
+@functools.cache
 def _library_folders() -> tuple[str, ...]:
-  import flaxlens
-
-  folders = [os.path.dirname(os.path.dirname(flaxlens.__file__)) + os.sep + "flaxlens"]
-  folders += [os.path.dirname(jax.__file__), sysconfig.get_paths()["stdlib"]]
+  """The folders of flaxlens, JAX and the standard library (each ending in a separator)."""
+  flaxlens = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  folders = (flaxlens, os.path.dirname(jax.__file__), sysconfig.get_paths()["stdlib"])
   return tuple(os.path.join(os.path.realpath(f), "") for f in folders)
 
 
