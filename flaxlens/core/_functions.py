@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dis
 import functools
+import inspect
 import os
 import sys
 import sysconfig
@@ -30,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from flaxlens.core._jit import variable_jit
 from flaxlens.errors import FlaxlensError, MetricRetraceWarning
 
 _ARRAY = ("array",)
@@ -242,6 +244,29 @@ def traced_function(
   return TracedFunction(_Key(key, fn, argument, tool), leaves or [])
 
 
+def jit_keyed_on_function(fn: Callable, parameter: str, tool: str, argument: str = "metric") -> Any:
+  """`fl.variable_jit(fn)`, with the function passed as `fn`'s `parameter` keyed by what it
+  computes (`traced_function`) instead of its identity, through `call_with_function`.
+
+  Args:
+    fn: the function to compile; its `parameter` takes a function (a metric).
+    parameter: the name of that parameter in `fn`'s signature.
+    tool: the public function that calls it (`"fl.sweep"`), for the warning.
+    argument: the name users give that function as (`"metric"`), for the warning.
+  """
+  jitted = variable_jit(fn)
+  position = list(inspect.signature(fn).parameters).index(parameter)
+
+  @functools.wraps(fn)
+  def wrapper(*args: Any) -> Any:
+    def call(traced: TracedFunction) -> Any:
+      return jitted(*args[:position], traced, *args[position + 1 :])
+
+    return call_with_function(args[position], argument, tool, call)
+
+  return wrapper
+
+
 def call_with_function(fn: Callable, argument: str, tool: str, call: Callable) -> Any:
   """`call(traced_function(fn, ...))`; where tracing needs the value of an array `fn`
   closes over (JAX raises a `ConcretizationTypeError`, or an `IndexError` or `TypeError`
@@ -349,11 +374,20 @@ def _difference(before: Any, after: Any) -> str:
       return _difference(before[1], after[1])
     return "its partial's arguments differ"
   if before[2] != after[2]:
-    return "its globals are another module's"
+    return "it was defined in another module (its globals differ)"
   for (label, old), (_, new) in zip(before[3], after[3], strict=True):
-    if old != new:
-      return f"its {label} differs ({_shown(old)}, now {_shown(new)})"
+    if old == new:
+      continue
+    if _is_function(old) and _is_function(new):
+      if old[1] != new[1]:
+        return f"its {label} is a function of other code"
+      return f"its {label} is a function whose {_difference(old, new).removeprefix('its ')}"
+    return f"its {label} differs ({_shown(old)}, now {_shown(new)})"
   return "it differs"
+
+
+def _is_function(key: Any) -> bool:
+  return isinstance(key, tuple) and key[0] == "function"
 
 
 def _shown(key: Any) -> str:

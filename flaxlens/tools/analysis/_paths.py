@@ -32,8 +32,7 @@ import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._edit import EditedCall
-from flaxlens.core._functions import call_with_function
-from flaxlens.core._jit import variable_jit
+from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probing, active_probing
 from flaxlens.core._runtime import resolve_random_streams, run_tree
@@ -489,7 +488,7 @@ def _path_patch(tree, clean, corrupted, plan: _Plan, metric, streams):
   return jax.vmap(per_sender)(jnp.arange(len(plan.senders)))
 
 
-_path_patch_compiled = variable_jit(_path_patch)
+_path_patch_compiled = jit_keyed_on_function(_path_patch, "metric", "fl.path_patch")
 
 
 @takes_model_arguments("fl.path_patch(tree, clean, corrupted, 'Block_*/attn', 'ln_f', metric)")
@@ -580,12 +579,8 @@ def path_patch(
   senders, receivers = _as_sites(senders), _as_sites(receivers)
   plan = _plan(tree, senders, receivers, freeze, each_receiver)
   streams = resolve_random_streams(random_streams, tree.where())
-  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
-
-  def run(metric: Callable, run: Callable = _path_patch_compiled if jit else _path_patch) -> Any:
-    return run(tree, clean, corrupted, plan, metric, streams)
-
-  values = call_with_function(metric, "metric", "fl.path_patch", run) if jit else run(metric)
+  run = _path_patch_compiled if jit else _path_patch
+  values = run(tree, model_arguments(clean), model_arguments(corrupted), plan, metric, streams)
   return SweepResult(
     values,
     tuple(u.name for u in plan.senders),

@@ -32,8 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._functions import call_with_function
-from flaxlens.core._jit import variable_jit
+from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probing, scan_iterations
 from flaxlens.core._runtime import resolve_random_streams, run_tree
@@ -362,7 +361,7 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
   return values, _rows(leads)
 
 
-_sweep_compiled = variable_jit(_sweep)
+_sweep_compiled = jit_keyed_on_function(_sweep, "metric", "fl.sweep")
 
 
 def _forwards_in(tree: CallNode, corrupted: ArgsAndKwargs, metric: Callable, streams, budget):
@@ -484,11 +483,19 @@ def sweep(
   clean, corrupted = model_arguments(clean), model_arguments(corrupted)
   if budget is not None:
     chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
-
-  def run(metric: Callable, run: Callable = _sweep_compiled if jit else _sweep) -> Any:
-    return run(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams)
-
-  values, rows = call_with_function(metric, "metric", "fl.sweep", run) if jit else run(metric)
+  run = _sweep_compiled if jit else _sweep
+  values, rows = run(
+    tree,
+    clean,
+    corrupted,
+    chosen,
+    metric,
+    positions,
+    axis,
+    part,
+    chunk_size,
+    streams,
+  )
   return _result(tree, chosen, values, rows, positions)
 
 
@@ -565,7 +572,7 @@ def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, st
   return jnp.concatenate(values), _rows(leads)
 
 
-_attribute_compiled = variable_jit(_attribute)
+_attribute_compiled = jit_keyed_on_function(_attribute, "metric", "fl.attribute")
 
 
 @takes_model_arguments("fl.attribute(tree, clean, corrupted, 'Block_*', metric)")
@@ -609,15 +616,18 @@ def attribute(
   positions = _checked_positions(positions)
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
-  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
-
-  def run(metric: Callable, run: Callable = _attribute_compiled if jit else _attribute) -> Any:
-    return run(tree, clean, corrupted, chosen, metric, positions, axis, part, streams)
-
-  if jit:
-    values, rows = call_with_function(metric, "metric", "fl.attribute", run)
-  else:
-    values, rows = run(metric)
+  run = _attribute_compiled if jit else _attribute
+  values, rows = run(
+    tree,
+    model_arguments(clean),
+    model_arguments(corrupted),
+    chosen,
+    metric,
+    positions,
+    axis,
+    part,
+    streams,
+  )
   return _result(tree, chosen, values, rows, positions)
 
 
@@ -643,7 +653,7 @@ def _grad_at(tree, argument, chosen, loss, part, streams):
   return value, {s.name: g for s, g in zip(sites, grads, strict=True)}
 
 
-_grad_at_compiled = variable_jit(_grad_at)
+_grad_at_compiled = jit_keyed_on_function(_grad_at, "loss", "fl.grad_at")
 
 
 @takes_model_arguments("fl.grad_at(tree, x, 'Block_*', lambda out: out.sum())")
@@ -691,9 +701,5 @@ def grad_at(
   check_callable(metric, "metric", "fl.grad_at")
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
-  args = model_arguments(args)
-
-  def run(metric: Callable, run: Callable = _grad_at_compiled if jit else _grad_at) -> Any:
-    return run(tree, args, chosen, metric, part, streams)
-
-  return call_with_function(metric, "metric", "fl.grad_at", run) if jit else run(metric)
+  run = _grad_at_compiled if jit else _grad_at
+  return run(tree, model_arguments(args), chosen, metric, part, streams)
