@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cases import (
+  compilation_cache,
   compile_time,
   conversion,
   eager_call,
@@ -57,6 +58,7 @@ CASES = (
   heads,
   harvest,
   paths,
+  compilation_cache,
 )
 
 

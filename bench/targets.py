@@ -189,6 +189,17 @@ TARGETS: dict[str, Target] = {
     " corrupted inputs must reuse it, never compile again.",
     "heads",
   ),
+  # Issue 23 (compiling once).
+  "second_process_first_call": Target(
+    "first call of a question in a second process (persistent cache) / a steady call",
+    "≤",
+    "1.5",
+    "With fl.enable_compilation_cache, a process asking a question an earlier process asked"
+    " reads the compiled program from disk instead of compiling it, so its first answer"
+    " should cost little more than a warm call; 1.5 leaves half a call for the cache read"
+    " and what tracing remains.",
+    "compilation_cache",
+  ),
   # Issue 15 (speed).
   "jitted_host_time": Target(
     "host time until a jitted tree call returns / native jax.jit",

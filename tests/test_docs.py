@@ -30,6 +30,7 @@ WORKFLOW_PAGES = [
   "harvest.md",
   "training-interventions.md",
   "circuits.md",
+  "compilation.md",
 ]
 
 

@@ -35,7 +35,7 @@ from flax import nnx
 from flax.nnx.nn import attention as nnx_attention
 
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._jit import variable_jit
+from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode
 from flaxlens.core._probes import active_probing
 from flaxlens.core._struct import Struct, static_field
@@ -764,4 +764,4 @@ def _sweep_heads(tree, clean, corrupted, spec, metric, positions, axis, chunk_si
   return values, rows, baselines
 
 
-_sweep_compiled = variable_jit(_sweep_heads)
+_sweep_compiled = jit_keyed_on_function(_sweep_heads, "metric", "fl.sweep")

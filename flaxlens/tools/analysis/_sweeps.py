@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._jit import variable_jit
+from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probing, scan_iterations
 from flaxlens.core._runtime import resolve_random_streams, run_tree
@@ -470,7 +470,7 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
   return values, _rows(leads), baselines
 
 
-_sweep_compiled = variable_jit(_sweep)
+_sweep_compiled = jit_keyed_on_function(_sweep, "metric", "fl.sweep")
 
 
 def _forwards_in(tree: CallNode, corrupted: ArgsAndKwargs, metric: Callable, streams, budget):
@@ -707,7 +707,7 @@ def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, st
   return jnp.concatenate(values), _rows(leads), baselines
 
 
-_attribute_compiled = variable_jit(_attribute)
+_attribute_compiled = jit_keyed_on_function(_attribute, "metric", "fl.attribute")
 
 
 @takes_model_arguments("fl.attribute(tree, clean, corrupted, 'Block_*', metric)")
@@ -794,7 +794,7 @@ def _grad_at(tree, argument, chosen, loss, part, streams):
   return value, {s.name: g for s, g in zip(sites, grads, strict=True)}
 
 
-_grad_at_compiled = variable_jit(_grad_at)
+_grad_at_compiled = jit_keyed_on_function(_grad_at, "loss", "fl.grad_at")
 
 
 @takes_model_arguments("fl.grad_at(tree, x, 'Block_*', lambda out: out.sum())")
