@@ -280,4 +280,23 @@ TARGETS: dict[str, Target] = {
     " writes the kill cut short.",
     "harvest",
   ),
+  # Issue 23, item 6 (case 12): the PyTorch tools a user would otherwise pick.
+  "compare_steady": Target(
+    "steady state of a task / the faster of TransformerLens and nnsight (CPU)",
+    "≤",
+    "0.8",
+    "Once compiled, flaxlens runs each task as one XLA program where the PyTorch tools run"
+    " eager operations and Python hooks per call, so on the same model and CPU it should be"
+    " clearly faster than the better of the two; 0.8 is the issue's bound.",
+    "compare",
+  ),
+  "compare_first_call": Target(
+    "first call of a task in a fresh process / the faster of TransformerLens and nnsight",
+    "≤",
+    "1.0",
+    "The first answer to a new question is what a user waits for; flaxlens pays tracing and"
+    " compilation there (less with a warm persistent compilation cache), the PyTorch tools"
+    " none, and it should still answer no later than they do.",
+    "compare",
+  ),
 }
