@@ -1,4 +1,4 @@
-"""Case 12: the first call of a question in a second process, with the persistent cache.
+"""Case 13: the first call of a question in a second process, with the persistent cache.
 
 For each framework and question (`fl.capture` of every block, `fl.sweep` over every
 block), a fresh process with an empty cache folder (`fl.enable_compilation_cache`) asks
@@ -26,7 +26,7 @@ from bench.harness import seconds
 from bench.models import FULL, QUICK, Sizes
 from bench.report import Row
 
-NAME = "12. compilation cache"
+NAME = "13. compilation cache"
 ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = ("capture", "sweep")
 FRAMEWORKS = ("Linen", "NNX")
