@@ -396,8 +396,9 @@ class _Chunks:
 
   The bytes of one step's rows per example (and those that do not grow with the batch)
   come from the step's abstract evaluation at the batch and at one example, once per input
-  shape. The harvest holds the rows of `IN_FLIGHT + 1` steps at once (those waiting for
-  their writes, and the one on the device), so a chunk takes at most a share of the budget
+  shape. The harvest holds the rows of `IN_FLIGHT + 2` steps at once (those waiting for
+  their writes, the one whose writes are being issued, and the next one, already
+  dispatched), so a chunk takes at most a share of the budget
   that leaves room for them all. The first batch that is split is checked once: two
   chunks that differ in their first example only must give the same rows for the others
   (`fl.capture`'s check), else the model couples its examples and splitting is refused.
@@ -420,7 +421,7 @@ class _Chunks:
       return self.sizes[key]
     examples = _budget.batch_size(model_arguments(batch), f"{self.where}, batch {number}")
     whole = _shapes(self.tree, batch, self.plan, self.random_streams)
-    held = IN_FLIGHT + 1
+    held = IN_FLIGHT + 2
     if _budget.nbytes(whole) * held <= self.budget:
       self.sizes[key] = examples
       return examples
@@ -826,6 +827,15 @@ def _pieces(array: Any, counts: np.ndarray | None) -> list[tuple[int, tuple[slic
   return pieces
 
 
+@dataclasses.dataclass(frozen=True)
+class _Step:
+  """A dispatched step: its outputs, its batch's number, whether it is the batch's last."""
+
+  out: dict[str, Any]
+  number: int
+  last: bool
+
+
 class _Written:
   """The pending writes of one batch, and what the store holds once they complete."""
 
@@ -1160,36 +1170,59 @@ def _run(
     if unsaved:
       _store.write_progress(path, unsaved.pop())
 
+  def written(step: _Step) -> None:
+    """Checks a dispatched step's rows and issues their writes (waiting for its sizes)."""
+    nonlocal examples, rows, written_bytes, batches
+    _check_batch(step.out, expected, step.number, path, batches)
+    # Processes commit at the same points (a barrier each), so not when a write is done.
+    while pending and (len(pending) >= IN_FLIGHT or (not several and pending[0].done())):
+      commit(pending.popleft())
+    sizes = _fetch(step.out["sizes"])
+    futures, held, counts, size = _write(arrays, step.out, plan, sizes, examples, rows)
+    examples += int(sizes[0])
+    rows = {name: rows[name] + counts[name] for name in rows}
+    written_bytes += size
+    progress = None
+    if step.last:
+      batches = step.number + 1
+      progress = {"batches": batches, "examples": examples, "rows": rows, "complete": False}
+    pending.append(_Written(futures, progress, held))
+    display.update(
+      step.number + step.last, examples, int(sizes[0]) * int(sizes[1:].max()), written_bytes
+    )
+
+  # One step ahead: the next step is dispatched before the rows of the one before it are
+  # fetched and their writes issued, so the device never waits for the host between steps.
+  ahead: _Step | None = None
+
+  def write_ahead() -> None:
+    nonlocal ahead
+    if ahead is not None:
+      step, ahead = ahead, None
+      written(step)
+
   try:
-    for number, batch in enumerate(_chain(first, stream)):
-      if number < skip:
-        continue
-      batch = _place(_as_arrays(batch), sharding)
-      _check_global(batch, number)
-      parts = [batch] if chunks is None else chunks.split(batch, number)
-      for last, part in enumerate(parts, 1 - len(parts)):
-        # Dispatched: runs while the writes of the batches before it go on.
-        if first_out is not None and number == 0 and last == 1 - len(parts):
-          out, first_out = first_out, None  # dispatched already, to read the rows' shapes
-        else:
-          out = _step(tree, part, plan, random_streams, _groups(part))
-        _check_batch(out, expected, number, path, batches)
-        # Processes commit at the same points (a barrier each), so not when a write is done.
-        while pending and (len(pending) >= IN_FLIGHT or (not several and pending[0].done())):
-          commit(pending.popleft())
-        sizes = _fetch(out["sizes"])
-        futures, held, counts, size = _write(arrays, out, plan, sizes, examples, rows)
-        examples += int(sizes[0])
-        rows = {name: rows[name] + counts[name] for name in rows}
-        written_bytes += size
-        progress = None
-        if last == 0:
-          batches = number + 1
-          progress = {"batches": batches, "examples": examples, "rows": rows, "complete": False}
-        pending.append(_Written(futures, progress, held))
-        display.update(
-          number + (last == 0), examples, int(sizes[0]) * int(sizes[1:].max()), written_bytes
-        )
+    try:
+      for number, batch in enumerate(_chain(first, stream)):
+        if number < skip:
+          continue
+        batch = _place(_as_arrays(batch), sharding)
+        _check_global(batch, number)
+        parts = [batch] if chunks is None else chunks.split(batch, number)
+        for last, part in enumerate(parts, 1 - len(parts)):
+          if first_out is not None and number == 0 and last == 1 - len(parts):
+            out, first_out = first_out, None  # dispatched already, to read the rows' shapes
+          else:
+            out = _step(tree, part, plan, random_streams, _groups(part))
+          write_ahead()
+          ahead = _Step(out, number, last == 0)
+    except BaseException:
+      # What stopped the run (a refused batch, an error) came after the step ahead; one
+      # process of several does not write it (the others may not reach its barriers).
+      if not several:
+        write_ahead()
+      raise
+    write_ahead()
     while pending:
       commit(pending.popleft())
   finally:
