@@ -18,13 +18,18 @@ from typing import Any
 _SHADES = " .:-=+*#%@"
 
 
-def text_heatmap(values: Any, rows: list[str], width: int = 2) -> list[str]:
+def text_heatmap(
+  values: Any, rows: list[str], quantity: str = "metric", width: int = 2
+) -> list[str]:
   """A compact terminal rendering of a 2-D array: one shade character per cell.
+
+  The last line is the legend: what the cells measure (`quantity`) and the values of
+  the lightest and the darkest shade.
 
   Example:
     >>> from flaxlens._demo import text_heatmap
     >>> text_heatmap([[0.0, 1.0], [0.5, 0.25]], ["a", "b"], width=1)
-    ['a | @|', 'b |=:|', "   ' ' = 0 ... '@' = 1"]
+    ['a | @|', 'b |=:|', "   metric: ' ' = 0 ... '@' = 1"]
   """
   import numpy as np
 
@@ -36,7 +41,7 @@ def text_heatmap(values: Any, rows: list[str], width: int = 2) -> list[str]:
   for name, row in zip(rows, values, strict=True):
     cells = "".join(_SHADES[round((v - low) / scale * (len(_SHADES) - 1))] * width for v in row)
     lines.append(f"{name:<{label}} |{cells}|")
-  lines.append(f"{'':<{label}}  ' ' = {low:.3g} ... '@' = {high:.3g}")
+  lines.append(f"{'':<{label}}  {quantity}: ' ' = {low:.3g} ... '@' = {high:.3g}")
   return lines
 
 
@@ -49,6 +54,7 @@ def demo(cache: bool = True, cache_folder: str | None = None) -> int:
   """
   print("flaxlens demo: importing JAX and Flax ...", flush=True)
   from rich.console import Console
+  from rich.markup import escape
 
   console = Console(highlight=False, soft_wrap=True)
   with console.status("importing jax, flax and flaxlens ..."):
@@ -61,8 +67,6 @@ def demo(cache: bool = True, cache_folder: str | None = None) -> int:
     from flaxlens._demo_model import TinyLM, TinyMLP
 
     folder = fl.enable_compilation_cache(cache_folder) if cache else None
-  if folder is not None:
-    console.print(f"compilation cache: {folder} (--no-cache compiles afresh)")
 
   out_dir = tempfile.mkdtemp(prefix="flaxlens-demo-")
   proofs: list[bool] = []
@@ -71,13 +75,16 @@ def demo(cache: bool = True, cache_folder: str | None = None) -> int:
     if proof is not None:
       proofs.append(bool(proof))
       text = f"{text}: {bool(proof)}"
-    console.print(text)
+    console.print(escape(text))  # plain text: `flaxlens[plots]` is no markup
 
   def same(a: Any, b: Any) -> bool:
     return all(
       np.array_equal(np.asarray(x), np.asarray(y))
       for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
     )
+
+  if folder is not None:
+    say(f"compilation cache: {_shown(folder)} (--no-cache compiles afresh)")
 
   # 1. Convert and check.
   model = TinyLM()
@@ -132,12 +139,12 @@ def demo(cache: bool = True, cache_folder: str | None = None) -> int:
 
   with console.status("sweeping ..."):
     swept = fl.sweep(tree, tokens, corrupted, "Block_*", metric, positions=range(8))
-    picture = os.path.join(out_dir, "sweep.png")
-    drew = _plot(swept, picture)
-  for line in text_heatmap(swept.values, list(swept.sites)):
-    console.print(f"  {line}")
-  if drew:
-    say(f"heatmap: {picture}")
+    drawn = _plot(swept, os.path.join(out_dir, "sweep.png"))
+  for line in text_heatmap(
+    swept.values, list(swept.sites), "logit of the clean answer after patching"
+  ):
+    say(f"  {line}")
+  say(drawn)
   one = fl.run(
     tree,
     corrupted,
@@ -161,7 +168,7 @@ def demo(cache: bool = True, cache_folder: str | None = None) -> int:
       timeout=120,
     )
   say("saved, then `flaxlens replay` in a fresh process: exact", replayed.returncode == 0)
-  say(f"artifact: {path}")
+  say(f"artifact: {_shown(path)}")
 
   # 6. Export the edit, check equivalence.
   console.print("\n[bold]6. Export[/]: edit a parameter, export to Flax, check equivalence ...")
@@ -177,7 +184,9 @@ def demo(cache: bool = True, cache_folder: str | None = None) -> int:
   page = os.path.join(out_dir, "tree.html")
   with console.status("rendering the browser view ..."):
     fl.to_html(tree, page, argument=fl.ArgsAndKwargs.capture(tokens))
-  say(f"\n[bold]7. Browser view[/] (opens from the file, no server): {page}")
+  console.print(
+    f"\n[bold]7. Browser view[/] (opens from the file, no server): {escape(_shown(page))}"
+  )
 
   # 8. NNX.
   console.print("\n[bold]8. NNX[/]: an MLP with a batch norm, in training mode ...")
@@ -198,7 +207,7 @@ def demo(cache: bool = True, cache_folder: str | None = None) -> int:
     f" {float(jnp.abs(steered - nnx_ours).max()):.4f}"
   )
   ok = all(proofs)
-  console.print(f"\n{'every check held' if ok else 'a check FAILED'}; files: {out_dir}")
+  say(f"\n{'every check held' if ok else 'a check FAILED'}; files: {_shown(out_dir)}")
   return 0 if ok else 1
 
 
@@ -207,11 +216,19 @@ def _cache_option(folder: str | None) -> list[str]:
   return ["--no-cache"] if folder is None else ["--compilation-cache", folder]
 
 
-def _plot(result: Any, path: str) -> bool:
-  """Writes the sweep's heatmap if matplotlib is installed (`flaxlens[plots]`)."""
+def _shown(path: str) -> str:
+  """`path` as the demo prints it: the home folder written `~`, so lines stay short."""
+  home = os.path.expanduser("~")
+  inside = home not in ("~", os.sep) and (path + os.sep).startswith(home + os.sep)
+  return "~" + path[len(home) :] if inside else path
+
+
+def _plot(result: Any, path: str) -> str:
+  """Writes the sweep's heatmap to `path` if matplotlib is installed (`flaxlens[plots]`);
+  returns the line that says where it is, or that it was not drawn and how to get it."""
   try:
     import matplotlib  # noqa: F401
   except ImportError:
-    return False
+    return 'heatmap picture not drawn: matplotlib is missing; pip install "flaxlens[plots]"'
   result.plot(path, title="logit of the clean answer, patched from the clean run")
-  return True
+  return f"heatmap: {_shown(path)}"

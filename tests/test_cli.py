@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import flax.linen as nn
@@ -21,7 +22,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flaxlens import cli
+import flaxlens as fl
+from flaxlens import _demo, cli
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "inspect_targets.py"
@@ -55,7 +57,20 @@ def _size(tree) -> int:
 
 @pytest.fixture(scope="module")
 def demo_run() -> subprocess.CompletedProcess:
-  return _run("demo")
+  """`flaxlens demo` as the README's `pip install -e .` runs it: without matplotlib, which
+  only the `plots` extra installs (hidden from the command's process)."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+  without_matplotlib = (
+    "import sys; sys.modules['matplotlib'] = None;"
+    " from flaxlens.cli import main; sys.exit(main(sys.argv[1:]))"
+  )
+  return subprocess.run(
+    [sys.executable, "-c", without_matplotlib, "demo"],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=ROOT,
+  )
 
 
 def test_demo_says_it_is_importing_before_anything_else(demo_run):
@@ -84,11 +99,44 @@ def test_demo_tells_the_whole_story_and_proves_each_step(demo_run):
 def test_the_readme_excerpt_is_what_demo_prints_in_that_order(demo_run):
   readme = (ROOT / "README.md").read_text()
   excerpt = re.search(r"```text\n(flaxlens demo: .*?)```", readme, flags=re.S).group(1)
-  printed = iter(demo_run.stdout.splitlines())
-  for line in filter(None, excerpt.splitlines()):  # table lines are cut at the right
-    # Measured numbers (`2.1326`) may differ with the JAX version; their place may not.
-    pattern = re.sub(r"\d+\\\.\d+", r"[0-9.]+", re.escape(line))
-    assert any(re.match(pattern, out) for out in printed), line
+  # The README shows the default cache folder and `/tmp/flaxlens-demo-…` for the run's own.
+  out = demo_run.stdout.replace(os.environ["FLAXLENS_COMPILATION_CACHE"], "~/.cache/flaxlens/jax")
+  out = re.sub(r"\S*flaxlens-demo-\w+", "/tmp/flaxlens-demo-…", out)
+  printed = iter(out.splitlines())
+  for line in filter(None, excerpt.splitlines()):
+    # Numbers (`2.1326`, compilations read from the cache) may differ with the JAX
+    # version and the cache; their place may not. A line ending in `…` is cut there.
+    shown = line.removesuffix("…")
+    pattern = re.sub(r"\d+(?:\\\.\d+)?", r"\\d+(?:\\.\\d+)?", re.escape(shown))
+    matches = re.match if shown != line else re.fullmatch
+    assert any(matches(pattern, printed_line) for printed_line in printed), line
+
+
+def test_on_a_base_install_the_demo_says_the_heatmap_picture_needs_the_plots_extra(demo_run):
+  extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+  assert any(requirement.startswith("matplotlib") for requirement in extras["plots"])
+  assert (
+    'heatmap picture not drawn: matplotlib is missing; pip install "flaxlens[plots]"'
+    in demo_run.stdout.splitlines()
+  )
+  assert not list(Path(_files_folder(demo_run)).expanduser().glob("*.png"))
+
+
+def test_with_matplotlib_the_demo_draws_the_heatmap_and_says_where(tmp_path):
+  pytest.importorskip("matplotlib")
+  picture = tmp_path / "sweep.png"
+  result = fl.SweepResult(np.array([[0.0, 1.0], [2.0, 3.0]]), ("a", "b"), (0, 1))
+  assert _demo._plot(result, str(picture)) == f"heatmap: {picture}"
+  assert picture.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_demo_heatmap_legend_names_what_the_cells_measure(demo_run):
+  legend = "logit of the clean answer after patching: ' ' = "
+  assert any(line.strip().startswith(legend) for line in demo_run.stdout.splitlines())
+
+
+def _files_folder(done: subprocess.CompletedProcess) -> str:
+  return done.stdout.splitlines()[-1].rsplit("files: ", 1)[1]
 
 
 def test_an_unknown_command_is_a_usage_error():

@@ -184,6 +184,22 @@ def test_fold_refuses_unfoldable_interventions_listing_each_with_its_reason(corp
     assert f"[{number}]" in message and reason in message.split(f"[{number}]")[1], number
 
 
+@pytest.mark.parametrize("fw", BOTH)
+def test_fold_refuses_a_head_site_naming_the_same_edit_of_the_call_holding_the_heads(corpora, fw):
+  case = _transformer(corpora, fw)
+  out = SITES[fw]["attention_out"]
+  heads = fl.ablate(fl.heads(out.removesuffix("/out"), 1))
+  tree = fw.convert(case)
+  with pytest.raises(fl.ExportError) as raised:
+    fl.fold(tree, case.args, [heads])
+  suggested = f"fl.ablate({out!r}, on='input', where=jnp.s_[..., 1, :])"
+  assert f"[0] fl.ablate({heads.at!r}, how='zero'): " in str(raised.value)
+  assert suggested in str(raised.value)
+  # What the message suggests folds, and Flax runs the export as the head edit runs.
+  _, exported = _fold(fw, case, [fl.ablate(out, on="input", where=jnp.s_[..., 1, :])])
+  _assert_close(fw.native(exported)[0], fl.run(tree, case.args, interventions=[heads]))
+
+
 @pytest.mark.parametrize(
   "make, operand",
   [

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from comparisons import assert_trees_equal, compilations
 from frameworks import LINEN, NNX, Wrap
+from nnx import corpus as nnx_corpus
 
 import flaxlens as fl
 
@@ -118,3 +119,23 @@ def test_placing_at_a_site_that_matches_nothing_names_the_closest(
   tree = fw.convert(corpora[fw][name])
   with pytest.raises(fl.SelectionError):
     fl.place(tree, fl.ablate(path + "_nope"))
+
+
+@pytest.mark.parametrize(
+  "fw, attention",
+  [(LINEN, "TransformerBlock_1/MultiHeadDotProductAttention_0"), (NNX, "blocks/1/attention")],
+)
+def test_a_placed_head_ablation_equals_the_native_model_with_that_heads_values_zeroed(
+  corpora, fw, attention
+):
+  if fw is LINEN:
+    case = corpora[LINEN]["transformer"]
+  else:
+    model = nnx_corpus.Transformer(nnx_corpus.RNGS())
+    case = nnx_corpus.Case("transformer", model, (nnx_corpus.TOKENS,))
+  placed = fl.place(fw.convert(case), fl.ablate(fl.heads(attention, 1)))
+  # Head 1's output is its attention weights times its values: zero when they are.
+  expected, _ = fw.native(
+    case, wrap=Wrap(f"{attention}/value", lambda out, *a: out.at[..., 1, :].set(0.0))
+  )
+  assert_trees_equal(fw.call(placed, case), expected)

@@ -138,7 +138,8 @@ def fold(
     ExportError: an intervention cannot be folded (the message lists each one and
       why: patches, mean or resample ablations, `fl.modify`, edits that vary along
       positions, operands holding nan or inf, calls with no parameter that expresses the
-      edit, calls inside `nn.scan`/`nnx.scan`), or the folded tree does not reproduce
+      edit, calls inside `nn.scan`/`nnx.scan`, head sites: the message gives the same
+      edit of the call holding the heads), or the folded tree does not reproduce
       the intervened run within the tolerance (the message gives the largest differences).
     SelectionError: a site matches no call.
 
@@ -189,9 +190,15 @@ def _copy(tree: CallNode) -> CallNode:
   return bind_variables(unbound, values)
 
 
+def _maker(intervention: Intervention) -> str:
+  """The name of the function that made `intervention` (`fl.<name>`)."""
+  if intervention.kind in ("zero", "mean", "resample"):
+    return "ablate"
+  return "low_rank_edit" if intervention.kind == "low_rank" else intervention.kind
+
+
 def _describe(intervention: Intervention) -> str:
-  kind = "ablate" if intervention.kind in ("zero", "mean", "resample") else intervention.kind
-  kind = "low_rank_edit" if kind == "low_rank" else kind
+  kind = _maker(intervention)
   how = f", how={intervention.kind!r}" if kind == "ablate" else ""
   at = getattr(intervention.at, "name", intervention.at)
   extra = "".join(
@@ -247,6 +254,8 @@ def _fold_one(
   """`{label: new value}` of the parameters that express `intervention` in `root`."""
   if intervention.kind in _NOT_WEIGHTS:
     raise ExportError(_NOT_WEIGHTS[intervention.kind])
+  if hasattr(intervention.at, "splits"):  # fl.heads: a view of another call's value
+    raise ExportError(_heads_refusal(root, intervention))
   names = _OPERANDS.get(intervention.kind, ())
   for name, operand in zip(names, intervention.operands, strict=True):
     if not bool(jnp.all(jnp.isfinite(operand))):
@@ -292,6 +301,34 @@ def _fold_one(
         " call (tied weights); folding would change it too"
       )
   return edits
+
+
+def _heads_refusal(root: CallNode, intervention: Intervention) -> str:
+  """Why a head site does not fold, and the intervention on the call holding the heads
+  that does: the same edit of that call's value, its `where=` choosing the heads."""
+  at = intervention.at
+  splits = at.splits(root)
+  split = splits[0]
+  operands = "".join(f"{name}, " for name in _OPERANDS.get(intervention.kind, ()))
+  each = ""
+  if not split.merged:
+    where = f"jnp.s_[..., {split.heads[0] if len(split.heads) == 1 else list(split.heads)}, :]"
+  elif len(split.heads) == 1:
+    width = split.once[-1] // split.count
+    where = f"jnp.s_[..., {split.heads[0] * width}:{(split.heads[0] + 1) * width}]"
+  else:
+    width = split.once[-1] // split.count
+    where, each = (
+      f"jnp.s_[..., h * {width}:(h + 1) * {width}]",
+      f" for each head h in {split.heads}",
+    )
+  calls = ", ".join(repr(name) for name in dict.fromkeys(s.site.name for s in splits))
+  return (
+    f"{at!r} is a head site, a view of the {split.on} of {calls}, and fold folds edits of"
+    " calls, not of head views. Fold the same edit of that call's value with where="
+    f" choosing the heads: fl.{_maker(intervention)}({split.site.name!r}, {operands}"
+    f"on={split.on!r}, where={where}){each}, its operands and where= written for that value"
+  )
 
 
 def _moved_steering(
