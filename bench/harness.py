@@ -4,6 +4,8 @@ Every case runs its contenders interleaved (A B, then B A, ...) and repeated in 
 process, so that a noisy, shared machine slows both sides of a ratio alike. A contender
 returns its own measurements (a `Sample`), so it can leave its set-up out and split its
 time into parts. Profiles run the flaxlens side of a missed target once under cProfile.
+What needs a process of its own (a first call, a cache read from disk) runs in a fresh
+worker process (`in_fresh_process`).
 """
 
 from __future__ import annotations
@@ -12,9 +14,15 @@ import collections
 import cProfile
 import gc
 import io
+import json
+import os
 import pstats
+import shlex
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -22,6 +30,7 @@ import numpy as np
 
 Sample = dict[str, float]
 Progress = Callable[[str], None]  # reports a step of the run on stderr
+REPO = Path(__file__).resolve().parent.parent
 
 
 def interleaved(
@@ -60,6 +69,32 @@ def timed(call: Callable[[], Any]) -> Sample:
   start = time.perf_counter()
   jax.block_until_ready(call())
   return {"total": time.perf_counter() - start}
+
+
+def in_fresh_process(module: str, *args: str, timeout: float | None = None) -> Any:
+  """Runs `python -m module *args` in a fresh process, from the repository root with the
+  repository on its `PYTHONPATH`, and returns the JSON value of the last line it prints.
+
+  Raises:
+    RuntimeError: the process failed (the message ends with the end of its stderr).
+    subprocess.TimeoutExpired: it ran past `timeout` seconds.
+  """
+  env = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+  }
+  done = subprocess.run(
+    [sys.executable, "-m", module, *args],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
+  if done.returncode != 0:
+    raise RuntimeError(f"python -m {shlex.join([module, *args])} failed:\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def seconds(t: float) -> str:

@@ -23,11 +23,10 @@ import jax
 import numpy as np
 
 import flaxlens as fl
-from bench.harness import Progress, profile_summary, seconds
+from bench.harness import REPO, Progress, profile_summary, seconds
 from bench.models import Sizes
 from bench.targets import TARGETS
 
-REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "BENCHMARKS.md"
 
 

@@ -29,38 +29,75 @@ flaxlens/). The rules:
   functions of flaxlens).
 - `core` and `tools` are framework-neutral: nothing in them imports from `linen` or
   `nnx`. The composition root (`flaxlens/__init__.py`, `flaxlens/_unflaxify.py`) may.
-- No Flax or JAX internal is imported outside `flaxlens/_compat/`: no `flax`/`jax` module
-  path with a component starting with `_` (`jax._src...`), none of `INTERNAL_MODULES`
-  (`from flax.nnx import graphlib` too), no `from flax... import _name`, and no such
-  path reached as an attribute of an imported Flax or JAX name (`nnx.graph.flatten`,
-  `nn._x`). Inside `flaxlens/_compat/` an internal is not imported either: it is named
-  as data (`Internal("flax.nnx.graphlib", "flatten")`) and looked up on first use, so
-  importing flaxlens never fails on one; and only `_compat` makes `Internal`s.
+- No Flax or JAX internal is imported outside `flaxlens/_compat/`: no `flax`/`jax` path
+  with a component starting with `_` (`jax._src...`, `from flax... import _name`), no
+  module but those in `PUBLIC_MODULES` (`flax.nnx.graphlib`, `from flax.nnx import
+  graphlib`, `from flax.nnx.nn import attention`: which names are modules is read from
+  the installed Flax and JAX), and no such path reached as an attribute of an imported
+  Flax or JAX name (`nnx.graph.flatten`, `nn._x`). Inside `flaxlens/_compat/` an
+  internal is not imported either: it is named as data (`Internal("flax.nnx.graphlib",
+  "flatten")`) and looked up on first use, so importing flaxlens never fails on one; and
+  only `_compat` makes `Internal`s.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
+import importlib
 import pathlib
+import types
+import warnings
 
 import pytest
 
-# Flax and JAX modules that are not public API (besides any path with a `_` component).
-INTERNAL_MODULES = (
-  "jax.interpreters",
-  "flax.core.lift",
-  "flax.core.scope",
-  "flax.linen.module",
-  "flax.linen.transforms",
-  "flax.nnx.compat",
-  "flax.nnx.graph",
-  "flax.nnx.graphlib",
-  "flax.nnx.pytreelib",
-  "flax.nnx.reprlib",
-  "flax.nnx.transforms",
-  "flax.nnx.variablelib",
-  "flax.typing",
+# The Flax and JAX modules whose names are public API: the packages Flax's API reference
+# documents (with `flax.core`'s `frozen_dict` and `meta`, whose classes it documents;
+# `flax.linen` re-exports `meta`), and JAX's public modules less `jax.extend` (no
+# compatibility promise) and `jax.interpreters`. "x.*" stands for x and its submodules. Any
+# other module path (`flax.nnx.graphlib`, `flax.nnx.nn.attention`, `flax.linen.module`) is
+# an internal, even where its names are not private.
+PUBLIC_MODULES = (
+  "flax",
+  "flax.core",
+  "flax.core.frozen_dict",
+  "flax.core.meta",
+  "flax.cursor",
+  "flax.errors",
+  "flax.jax_utils",
+  "flax.linen",
+  "flax.nnx",
+  "flax.serialization",
+  "flax.struct",
+  "flax.training.*",
+  "flax.traverse_util",
+  "jax",
+  "jax.core",
+  "jax.debug",
+  "jax.dlpack",
+  "jax.distributed",
+  "jax.dtypes",
+  "jax.errors",
+  "jax.experimental.mesh_utils",
+  "jax.experimental.multihost_utils",
+  "jax.export",
+  "jax.ffi",
+  "jax.flatten_util",
+  "jax.image",
+  "jax.lax.*",
+  "jax.monitoring",
+  "jax.nn.*",
+  "jax.numpy.*",
+  "jax.ops",
+  "jax.profiler",
+  "jax.random",
+  "jax.scipy.*",
+  "jax.sharding",
+  "jax.stages",
+  "jax.tree",
+  "jax.tree_util",
+  "jax.typing",
 )
 INTERNAL_ROOTS = ("flax", "jax")
 COMPAT = "flaxlens._compat"
@@ -306,18 +343,64 @@ def adapters_imported_by_neutral_layers(imports: dict[str, list[Import]]) -> lis
   ]
 
 
+def _public(module: str) -> bool:
+  return any(
+    module == m or (m.endswith(".*") and (module + ".").startswith(m[:-1])) for m in PUBLIC_MODULES
+  )
+
+
+@functools.cache
+def _resolve(path: str) -> object:
+  """The object a dotted Flax/JAX path names in the installed versions, or `_UNKNOWN`."""
+  parent, _, last = path.rpartition(".")
+  if not parent:
+    return importlib.import_module(path)
+  owner = _resolve(parent)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # Deprecated names are still names.
+    try:
+      return getattr(owner, last)
+    except AttributeError:
+      pass
+    if isinstance(owner, types.ModuleType):
+      try:  # A submodule not imported yet.
+        return importlib.import_module(path)
+      except ImportError:
+        pass
+  return _UNKNOWN
+
+
+_UNKNOWN = object()
+
+
 def _internal_prefix(path: str) -> str | None:
-  """The shortest prefix of a dotted Flax/JAX path that is internal, or None."""
+  """The shortest prefix of a dotted Flax/JAX path that is internal, or None: a component
+  starting with `_`, or a module (what the installed Flax and JAX resolve the prefix to)
+  not in `PUBLIC_MODULES`, unless it is only passed through to a public one
+  (`jax.experimental` to `jax.experimental.multihost_utils`). A prefix they do not resolve
+  counts as internal: a name that cannot be checked is refused rather than let through."""
   parts = path.split(".")
   if parts[0] not in INTERNAL_ROOTS:
     return None
+  module = parts[0]  # The module the names after it are read from.
   for end in range(2, len(parts) + 1):
     prefix = ".".join(parts[:end])
     last = parts[end - 1]
-    if (last.startswith("_") and not last.startswith("__")) or any(
-      prefix == m or prefix.startswith(m + ".") for m in INTERNAL_MODULES
-    ):
+    if last.startswith("_") and not last.startswith("__"):
       return prefix
+    if module is None:
+      continue  # An attribute of an object that is not a module.
+    value = _resolve(prefix)
+    if value is _UNKNOWN:
+      return prefix
+    if isinstance(value, types.ModuleType):
+      module = prefix
+      if not _public(module) and not any(m.startswith(module + ".") for m in PUBLIC_MODULES):
+        return module
+    elif not _public(module):
+      return module
+    else:
+      module = None
   return None
 
 
@@ -489,7 +572,8 @@ def test_core_and_tools_do_not_import_the_framework_adapters(imports):
 
 
 def test_the_internals_rule_finds_each_form_of_internal_use(tmp_path):
-  """Imports of `_` paths, listed modules and `_` names, attribute paths, `Internal`s."""
+  """Imports of `_` paths, non-public modules (passing through to a public one is not a
+  use) and `_` names, attribute paths, names the installed Flax lacks, `Internal`s."""
   source = _write(
     tmp_path,
     {
@@ -509,6 +593,14 @@ def test_the_internals_rule_finds_each_form_of_internal_use(tmp_path):
         "from flaxlens._compat import Internal\n"
         "x = nnx.graph.flatten, nn._private, nnx.Module, jax.core.Tracer, nn.__name__\n"
       ),
+      "tools/__init__.py": "",
+      "tools/_c.py": (
+        "import jax\nimport flax.linen.attention\n"
+        "from flax.nnx.nn import attention as nnx_attention\n"
+        "from jax.experimental import multihost_utils\nfrom flax import nnx\n"
+        "x = nnx_attention.dot_product_attention_weights, multihost_utils.process_allgather\n"
+        "y = jax.experimental.pjit, nnx.no_such_name, nnx.Module.no_such_name\n"
+      ),
     },
   )
   internals = flax_internals_used(source)
@@ -519,6 +611,11 @@ def test_the_internals_rule_finds_each_form_of_internal_use(tmp_path):
     "flaxlens.core._a:6 uses jax._src",
     "flaxlens.nnx._b:4 uses flax.linen._private",
     "flaxlens.nnx._b:4 uses flax.nnx.graph",
+    "flaxlens.tools._c:2 uses flax.linen.attention",
+    "flaxlens.tools._c:3 uses flax.nnx.nn",
+    "flaxlens.tools._c:6 uses flax.nnx.nn",
+    "flaxlens.tools._c:7 uses flax.nnx.no_such_name",
+    "flaxlens.tools._c:7 uses jax.experimental.pjit",
     "flaxlens.nnx._b:3 imports flaxlens._compat.Internal",
   ]
   assert internals_imported_in_compat(internals) == [

@@ -39,7 +39,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.harness import Progress, Sample, interleaved, median, seconds
+from bench.harness import Progress, Sample, in_fresh_process, interleaved, median, seconds
 from bench.models import QUICK, Sizes
-from bench.report import REPO, Row
+from bench.report import Row
 
 NAME = "14. vs PyTorch tools"
 USES_SUBJECTS = False  # it builds its own GPT-2
@@ -474,21 +473,7 @@ def worker(library: str, task: str, folder: str, cache: str) -> None:
 
 
 def first_call(library: str, task: str, folder: str, cache: str) -> float:
-  env = {
-    **os.environ,
-    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-  }
-  done = subprocess.run(
-    [sys.executable, "-m", "bench.cases.compare", library, task, folder, cache],
-    cwd=REPO,
-    env=env,
-    capture_output=True,
-    text=True,
-    check=False,
-  )
-  if done.returncode != 0:
-    raise RuntimeError(f"first call of {library} {task} failed:\n{done.stderr[-3000:]}")
-  return json.loads(done.stdout.strip().splitlines()[-1])["first"]
+  return in_fresh_process("bench.cases.compare", library, task, folder, cache)["first"]
 
 
 # --- the case -------------------------------------------------------------------------------

@@ -12,22 +12,18 @@ splits the first call into JAX's own trace, lowering and cache-read durations
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.harness import seconds
+from bench.harness import in_fresh_process, seconds
 from bench.models import FULL, QUICK, Sizes
 from bench.report import Row
 
 NAME = "13. compilation cache"
-ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = ("capture", "sweep")
 FRAMEWORKS = ("Linen", "NNX")
 STEADY_REPS = 5
@@ -86,19 +82,8 @@ def _worker(framework: str, question: str, quick: bool, cache: str) -> dict[str,
 
 
 def _process(framework: str, question: str, quick: bool, cache: str) -> dict[str, Any]:
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
   args = ["WORKER", framework, question, "quick" if quick else "full", cache]
-  done = subprocess.run(
-    [sys.executable, "-m", "bench.cases.compilation_cache", *args],
-    capture_output=True,
-    text=True,
-    env=env,
-    cwd=ROOT,
-    timeout=TIMEOUT,
-  )
-  if done.returncode != 0:
-    raise RuntimeError(f"{NAME}: a worker failed:\n{done.stderr[-3000:]}")
-  return json.loads(done.stdout.strip().splitlines()[-1])
+  return in_fresh_process("bench.cases.compilation_cache", *args, timeout=TIMEOUT)
 
 
 def measure(subjects: Any, sizes: Sizes, progress: Any) -> list[Row]:

@@ -17,6 +17,7 @@ internal (`tests/test_architecture.py` checks it); docs/compat.md lists every on
 - `nnx_graph`: NNX's graph: flatten and merge, static attributes, the site attribute.
 - `nnx_variables`: an NNX `Variable`'s slots and NNX's variable-type registry.
 - `nnx_jit`: `nnx.jit`'s wrapper classes.
+- `nnx_attention`: NNX's attention-weights function.
 - `tracing`: JAX's current trace, and whether it stages for compilation.
 - `patching`: methods and functions replaced in place while a run is active.
 """

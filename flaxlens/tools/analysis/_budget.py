@@ -13,8 +13,8 @@ No Flax internals here.
 
 The functions are shared by every tool that bounds what it returns (`fl.capture`,
 `fl.sweep`, harvests): `arrays_of`, `batch_size`, `take`, `examples`, `shrunk`, `abstractly`,
-`layout`, `examples_per_chunk`, `starts`, `joined`, `shared_differences`, `varying`,
-`differences`, `nbytes`.
+`layout`, `examples_per_chunk`, `starts`, `joined`, `check_independent` (with
+`shared_differences`), `varying`, `differences`, `nbytes`.
 """
 
 from __future__ import annotations
@@ -214,6 +214,13 @@ class Layout:
   fixed: int
   per_example: int
 
+  @classmethod
+  def first_axis(cls, names: Sequence[str]) -> Layout:
+    """The layout of a list of arrays named `names`, each holding one row per example
+    along its first axis; for comparing and joining only (its bytes are not counted)."""
+    n = len(names)
+    return cls(jax.tree_util.tree_structure([0] * n), (0,) * n, (1,) * n, tuple(names), 0, 0)
+
   def sizes(self, one: Any) -> dict[str, int]:
     """Bytes per example by name (the names of leaves that grow), from the abstract value
     at one example."""
@@ -355,6 +362,50 @@ def shared_differences(first: Any, second: Any, size: int, plan: Layout) -> list
     if differences(x, y, [name]):
       out.append(name)
   return out
+
+
+def check_independent(
+  chunk: Callable[[tuple[int, ...]], Sequence[Any]],
+  plans: Sequence[Layout],
+  size: int,
+  batch: int,
+  where: str,
+  *,
+  exceeding: str,
+  fix: str,
+  named: Callable[[list[str]], str] = lambda found: found[0],
+) -> None:
+  """Refuses to split a batch into chunks of `size` unless a chunk's examples are computed
+  independently of each other.
+
+  `chunk(indices)` runs the batch's examples at `indices` and returns one host value per
+  layout of `plans`. The first chunk, and the same chunk with its first example replaced
+  by another (the next example after it, or a copy of its second), must give the same
+  bits for the examples both hold, at the same rows (`shared_differences`). Chunks hold
+  at least two examples: where `size` is 1 the check's chunks hold two.
+
+  Raises:
+    BudgetError: a value differs: the model couples the examples of a batch (it
+      normalises over the batch or mixes examples). The message says what exceeds the
+      budget (`exceeding`, such as "the captures"), names `named(found)` of the values
+      that differ (the first by default), and ends with `fix`.
+  """
+  checked = max(size, 2)
+  first = tuple(range(checked))
+  second = (checked if checked < batch else 1, *first[1:])
+  a, b = chunk(first), chunk(second)
+  found = [
+    name
+    for x, y, plan in zip(a, b, plans, strict=True)
+    for name in shared_differences(x, y, checked, plan)
+  ]
+  if found:
+    raise BudgetError(
+      f"{where}: {exceeding} exceed the budget, so the batch would be split into chunks of"
+      f" {size}, and {named(found)} of an example changes when another example of its"
+      " chunk changes: the model couples the examples of a batch (it normalises over the"
+      f" batch or mixes examples), so chunks would not give the whole batch's values. {fix}"
+    )
 
 
 def varying(chunks: Sequence[Any], plan: Layout) -> str | None:

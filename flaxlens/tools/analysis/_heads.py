@@ -14,8 +14,9 @@ record that view (`records`). `fl.attention_pattern(at)` captures the softmax we
 `(batch..., heads, q, k)` that Flax sows with `sow_weights=True`, by calling Flax's own
 `dot_product_attention_weights` on the query and key the module computed and the mask
 it was given. Sweeps over heads (× positions) run as `fl.sweep` does: one compiled
-program, the clean run once and every patched forward batched. No Flax internals here:
-Flax's public attention classes and functions only.
+program, the clean run once and every patched forward batched. Flax's public attention
+classes and functions only, and NNX's weights function, which `flax.nnx` does not export,
+through `_compat.nnx_attention`.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.nnx.nn import attention as nnx_attention
 
+from flaxlens._compat import nnx_attention
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode

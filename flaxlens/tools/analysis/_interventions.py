@@ -1115,8 +1115,23 @@ def _run_budgeted(tree: CallNode, argument: ArgsAndKwargs, rest: tuple, budget: 
       del ran
     return done[indices, captured]
 
+  # Where the budget holds one example, the check's chunks of two capture nothing and
+  # their outputs are compared. The message names the first site that differs.
+  captured = size > 1
   order = [(site.name, tuple(site.node.path)) for site in sites_of(tree)]
-  _check_split(chunk, size, batch, outputs, captures, where, order)
+  _budget.check_independent(
+    lambda indices: chunk(indices, captured)[: 1 + captured],
+    (outputs, captures)[: 1 + captured],
+    size,
+    batch,
+    where,
+    exceeding="the captures",
+    fix=(
+      "Capture less (fewer sites, index=, dtype=) and run without splitting, or give a"
+      " larger budget."
+    ),
+    named=lambda found: _innermost(found, order),
+  )
   chunk_starts = _budget.starts(batch, size)
   ran = [chunk(tuple(_budget.examples(start, size, batch).tolist())) for start in chunk_starts]
   varying = _budget.varying([r[1] for r in ran], captures)
@@ -1146,42 +1161,6 @@ def _innermost(found: list[str], order: list[tuple[str, tuple]]) -> str:
     if not any(o != name and paths[o][: len(paths[name])] == paths[name] for o in sites)
   ]
   return inner[0] if inner else found[0]
-
-
-def _check_split(
-  chunk: Callable[..., Any],
-  size: int,
-  batch: int,
-  outputs: Any,
-  captures: Any,
-  where: str,
-  order: list[tuple[str, tuple]],
-) -> None:
-  """Refuses a split unless a chunk's examples are computed independently of each other:
-  the first chunk, and the same chunk with its first example replaced by another (the
-  next example after it, or a copy of its second), must give the same bits for the
-  examples both hold, at the same rows, computed by the same program. Chunks hold at
-  least two examples: where the budget holds one, the check's chunks of two capture
-  nothing and their outputs are compared. The message names the first site that differs
-  (`_innermost`), else the output."""
-  checked = max(size, 2)
-  captured = size > 1
-  first = tuple(range(checked))
-  second = (checked if checked < batch else 1, *first[1:])
-  a, b = chunk(first, captured), chunk(second, captured)
-  found = _budget.shared_differences(a[0], b[0], checked, outputs)
-  if captured:
-    found += _budget.shared_differences(a[1], b[1], checked, captures)
-  if found:
-    differs = _innermost(found, order)
-    raise BudgetError(
-      f"{where}: the captures exceed the budget, so the batch would be split into chunks of"
-      f" {size}, and {differs} of an example changes when another example of its chunk"
-      " changes: the model couples the examples of a batch (it normalises over the batch"
-      " or mixes examples), so chunks would not give the whole batch's values. Capture"
-      " less (fewer sites, index=, dtype=) and run without splitting, or give a larger"
-      " budget."
-    )
 
 
 @takes_model_arguments("fl.run(tree, fl.ArgsAndKwargs.capture(x, train=False), capture='**')")

@@ -446,7 +446,7 @@ class _Chunks:
     if size >= examples:
       return [batch]
     if not self.checked:
-      self._check_independent(batch, size)
+      self._check_independent(batch, size, examples)
       self.checked = True
     return [_part(batch, start, min(start + size, examples)) for start in range(0, examples, size)]
 
@@ -470,23 +470,23 @@ class _Chunks:
         " a larger budget."
       )
 
-  def _check_independent(self, batch: Any, size: int) -> None:
+  def _check_independent(self, batch: Any, size: int, examples: int) -> None:
     """Refuses a model whose examples' values depend on the other examples of the batch."""
-    examples = _budget.batch_size(model_arguments(batch), self.where)
-    checked = max(size, 2)
-    first = np.arange(checked)
-    second = np.concatenate([[checked if checked < examples else 1], first[1:]])
-    found = [self._captured(_taken(batch, first)), self._captured(_taken(batch, second))]
-    for site in self.plan.sites:
-      a, b = (np.asarray(f[site.name])[1:checked] for f in found)
-      if a.tobytes() != b.tobytes():
-        raise BudgetError(
-          f"{self.where}: the rows exceed the budget, so batches would be split into chunks"
-          f" of {size}, and {site.name} of an example changes when another example of its"
-          " chunk changes: the model couples the examples of a batch (it normalises over"
-          " the batch or mixes examples), so chunks would not give the whole batch's rows."
-          " Give smaller batches or a larger budget."
-        )
+    names = [site.name for site in self.plan.sites]
+
+    def chunk(indices: tuple[int, ...]) -> list[Any]:
+      captured = self._captured(_taken(batch, np.asarray(indices)))
+      return [[np.asarray(captured[name]) for name in names]]
+
+    _budget.check_independent(
+      chunk,
+      [_budget.Layout.first_axis(names)],
+      size,
+      examples,
+      self.where,
+      exceeding="the rows",
+      fix="Give smaller batches or a larger budget.",
+    )
 
   def _captured(self, batch: Any) -> dict[str, Any]:
     _, captured = run(
