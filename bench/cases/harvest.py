@@ -18,7 +18,11 @@ batches are NumPy int32 token arrays, as a data loader gives them.
 - Resume: a subprocess harvest is killed (SIGKILL) as soon as its `progress.json` shows
   half the batches committed; the same call then resumes in a fresh subprocess, and a
   full harvest runs in another. Both time their `fl.harvest` call, so each counts one
-  compile of the harvest's program and one set-up.
+  trace of the harvest's program and one set-up. All three share a persistent
+  compilation cache (`fl.enable_compilation_cache`, warmed by the killed run), as the
+  CLI has by default and docs/harvest.md advises for long harvests: a resumed run reads
+  the compiled program instead of compiling it again, and so does the full run it is
+  compared with.
 
 - Budget: `fl.capture` of every call of the model at a batch whose captures are about
   three times the budget, with `budget=`: the peak bytes of the device arrays alive
@@ -190,11 +194,12 @@ def _harvest_once(tree: Any, batches: list[np.ndarray]) -> None:
 # --- harvests in fresh subprocesses -----------------------------------------------------------
 
 
-def _spawn(quick: bool, batches: int, path: str) -> subprocess.Popen:
-  """A fresh Python process harvesting `batches` batches into `path` (see `_child`)."""
+def _spawn(quick: bool, batches: int, path: str, cache: str | None = None) -> subprocess.Popen:
+  """A fresh Python process harvesting `batches` batches into `path` (see `_child`), with
+  the persistent compilation cache at `cache` (None: none)."""
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-  spec = json.dumps({"quick": quick, "batches": batches, "path": path})
+  spec = json.dumps({"quick": quick, "batches": batches, "path": path, "cache": cache})
   return subprocess.Popen(
     [sys.executable, "-m", "bench.cases.harvest", spec],
     cwd=REPO,
@@ -213,9 +218,9 @@ def _finish(process: subprocess.Popen) -> dict[str, Any]:
   return json.loads(out.strip().splitlines()[-1])
 
 
-def _run_child(quick: bool, batches: int, path: str) -> dict[str, Any]:
+def _run_child(quick: bool, batches: int, path: str, cache: str | None = None) -> dict[str, Any]:
   start = time.perf_counter()
-  found = _finish(_spawn(quick, batches, path))
+  found = _finish(_spawn(quick, batches, path, cache))
   found["process"] = time.perf_counter() - start
   return found
 
@@ -247,6 +252,8 @@ def _child(spec: dict[str, Any]) -> None:
   the peak cannot be reset), then the time of the same call on the complete store (its
   set-up)."""
   sizes = QUICK if spec["quick"] else FULL
+  if spec.get("cache"):
+    fl.enable_compilation_cache(spec["cache"])
   model, variables = linen_model(sizes, sizes.layers)
   x = tokens(sizes)
   tree = fl.unflaxify(model, variables, x)
@@ -325,10 +332,10 @@ def _memory_row(subject: Subject, sizes: Sizes, chosen: HarvestSizes, quick: boo
 # --- resume -------------------------------------------------------------------------------------
 
 
-def _killed_at_half(quick: bool, batches: int, path: str) -> int:
+def _killed_at_half(quick: bool, batches: int, path: str, cache: str) -> int:
   """Runs a harvest of `batches` batches in a subprocess and SIGKILLs it once half are
   committed; returns the batches committed (`batches` when it finished first)."""
-  process = _spawn(quick, batches, path)
+  process = _spawn(quick, batches, path, cache)
   try:
     while process.poll() is None and _committed(path) < batches // 2:
       time.sleep(0.001)
@@ -343,12 +350,13 @@ def _resume_row(subject: Subject, sizes: Sizes, chosen: HarvestSizes, quick: boo
   total = chosen.resume_batches
   resumed, full, committed = [], [], []
   with tempfile.TemporaryDirectory(prefix="flaxlens-bench-") as directory:
+    cache = os.path.join(directory, "compilation-cache")
     for rep in range(chosen.resume_reps):
       killed, whole = (os.path.join(directory, f"{name}-{rep}") for name in ("killed", "full"))
-      committed.append(_killed_at_half(quick, total, killed))
+      committed.append(_killed_at_half(quick, total, killed, cache))
       order = [("resumed", killed), ("full", whole)]
       for name, path in order if rep % 2 == 0 else reversed(order):
-        sample = _run_child(quick, total, path)
+        sample = _run_child(quick, total, path, cache)
         (resumed if name == "resumed" else full).append(sample)
         shutil.rmtree(path, ignore_errors=True)
   ratio = np.array([r["harvest"] / f["harvest"] for r, f in zip(resumed, full, strict=True)])
@@ -373,7 +381,8 @@ def _resume_row(subject: Subject, sizes: Sizes, chosen: HarvestSizes, quick: boo
     status=status,
     note=(
       f"each run in a fresh subprocess, timing its fl.harvest call (so each counts one"
-      f" compile and one set-up); batches committed when the kill landed: {killed_text}"
+      f" trace, a compiled program read from the shared persistent compilation cache, and"
+      f" one set-up); batches committed when the kill landed: {killed_text}"
       f"{' (the run finished before the kill: no resume measured)' if late else ''};"
       f" whole processes took {seconds(median(resumed, 'process'))} and"
       f" {seconds(median(full, 'process'))}; a call on the complete store (the set-up"
@@ -382,7 +391,8 @@ def _resume_row(subject: Subject, sizes: Sizes, chosen: HarvestSizes, quick: boo
     analysis=(
       f"the resumed run had {100 * (1 - fraction):.0f}% of the batches left; solving"
       " full = fixed + batches x per-batch and resumed = fixed + left x per-batch gives a"
-      f" fixed cost per run (compile of the harvest's program, set-up, skipping the"
+      f" fixed cost per run (trace of the harvest's program, reading it from the cache,"
+      f" set-up, skipping the"
       f" committed batches) of {seconds(fixed)} of the full run's {seconds(took_full)}, and"
       f" {seconds(per_batch)} per batch; at these costs a harvest killed at half meets"
       f" ≤ {limit} from about {needed:.0f} batches"
