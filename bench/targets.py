@@ -200,6 +200,15 @@ TARGETS: dict[str, Target] = {
     " and what tracing remains.",
     "compilation_cache",
   ),
+  "second_process_first_call_reference": Target(
+    "the same for a forward: fl.run, and native jax.jit(module.apply) (reference)",
+    "none",
+    "",
+    "What JAX's persistent cache leaves a second process to pay for a forward, with and"
+    " without flaxlens: tracing and lowering run again in every process, for native Flax"
+    " too, so this bounds what any flaxlens question can reach.",
+    "compilation_cache",
+  ),
   # Issue 15 (speed).
   "jitted_host_time": Target(
     "host time until a jitted tree call returns / native jax.jit",

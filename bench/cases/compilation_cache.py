@@ -26,6 +26,10 @@ from bench.report import Row
 NAME = "13. compilation cache"
 QUESTIONS = ("capture", "sweep")
 FRAMEWORKS = ("Linen", "NNX")
+# The reference: the same model's forward through `fl.run` and through native
+# `jax.jit(module.apply)`, asked alike, which shows what JAX's cache leaves a second
+# process to pay (tracing and lowering) when no flaxlens code is involved.
+REFERENCE = (("Linen", "run"), ("native", "forward"))
 STEADY_REPS = 5
 TIMEOUT = 600  # seconds per process
 _DURATIONS = {
@@ -51,13 +55,19 @@ def _worker(framework: str, question: str, quick: bool, cache: str) -> dict[str,
   sizes = QUICK if quick else FULL
   fl.enable_compilation_cache(cache)
   x = tokens(sizes)
-  if framework == "Linen":
+  if framework == "native":
+    model, variables = linen_model(sizes, sizes.layers)
+    tree, block = None, None
+    apply = jax.jit(model.apply)
+  elif framework == "Linen":
     model, variables = linen_model(sizes, sizes.layers)
     tree, block = fl.unflaxify(model, variables, x), LinenBlock
   else:
     tree, block = fl.unflaxify(nnx_model(sizes), x), NNXBlock
   corrupted = x[:, ::-1]
   ask = {
+    "forward": lambda: apply(variables, x),
+    "run": lambda: fl.run(tree, x),
     "capture": lambda: fl.capture(tree, x, at=block),
     "sweep": lambda: fl.sweep(tree, x, corrupted, block, _metric).values,
   }[question]
@@ -91,42 +101,45 @@ def measure(subjects: Any, sizes: Sizes, progress: Any) -> list[Row]:
   quick = sizes is QUICK
   reps = 1 if quick else 3
   rows = []
-  for framework in FRAMEWORKS:
-    for question in QUESTIONS:
-      progress(f"{NAME}, {framework}, {question}")
-      with tempfile.TemporaryDirectory(prefix="flaxlens-bench-cache-") as cache:
-        started = time.perf_counter()
-        cold = _process(framework, question, quick, cache)
-        warm = [_process(framework, question, quick, cache) for _ in range(reps)]
-        progress(f"{NAME}, {framework}, {question}: {time.perf_counter() - started:.0f} s")
-      ratio = np.array([w["first"] / w["steady"] for w in warm])
-      first, steady = np.median([w["first"] for w in warm]), np.median([w["steady"] for w in warm])
-      parts = ", ".join(
-        f"{part} {seconds(float(np.median([w[part] for w in warm])))}"
-        for part in ("trace", "lower", "cache read")
+  asked = [(f, q) for f in FRAMEWORKS for q in QUESTIONS] + list(REFERENCE)
+  for framework, question in asked:
+    reference = (framework, question) in REFERENCE
+    what = "jax.jit(module.apply)" if framework == "native" else f"fl.{question}"
+    target = "second_process_first_call_reference" if reference else "second_process_first_call"
+    progress(f"{NAME}, {framework}, {question}")
+    with tempfile.TemporaryDirectory(prefix="flaxlens-bench-cache-") as cache:
+      started = time.perf_counter()
+      cold = _process(framework, question, quick, cache)
+      warm = [_process(framework, question, quick, cache) for _ in range(reps)]
+      progress(f"{NAME}, {framework}, {question}: {time.perf_counter() - started:.0f} s")
+    ratio = np.array([w["first"] / w["steady"] for w in warm])
+    first, steady = np.median([w["first"] for w in warm]), np.median([w["steady"] for w in warm])
+    parts = ", ".join(
+      f"{part} {seconds(float(np.median([w[part] for w in warm])))}"
+      for part in ("trace", "lower", "cache read")
+    )
+    compiled = sorted({w["compilations"] for w in warm})
+    note = (
+      f"second process: first call {seconds(first)} ({parts}; XLA compilations"
+      f" {compiled}, cache reads {sorted({w['cache_hits'] for w in warm})}); first"
+      f" process (empty cache): first call {seconds(cold['first'])}, steady"
+      f" {seconds(cold['steady'])}"
+    )
+    rows.append(
+      Row(
+        NAME,
+        f"{framework}: {what}, second-process first call / steady call",
+        target,
+        ratio,
+        f"{seconds(first)} vs {seconds(steady)}",
+        note=note,
+        analysis=(
+          f"{note}. The cache skips XLA compilation only: the second process still"
+          " traces the run in Python and lowers it to StableHLO (the cache key is computed"
+          " from the lowered module), which is what the first call costs over a steady one."
+        ),
       )
-      compiled = sorted({w["compilations"] for w in warm})
-      note = (
-        f"second process: first call {seconds(first)} ({parts}; XLA compilations"
-        f" {compiled}, cache reads {sorted({w['cache_hits'] for w in warm})}); first"
-        f" process (empty cache): first call {seconds(cold['first'])}, steady"
-        f" {seconds(cold['steady'])}"
-      )
-      rows.append(
-        Row(
-          NAME,
-          f"{framework}: fl.{question}, second-process first call / steady call",
-          "second_process_first_call",
-          ratio,
-          f"{seconds(first)} vs {seconds(steady)}",
-          note=note,
-          analysis=(
-            f"{note}. The cache skips XLA compilation only: the second process still"
-            " traces the run in Python and lowers it to StableHLO (the cache key is computed"
-            " from the lowered module), which is what the first call costs over a steady one."
-          ),
-        )
-      )
+    )
   return rows
 
 
