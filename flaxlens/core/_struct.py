@@ -9,6 +9,7 @@ treedef (and must therefore be hashable, as jit caches on them). No Flax interna
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, ClassVar, Self
 
 import jax
@@ -77,8 +78,11 @@ class Struct:
     if cls._flaxlens_flat_in_cpp:
       jax.tree_util.register_dataclass(cls)
       return
+    flatten = cls.tree_flatten
+    if flatten is Struct.tree_flatten:  # not overridden: JAX reads the kept pair in C
+      flatten = operator.attrgetter("_flaxlens_flat")
     jax.tree_util.register_pytree_with_keys(
-      cls, cls.tree_flatten_with_keys, cls.tree_unflatten, cls.tree_flatten
+      cls, cls.tree_flatten_with_keys, cls.tree_unflatten, flatten
     )
 
   def attributes_dict(self) -> dict[str, Any]:
@@ -120,8 +124,17 @@ class Struct:
     "aux", lambda self: tuple(_static_entry(getattr(self, n)) for n in self._struct_fields[1])
   )
 
+  # `(children, aux)`, what flattening returns. A struct's fields never change, so the pair
+  # is made once per instance, and JAX reads it with `operator.attrgetter` (C, no Python
+  # frame): a tree passed to a plain `jax.jit` function is flattened at every call.
+  _flaxlens_flat = Derived(
+    "flat",
+    lambda self: (tuple(getattr(self, n) for n in self._struct_fields[0]), self._flaxlens_aux),
+  )
+
   def tree_flatten(self) -> tuple[list[Any], tuple[Any, ...]]:
-    return [getattr(self, n) for n in self._struct_fields[0]], self._flaxlens_aux
+    children, aux = self._flaxlens_flat
+    return list(children), aux
 
   def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
     keyed = [(self.key_for_field(n), getattr(self, n)) for n in self._struct_fields[0]]
@@ -134,6 +147,7 @@ class Struct:
   @classmethod
   def tree_unflatten(cls, aux_data: tuple[Any, ...], children: Any) -> Self:
     child_names, static_names = cls._struct_fields
+    children = tuple(children)
     values = dict(zip(child_names, children, strict=True))
     values.update(
       (n, v.value if type(v) is _StaticEntry else v)
@@ -141,6 +155,7 @@ class Struct:
     )
     obj = cls.from_attributes(**values)
     Struct._flaxlens_aux.seed(obj, aux_data)
+    Struct._flaxlens_flat.seed(obj, (children, aux_data))
     return obj
 
   def treescope_color(self) -> str | None:
