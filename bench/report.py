@@ -114,7 +114,9 @@ def environment() -> list[str]:
     f"- Machine: {cpu}, {cores} cores{memory}; JAX device: {device.platform}"
     f" ({device.device_kind}); shared with other work, hence interleaved ratios",
     f"- Versions: Python {platform.python_version()}, jax {jax.__version__}, jaxlib"
-    f" {_version('jaxlib')}, flax {_version('flax')}, penzai {_version('penzai')},"
+    f" {_version('jaxlib')}, flax {_version('flax')}, penzai {_version('penzai')}, torch"
+    f" {_version('torch')}, transformer_lens {_version('transformer_lens')}, nnsight"
+    f" {_version('nnsight')},"
     f" flaxlens {fl.__version__}{_git()}",
   ]
 

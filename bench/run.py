@@ -5,7 +5,9 @@ process, so that a noisy, shared machine slows both sides of a ratio alike; it r
 each contender's median and the median and interquartile range of the per-repetition
 ratios. Where a target is missed, the report says by how much, splits the cost into its
 measured parts and adds a cProfile summary of the flaxlens side. Penzai is an optional
-comparison (`pip install -e ".[bench]"`); without it its rows say "not installed". Rows
+comparison (`pip install -e ".[bench]"`); without it its rows say "not installed", as do
+case 14's rows (TransformerLens, nnsight and PyTorch next to flaxlens on one Hugging Face
+GPT-2) without the packages of `pip install -e ".[bench,models]"` (a CPU torch first). Rows
 whose API does not exist yet say "not yet available".
 
 This file is the entry point; the package `bench` holds the harness, the models, the
@@ -28,6 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cases import (
+  compare,
+  compilation_cache,
   compile_time,
   conversion,
   eager_call,
@@ -42,7 +46,7 @@ from bench.cases import (
 )
 from bench.models import FULL, QUICK
 from bench.report import DOC, Row, closing_notes, render
-from bench.subjects import make_subjects
+from bench.subjects import Subjects, make_subjects
 
 # In the order of the report; compile_time quotes what jitted_forward found.
 CASES = (
@@ -57,6 +61,8 @@ CASES = (
   heads,
   harvest,
   paths,
+  compilation_cache,
+  compare,
 )
 
 
@@ -90,7 +96,11 @@ def main(argv: list[str] | None = None) -> None:
   def progress(message: str) -> None:
     print(f"[{time.perf_counter() - started:6.1f} s] {message}", file=sys.stderr, flush=True)
 
-  subjects = make_subjects(sizes, progress)
+  # A case that builds its own models says so (USES_SUBJECTS = False).
+  if any(getattr(case, "USES_SUBJECTS", True) for case in cases):
+    subjects = make_subjects(sizes, progress)
+  else:
+    subjects = Subjects([], [])
   rows: list[Row] = []
   for case in cases:
     rows += case.measure(subjects, sizes, progress)

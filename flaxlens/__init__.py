@@ -46,6 +46,12 @@ from flaxlens.core._variables import relabel_variables as relabel_variables
 from flaxlens.core._variables import variables_in as variables_in
 from flaxlens.core._jit import variable_jit as variable_jit
 
+# Compiling.
+from flaxlens.core._compilation import enable_compilation_cache as enable_compilation_cache
+from flaxlens.core._compilation import disable_compilation_cache as disable_compilation_cache
+from flaxlens.core._compilation import count_compiles as count_compiles
+from flaxlens.core._compilation import CompileCount as CompileCount
+
 # Inspecting.
 from flaxlens.tools.view._summary import summary as summary
 from flaxlens.tools.view._html import to_html as to_html
@@ -118,6 +124,7 @@ from flaxlens.errors import SelectionError as SelectionError
 from flaxlens.errors import StatisticsError as StatisticsError
 from flaxlens.errors import UnsupportedFlaxFeatureError as UnsupportedFlaxFeatureError
 from flaxlens.errors import VariableError as VariableError
+from flaxlens.errors import MetricRetraceWarning as MetricRetraceWarning
 # isort: on
 
 __version__ = _metadata.version("flaxlens")
@@ -154,6 +161,11 @@ __all__ = [
   "relabel_variables",
   "variables_in",
   "variable_jit",
+  # Compiling.
+  "enable_compilation_cache",
+  "disable_compilation_cache",
+  "count_compiles",
+  "CompileCount",
   # Inspecting.
   "summary",
   "to_html",
@@ -219,6 +231,7 @@ __all__ = [
   "StatisticsError",
   "UnsupportedFlaxFeatureError",
   "VariableError",
+  "MetricRetraceWarning",
 ]
 
 _render.register_handlers()

@@ -40,8 +40,13 @@ def text_heatmap(values: Any, rows: list[str], width: int = 2) -> list[str]:
   return lines
 
 
-def demo() -> int:
-  """Runs the demo; returns 0 if every check held."""
+def demo(cache: bool = True, cache_folder: str | None = None) -> int:
+  """Runs the demo; returns 0 if every check held.
+
+  With `cache`, compiled programs are kept in JAX's persistent compilation cache at
+  `cache_folder` (`fl.enable_compilation_cache`: None for its default), so a second demo
+  reads them instead of compiling.
+  """
   print("flaxlens demo: importing JAX and Flax ...", flush=True)
   from rich.console import Console
 
@@ -54,6 +59,10 @@ def demo() -> int:
 
     import flaxlens as fl
     from flaxlens._demo_model import TinyLM, TinyMLP
+
+    folder = fl.enable_compilation_cache(cache_folder) if cache else None
+  if folder is not None:
+    console.print(f"compilation cache: {folder} (--no-cache compiles afresh)")
 
   out_dir = tempfile.mkdtemp(prefix="flaxlens-demo-")
   proofs: list[bool] = []
@@ -85,8 +94,8 @@ def demo() -> int:
   # 2. Capture the residual stream.
   console.print("\n[bold]2. Capture[/]: fl.capture(tree, tokens, at='Block_*') ...")
   with console.status("compiling the capture ..."):
-    logits, cache = fl.capture(tree, tokens, at="Block_*")
-  shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in cache.items())
+    logits, captured = fl.capture(tree, tokens, at="Block_*")
+  shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in captured.items())
   say(f"residual stream: {shapes}")
   compiled = jax.jit(model.apply)(variables, tokens)
   say("the capturing run's logits equal jax.jit(model.apply)'s bit for bit", same(logits, compiled))
@@ -97,21 +106,21 @@ def demo() -> int:
     ablated = fl.run(
       tree, tokens, interventions=[fl.ablate("Block_1/MultiHeadDotProductAttention_0")]
     )
-    vector = cache["Block_0"][0, 0] - cache["Block_0"][1, 0]
-    trace_count = []
-    run_many = jax.jit(
-      lambda alpha: (
-        trace_count.append(1),
-        fl.run(tree, tokens, interventions=[fl.steer("Block_0", vector, alpha)], jit=False),
-      )[1]
-    )
-    moved = [float(jnp.abs(run_many(jnp.float32(a)) - native).max()) for a in range(20)]
+    vector = captured["Block_0"][0, 0] - captured["Block_0"][1, 0]
+    steerings = [fl.steer("Block_0", vector, float(a)) for a in range(20)]
+    with fl.count_compiles() as compiles:
+      steered = [fl.run(tree, tokens, interventions=[s]) for s in steerings]
+    moved = [float(jnp.abs(out - native).max()) for out in steered]
   say(
     "zero-ablating Block_1's attention moves the logits by up to"
     f" {float(jnp.abs(ablated - native).max()):.4f}"
   )
   say(f"steering Block_0 with strengths 0..19 moves them by up to {moved[-1]:.4f}")
-  say("20 steering strengths, one compilation", len(trace_count) == 1)
+  say("20 steering strengths, one compilation", compiles.traces == compiles.requests == 1)
+  say(
+    f"  (fl.count_compiles: traces {compiles.traces}, XLA compilations"
+    f" {compiles.compilations}, read from the compilation cache {compiles.cache_hits})"
+  )
 
   # 4. Patching sweep.
   console.print("\n[bold]4. Patching sweep[/]: every block x position in one compiled call ...")
@@ -132,7 +141,7 @@ def demo() -> int:
   one = fl.run(
     tree,
     corrupted,
-    interventions=[fl.patch("Block_0", cache["Block_0"], where=jnp.s_[:, 2])],
+    interventions=[fl.patch("Block_0", captured["Block_0"], where=jnp.s_[:, 2])],
   )
   say(
     "the sweep's (Block_0, position 2) cell equals that single patch",
@@ -146,7 +155,7 @@ def demo() -> int:
     path = os.path.join(out_dir, "block_1")
     fl.save_isolated(isolated, path)
     replayed = subprocess.run(
-      [sys.executable, "-m", "flaxlens.cli", "replay", path],
+      [sys.executable, "-m", "flaxlens.cli", "replay", path, *_cache_option(folder)],
       capture_output=True,
       text=True,
       timeout=120,
@@ -191,6 +200,11 @@ def demo() -> int:
   ok = all(proofs)
   console.print(f"\n{'every check held' if ok else 'a check FAILED'}; files: {out_dir}")
   return 0 if ok else 1
+
+
+def _cache_option(folder: str | None) -> list[str]:
+  """The `flaxlens` option that makes a command use the demo's compilation cache."""
+  return ["--no-cache"] if folder is None else ["--compilation-cache", folder]
 
 
 def _plot(result: Any, path: str) -> bool:

@@ -14,6 +14,12 @@ the factory takes no arguments and returns `(nnx_model, args[, kwargs])` or
 `(linen_module, variables, args[, kwargs])`, example inputs included. Modules named by a
 TARGET or an artifact are imported from the `--import-path DIR` folders, then the current
 folder, then the installed packages.
+
+Every command keeps the programs it compiles in JAX's persistent compilation cache, so
+the next command asking the same question reads them instead of compiling: in
+`$FLAXLENS_COMPILATION_CACHE` if set (`0` or `off`: no cache), else
+`$XDG_CACHE_HOME/flaxlens/jax` or `~/.cache/flaxlens/jax`; `--compilation-cache DIR`
+moves it, `--no-cache` turns it off for one command.
 """
 
 from __future__ import annotations
@@ -23,11 +29,11 @@ import sys
 from typing import Any
 
 
-def demo() -> int:
+def demo(cache: bool = True, cache_folder: str | None = None) -> int:
   """Tells the whole story on built-in tiny models; see `flaxlens._demo`."""
   from flaxlens._demo import demo as run_demo
 
-  return run_demo()
+  return run_demo(cache, cache_folder)
 
 
 def inspect(
@@ -173,10 +179,24 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
     prog="flaxlens", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
+  cache = argparse.ArgumentParser(add_help=False)
+  where = cache.add_mutually_exclusive_group()
+  where.add_argument(
+    "--compilation-cache",
+    metavar="DIR",
+    help="keep compiled programs in DIR (default: $FLAXLENS_COMPILATION_CACHE, else"
+    " ~/.cache/flaxlens/jax)",
+  )
+  where.add_argument(
+    "--no-cache", action="store_true", help="compile without JAX's persistent cache"
+  )
   commands = parser.add_subparsers(dest="command", required=True)
-  commands.add_parser("demo", help="convert an embedded model, check it, patch and edit it")
+  commands.add_parser(
+    "demo", parents=[cache], help="convert an embedded model, check it, patch and edit it"
+  )
   inspect_parser = commands.add_parser(
     "inspect",
+    parents=[cache],
     help="print the calls of a model: paths, classes, shapes, parameters",
     description="Prints the calls of the model TARGET names, in execution order: path,"
     " module class, method, input and output shapes and dtypes, the parameters and state"
@@ -204,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     "--debug", action="store_true", help="show the full traceback when the TARGET is wrong"
   )
   _import_path_option(inspect_parser)
-  replay_parser = commands.add_parser("replay", help="re-run a saved isolated call")
+  replay_parser = commands.add_parser(
+    "replay", parents=[cache], help="re-run a saved isolated call"
+  )
   replay_parser.add_argument("path", help="artifact directory written by fl.save_isolated")
   mode = replay_parser.add_mutually_exclusive_group()
   mode.add_argument(
@@ -224,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
   _import_path_option(replay_parser)
   check_parser = commands.add_parser(
     "check",
+    parents=[cache],
     help="compare two models (or a model and a saved export) on example inputs",
     description=check.__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -234,8 +257,12 @@ def main(argv: list[str] | None = None) -> int:
   )
   _import_path_option(check_parser)
   args = parser.parse_args(argv)
-  if args.command == "demo":
-    return demo()
+  if args.command == "demo":  # It says it is importing JAX first.
+    return demo(not args.no_cache, args.compilation_cache)
+  if not args.no_cache:
+    import flaxlens as fl
+
+    fl.enable_compilation_cache(args.compilation_cache)
   with _importing(args.import_path):
     if args.command == "inspect":
       return inspect(

@@ -98,6 +98,14 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   converted and the shapes it got; fix: convert with example arguments the model itself
   accepts.
 
+One warning: `MetricRetraceWarning` (a `UserWarning`), given once per function code and
+tool, when `fl.sweep`, `fl.attribute`, `fl.grad_at` or `fl.path_patch` trace and compile
+again because the metric, a new function with the code of an earlier one, closes over
+(or has as a default) another Python number or string, or another object compared by
+identity; the message names the argument (`metric=`) and the value. Fix: close over
+`jnp.asarray(value)` for a number that changes (arrays are inputs of the compiled
+program), and reuse the same objects.
+
 Public functions check the arguments they would otherwise hand to code that fails with a
 bare `TypeError` (a path, a tree, a list of interventions, `allow=` given as None or as
 something else; Linen variables lacking what the model reads): `ArgumentError` names the
@@ -183,6 +191,11 @@ class BudgetError(FlaxlensError, ValueError):
 class StatisticsError(FlaxlensError, ValueError):
   """A statistic of a sweep cannot be computed from what its result holds: no per-example
   values, no clean and corrupted metrics, clean equal to corrupted, or bad settings."""
+
+
+class MetricRetraceWarning(UserWarning):
+  """A tool traced and compiled again because a function argument (`metric=`), with the
+  code of one it traced before, closes over another Python value or object."""
 
 
 class ModelCallError(FlaxlensError):

@@ -20,6 +20,16 @@ class Corpora:
     return self._built[framework.name]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_compilation_cache(tmp_path_factory):
+  """Commands the tests start (`flaxlens demo`, ...) keep what they compile in a folder of
+  this session's, not in the user's own compilation cache."""
+  patch = pytest.MonkeyPatch()
+  patch.setenv("FLAXLENS_COMPILATION_CACHE", str(tmp_path_factory.mktemp("compilation-cache")))
+  yield
+  patch.undo()
+
+
 @pytest.fixture(scope="session")
 def corpora() -> Corpora:
   return Corpora()

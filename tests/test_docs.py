@@ -29,6 +29,8 @@ WORKFLOW_PAGES = [
   "sharding.md",
   "harvest.md",
   "training-interventions.md",
+  "circuits.md",
+  "compilation.md",
 ]
 
 

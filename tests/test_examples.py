@@ -12,6 +12,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Scripts on third-party models need their package (installed by the `models` extra).
 NEEDS = {"hf_gpt2.py": "transformers"}
+# Scripts whose full run is a slow test of its own: CI runs their quick path.
+ARGS = {"induction_heads.py": ["--quick"]}  # the full run: tests/zoo/test_induction_heads.py
 SCRIPTS = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 
 
@@ -27,7 +29,7 @@ def test_example_runs(script):
     pytest.importorskip(NEEDS[script])
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
   done = subprocess.run(
-    [sys.executable, str(ROOT / "examples" / script)],
+    [sys.executable, str(ROOT / "examples" / script), *ARGS.get(script, [])],
     cwd=ROOT,
     env=env,
     capture_output=True,

@@ -118,6 +118,7 @@ def test_every_exception_flaxlens_defines_is_a_flaxlens_error_in_the_errors_modu
     for value in vars(module).values()
     if isinstance(value, type)
     and issubclass(value, BaseException)
+    and not issubclass(value, Warning)
     and value.__module__.startswith("flaxlens")
   }
   assert defined, "no flaxlens exception found"

@@ -1,4 +1,4 @@
-"""Case 10: `fl.harvest` throughput, its peak host memory as the dataset grows, resuming, and
+"""Case 11: `fl.harvest` throughput, its peak host memory as the dataset grows, resuming, and
 capturing everything under a budget.
 
 All three rows harvest the residual stream of every block of the Linen subject (the
@@ -58,7 +58,7 @@ from bench.report import Row
 from bench.subjects import Subject
 from bench.targets import TARGETS
 
-NAME = "10. harvest"
+NAME = "11. harvest"
 REPO = Path(__file__).resolve().parents[2]
 SITES = LinenBlock  # every block's output: the residual stream after each block
 

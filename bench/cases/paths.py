@@ -1,4 +1,4 @@
-"""Case 11: path patching over every sender of one receiver, in one compilation.
+"""Case 12: path patching over every sender of one receiver, in one compilation.
 
 On each subject, the senders are the attention heads of every block but the last (each
 head's slice of its attention's out projection input), and the receiver is the last
@@ -24,7 +24,7 @@ from bench.models import Sizes, tokens
 from bench.report import Row
 from bench.subjects import Subject, per_subject
 
-NAME = "11. path patching"
+NAME = "12. path patching"
 
 
 def _sites(subject: Subject, sizes: Sizes) -> tuple[fl.Sites, fl.Sites]:

@@ -198,7 +198,8 @@ BAD_INTERVENTIONS = {
 @pytest.mark.parametrize("tool", sorted(BAD_INTERVENTIONS))
 @pytest.mark.parametrize("bad", [None, "dense", 3, [None], [fl.ablate("dense"), "head"]], ids=repr)
 def test_anything_but_a_list_of_interventions_is_refused_by_name(tagger, tool, bad):
-  with pytest.raises(fl.ArgumentError, match=r"interventions must be a list of fl\.ablate"):
+  refused = r"interventions must be a list of interventions \(fl\.ablate"
+  with pytest.raises(fl.ArgumentError, match=refused):
     BAD_INTERVENTIONS[tool](tagger.tree, bad)
 
 

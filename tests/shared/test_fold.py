@@ -92,6 +92,19 @@ def test_steering_a_call_output_folds_into_the_bias_it_adds_last(corpora, fw, si
 
 
 @pytest.mark.parametrize("fw", BOTH)
+def test_steering_a_residual_block_folds_into_the_bias_of_the_call_writing_it_last(corpora, fw):
+  case = _transformer(corpora, fw)
+  block, down = SITES[fw]["block"], SITES[fw]["down"]
+  tree, exported = _fold(fw, case, [fl.steer(block, VECTOR, alpha=3.0)])
+  bias = _parameter(tree, down, "bias")
+  changed = _changed(fw, case, exported)
+  assert list(changed) == [bias.label]  # the block's output is x + down(...): its bias
+  np.testing.assert_array_equal(changed[bias.label][1], bias.value + 3.0 * VECTOR)
+  steered, _ = fw.native(case, wrap=Wrap(block, lambda out, *args: out + 3.0 * VECTOR))
+  _assert_close(fw.native(exported)[0], steered)
+
+
+@pytest.mark.parametrize("fw", BOTH)
 def test_a_zero_ablated_head_folds_into_the_output_projection_rows_of_that_head(corpora, fw):
   case = _transformer(corpora, fw)
   path = SITES[fw]["attention_out"]
@@ -152,7 +165,7 @@ def test_fold_refuses_unfoldable_interventions_listing_each_with_its_reason(corp
     fl.ablate(sites["down"], "mean", jnp.ones((3, 8))),
     fl.modify(sites["down"], lambda argument, y: jnp.tanh(y)),
     fl.steer(sites["down"], VECTOR, where=jnp.s_[:, 2]),  # one position
-    fl.steer(sites["block"], VECTOR),  # no parameters of its own
+    fl.steer(sites["block"], VECTOR, on="input"),  # no parameters of its own
     fl.steer(sites["embed"], VECTOR),  # no bias
   ]
   with pytest.raises(fl.ExportError) as raised:

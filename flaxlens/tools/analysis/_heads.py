@@ -35,7 +35,7 @@ from flax import nnx
 from flax.nnx.nn import attention as nnx_attention
 
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._jit import variable_jit
+from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode
 from flaxlens.core._probes import active_probing
 from flaxlens.core._struct import Struct, static_field
@@ -50,14 +50,14 @@ from flaxlens.tools.analysis._interventions import (
   sites_of,
 )
 from flaxlens.tools.analysis._sweeps import (
-  BASELINES,
-  CLEAN_UNIT,
   _Copies,
   _iteration,
   _metric_value,
   _position_mask,
   _rows,
   _run,
+  patched_forwards,
+  with_clean,
 )
 
 ATTENTION = (nn.MultiHeadDotProductAttention, nnx.MultiHeadAttention)
@@ -741,12 +741,6 @@ def _sweep_heads(tree, clean, corrupted, spec, metric, positions, axis, chunk_si
     clean_values.append(value)
   units_of = [math.prod(lead) * len(s.heads) for s, lead in zip(splits, leads, strict=True)]
   bases = np.cumsum([0, *units_of]).tolist()
-  count = 1 if positions is None else len(positions)
-  # Two more forwards patch nothing: the corrupted run, and the clean run (its output
-  # taken from the clean forward), as fl.sweep's own, so the metric is traced once.
-  units = jnp.concatenate([jnp.repeat(jnp.arange(bases[-1]), count), jnp.array(BASELINES)])
-  at = jnp.tile(jnp.asarray(positions or (0,)), bases[-1])
-  at = jnp.concatenate([at, jnp.zeros(len(BASELINES), at.dtype)])
 
   def patched(unit_and_position: tuple[Any, Any]) -> Any:
     unit, position = unit_and_position
@@ -763,22 +757,11 @@ def _sweep_heads(tree, clean, corrupted, spec, metric, positions, axis, chunk_si
       for site, s, base, lead, value in zip(fresh, splits, bases, leads, clean_values, strict=False)
     )
     output, _ = _run(copy, corrupted, edits, None, streams)
-    output = jax.tree_util.tree_map(
-      lambda c, o: jnp.where(unit == CLEAN_UNIT, c, o) if isinstance(o, jax.Array) else o,
-      clean_output,
-      output,
-    )
-    return _metric_value(metric, output, scalar=False)
+    return _metric_value(metric, with_clean(unit, clean_output, output), scalar=False)
 
-  if chunk_size is None:
-    values = jax.vmap(patched)((units, at))
-  else:
-    values = jax.lax.map(patched, (units, at), batch_size=chunk_size)
-  values, baselines = values[: -len(BASELINES)], (values[-1], values[-2])
-  if positions is not None:
-    values = values.reshape(bases[-1], count, *values.shape[1:])
+  values, baselines = patched_forwards(patched, bases[-1], positions, chunk_size)
   rows = _rows([(*lead, len(s.heads)) for s, lead in zip(splits, leads, strict=True)])
   return values, rows, baselines
 
 
-_sweep_compiled = variable_jit(_sweep_heads)
+_sweep_compiled = jit_keyed_on_function(_sweep_heads, "metric", "fl.sweep")

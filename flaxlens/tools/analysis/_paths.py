@@ -33,7 +33,7 @@ import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._edit import EditedCall
-from flaxlens.core._jit import variable_jit
+from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probing, active_probing
 from flaxlens.core._runtime import resolve_random_streams, run_tree
@@ -510,7 +510,7 @@ def _path_patch(tree, clean, corrupted, plan: _Plan, metric, streams):
   return values[:grid].reshape(*shape, *values.shape[1:]), (values[grid], values[grid + 1])
 
 
-_path_patch_compiled = variable_jit(_path_patch)
+_path_patch_compiled = jit_keyed_on_function(_path_patch, "metric", "fl.path_patch")
 
 
 @takes_model_arguments("fl.path_patch(tree, clean, corrupted, 'Block_*/attn', 'ln_f', metric)")

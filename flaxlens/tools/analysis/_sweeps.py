@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._jit import variable_jit
+from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probing, scan_iterations
 from flaxlens.core._runtime import resolve_random_streams, run_tree
@@ -411,18 +411,43 @@ CORRUPTED_UNIT, CLEAN_UNIT = -1, -2  # the numbers of the unpatched forwards: no
 BASELINES = (CORRUPTED_UNIT, CLEAN_UNIT)
 
 
+def with_clean(unit: Any, clean_output: Any, output: Any) -> Any:
+  """`output`, or the clean forward's output for the clean baseline's unit."""
+  return jax.tree_util.tree_map(
+    lambda c, o: jnp.where(unit == CLEAN_UNIT, c, o) if isinstance(o, jax.Array) else o,
+    clean_output,
+    output,
+  )
+
+
+def patched_forwards(
+  patched: Callable[[tuple[Any, Any]], Any], total: int, positions: Any, chunk_size: Any
+) -> tuple[Any, tuple[Any, Any]]:
+  """`patched((unit, position))` for every unit below `total` (× each position), batched
+  with `jax.vmap` (or `jax.lax.map` in chunks), and for the two baselines: the values
+  `(total[, positions], ...)` and the `(clean, corrupted)` metrics. The baselines patch
+  nothing (units no site has): the corrupted run, and the clean run (its output taken
+  from the clean forward, `with_clean`), so the metric is traced once for every number."""
+  count = 1 if positions is None else len(positions)
+  units = jnp.concatenate([jnp.repeat(jnp.arange(total), count), jnp.array(BASELINES)])
+  at = jnp.tile(jnp.asarray(positions or (0,)), total)
+  at = jnp.concatenate([at, jnp.zeros(len(BASELINES), at.dtype)])
+  if chunk_size is None:
+    values = jax.vmap(patched)((units, at))
+  else:
+    values = jax.lax.map(patched, (units, at), batch_size=chunk_size)
+  values, baselines = values[: -len(BASELINES)], (values[-1], values[-2])
+  if positions is not None:
+    values = values.reshape(total, count, *values.shape[1:])
+  return values, baselines
+
+
 def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams):
   copies = _Copies(tree, chosen)
   clean_output, clean_values = _captured(copies, clean, part, streams)
   _, sites = copies.fresh()
   leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
   bases = np.cumsum([0, *(math.prod(lead) for lead in leads)]).tolist()
-  count = 1 if positions is None else len(positions)
-  # Two more forwards patch nothing: the corrupted run, and the clean run (its output
-  # taken from the clean forward), so the metric is traced once for every number.
-  units = jnp.concatenate([jnp.repeat(jnp.arange(bases[-1]), count), jnp.array(BASELINES)])
-  at = jnp.tile(jnp.asarray(positions or (0,)), bases[-1])
-  at = jnp.concatenate([at, jnp.zeros(len(BASELINES), at.dtype)])
 
   def patched(unit_and_position: tuple[Any, Any]) -> Any:
     unit, position = unit_and_position
@@ -439,24 +464,13 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
       for site, base, lead, value in zip(sites, bases, leads, clean_values, strict=False)
     )
     output, _ = _run(copy, corrupted, edits, None, streams)
-    output = jax.tree_util.tree_map(
-      lambda c, o: jnp.where(unit == CLEAN_UNIT, c, o) if isinstance(o, jax.Array) else o,
-      clean_output,
-      output,
-    )
-    return _metric_value(metric, output, scalar=False)
+    return _metric_value(metric, with_clean(unit, clean_output, output), scalar=False)
 
-  if chunk_size is None:
-    values = jax.vmap(patched)((units, at))
-  else:
-    values = jax.lax.map(patched, (units, at), batch_size=chunk_size)
-  values, baselines = values[: -len(BASELINES)], (values[-1], values[-2])
-  if positions is not None:
-    values = values.reshape(bases[-1], count, *values.shape[1:])
+  values, baselines = patched_forwards(patched, bases[-1], positions, chunk_size)
   return values, _rows(leads), baselines
 
 
-_sweep_compiled = variable_jit(_sweep)
+_sweep_compiled = jit_keyed_on_function(_sweep, "metric", "fl.sweep")
 
 
 def _forwards_in(tree: CallNode, corrupted: ArgsAndKwargs, metric: Callable, streams, budget):
@@ -693,7 +707,7 @@ def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, st
   return jnp.concatenate(values), _rows(leads), baselines
 
 
-_attribute_compiled = variable_jit(_attribute)
+_attribute_compiled = jit_keyed_on_function(_attribute, "metric", "fl.attribute")
 
 
 @takes_model_arguments("fl.attribute(tree, clean, corrupted, 'Block_*', metric)")
@@ -780,7 +794,7 @@ def _grad_at(tree, argument, chosen, loss, part, streams):
   return value, {s.name: g for s, g in zip(sites, grads, strict=True)}
 
 
-_grad_at_compiled = variable_jit(_grad_at)
+_grad_at_compiled = jit_keyed_on_function(_grad_at, "loss", "fl.grad_at")
 
 
 @takes_model_arguments("fl.grad_at(tree, x, 'Block_*', lambda out: out.sum())")

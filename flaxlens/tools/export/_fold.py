@@ -23,7 +23,7 @@ from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._variables import Parameter, bind_variables, unbind_variables, variables_in
-from flaxlens.errors import ExportError
+from flaxlens.errors import ExportError, FlaxlensError
 from flaxlens.tools._compare import EquivalenceReport, compare_trees
 from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.analysis._interventions import (
@@ -95,7 +95,11 @@ def fold(
   - `fl.steer` on a call's output adds `alpha * vector` to a parameter the output adds
     last (the bias of a Dense, Linear, Conv, DenseGeneral, a LayerNorm's bias); on a
     call's input (`on="input"`) it adds what the call makes of the vector, which folds
-    into that parameter when the call is affine (the next affine layer of a value).
+    into that parameter when the call is affine (the next affine layer of a value). A
+    call with no parameters of its own (a residual block: its input plus what its layers
+    write) moves the steering onto the call inside it that writes the output last,
+    found numerically: of the calls inside it with parameters, last first, the first
+    whose own steering gives the same model output on the example inputs.
   - `fl.low_rank_edit` on a call's output (`h ↦ h + Rᵀ(W h + b − R h)`, affine in `h`)
     maps the parameters that end in the feature axis (an affine call's kernel and bias)
     by the edit's matrix and adds its offset to the bias; a call that is not affine in
@@ -252,12 +256,23 @@ def _fold_one(
   sites = sites_of(root)
   chosen = select_sites(root, intervention.at, sites)
   edits: dict[str, Any] = {}
+  moved_into: set[int] = set()  # calls that steering of a call around them moved onto
   for site in chosen:
     if site.node.sliced:
       raise ExportError(
         f"{site.node.where()} runs inside nn.scan/nn.vmap (or nnx.scan/nnx.vmap), whose"
         " parameters are stacked per iteration and edited alike at every one"
       )
+    if not site.node.scope_data.parameters and intervention.kind == "steer":
+      moved, into = _moved_steering(root, site, sites, intervention, argument, streams, tolerance)
+      moved_into.add(id(into))
+      for label, value in _fold_one(root, moved, argument, streams, tolerance).items():
+        if label in edits and not tolerance.close(_leaf(edits[label]), _leaf(value)):
+          raise ExportError(
+            f"the calls it edits share the parameter {label!r} but need different values"
+          )
+        edits[label] = value
+      continue
     for isolated in isolate(root, argument, site.node, every=True, random_streams=streams):
       proposed = _fold_call(site, isolated, intervention, tolerance)
       for name, value in proposed.items():
@@ -267,7 +282,7 @@ def _fold_one(
             f"the calls it edits share the parameter {label!r} but need different values"
           )
         edits[label] = value
-  chosen_nodes = {id(site.node) for site in chosen}
+  chosen_nodes = {id(site.node) for site in chosen} | moved_into
   for site in sites:
     held = {p.label for p in site.node.scope_data.parameters.values()}
     shared = sorted(held & edits.keys())
@@ -277,6 +292,63 @@ def _fold_one(
         " call (tied weights); folding would change it too"
       )
   return edits
+
+
+def _moved_steering(
+  root: CallNode,
+  site: Site,
+  sites: list[Site],
+  intervention: Intervention,
+  argument: ArgsAndKwargs,
+  streams: Any,
+  tolerance: _Tolerance,
+) -> tuple[Intervention, CallNode]:
+  """Steering of a call with no parameters of its own (a residual block's output: the
+  sum of its input and what its layers write) moved onto the call inside it that last
+  writes its output, found numerically: of the calls made inside it, last first, the
+  first whose output steered alike gives the whole model's output of the original
+  steering (on the example inputs, within the tolerance) and has parameters."""
+  if intervention.on != "output" or intervention.part is not None:
+    raise ExportError(
+      f"{site.node.where()} has no parameters of its own to fold into; steering its"
+      " output (no part=) can move to the call inside it that writes the output last,"
+      " steering its input cannot"
+    )
+
+  def at(node: CallNode) -> Intervention:  # by name: a copy of the tree holds other nodes
+    return nodes_by_name(root, (dataclasses.replace(intervention, at=node),), None)[0][0]
+
+  here = at(site.node)
+  expected = run(_copy(root), _fresh(argument), interventions=[here], random_streams=streams)
+  path = tuple(site.node.path)
+  inside = [
+    s
+    for s in sites
+    if tuple(s.node.path)[: len(path)] == path
+    and len(s.node.path) > len(path)
+    and s.node.scope_data.parameters
+  ]
+  tried = []
+  for candidate in reversed(inside):
+    moved = at(candidate.node)
+    try:
+      actual = run(_copy(root), _fresh(argument), interventions=[moved], random_streams=streams)
+    except FlaxlensError:
+      continue  # the vector does not fit this call's output
+    if tolerance.report(expected, actual, "a", "b").close(tolerance.atol, tolerance.rtol):
+      return moved, candidate.node
+    tried.append(candidate.name)
+  listed = f" (tried, last first: {', '.join(tried[:6])})" if tried else ""
+  raise ExportError(
+    f"{site.node.where()} has no parameters of its own to fold into, and no call inside it"
+    f" gives its output's steering when steered itself{listed}; steer the call that writes"
+    " the value last (the bias of the block's last affine layer), or keep running it with"
+    " fl.run"
+  )
+
+
+def _fresh(argument: ArgsAndKwargs) -> ArgsAndKwargs:
+  return jax.tree_util.tree_map(lambda x: x, argument)  # an nnx.Rngs argument advances
 
 
 def _leaf(value: Any) -> Any:

@@ -617,7 +617,9 @@ def _metadata(
         "positions": _rule_text(site.rule),
         "dtype": dtype.name,
         "features": _features(found),
-        "chunk": _store.chunk_rows(_features(found), dtype.itemsize),
+        "chunk": _store.chunk_rows(
+          _features(found), dtype.itemsize, None if "count" in found else found["values"].shape[0]
+        ),
         "ids": np.dtype(found["ids"].dtype).name if "ids" in found else None,
       }
     )

@@ -25,6 +25,7 @@ from flaxlens.errors import ArgumentError, HarvestError
 
 ROW_BOUND = 2**40  # Rows an array can hold while a harvest runs (chunks are written sparsely).
 CHUNK_BYTES = 2**20  # About this many bytes per chunk: a row chunk of 2**k rows.
+MIN_CHUNK_ROWS = 64  # Chunks aligned with a batch's rows are at least this many rows.
 WINDOW_BYTES = 2**28  # What a shuffled iteration holds in memory at most (besides a batch).
 GROUP_KEY = "flaxlens_harvest"
 PROGRESS = "progress.json"
@@ -43,16 +44,24 @@ def tensorstore() -> Any:
   return ts
 
 
-def chunk_rows(features: Sequence[int], itemsize: int) -> int:
-  """Rows per chunk: the largest power of two whose chunk holds at most `CHUNK_BYTES`.
+def chunk_rows(features: Sequence[int], itemsize: int, step: int | None = None) -> int:
+  """Rows per chunk: the largest power of two whose chunk holds at most `CHUNK_BYTES`; with
+  `step` (the rows one batch writes), at most the largest power of two dividing it (and
+  at least `MIN_CHUNK_ROWS`), so that each batch writes whole chunks, not a chunk half
+  now and half with the next batch (which writes it twice).
 
   Example:
     >>> from flaxlens.tools.harvest._store import chunk_rows
-    >>> chunk_rows((1024,), 4), chunk_rows((), 8)
-    (256, 131072)
+    >>> chunk_rows((1024,), 4), chunk_rows((), 8), chunk_rows((256,), 4, step=512)
+    (256, 131072, 512)
   """
   row = max(1, int(np.prod(features, dtype=np.int64)) * itemsize)
-  return 1 << max(0, (CHUNK_BYTES // row).bit_length() - 1)
+  rows = 1 << max(0, (CHUNK_BYTES // row).bit_length() - 1)
+  if step:
+    aligned = step & -step  # the largest power of two dividing the rows of a step
+    if aligned >= MIN_CHUNK_ROWS:
+      rows = min(rows, aligned)
+  return rows
 
 
 def _spec(path: str, name: str, dtype: str | None = None) -> dict[str, Any]:

@@ -1,0 +1,401 @@
+"""Functions given to compiled tools, keyed by what they compute instead of their identity.
+
+`jax.jit` keys a function argument on the function object, so a metric written as a new
+`lambda` at every call (in a loop, in a helper) traces and compiles again although it
+computes the same thing. `traced_function(fn, ...)` makes a pytree of `fn` whose
+static part is its code, its globals (by identity) and the values it closes over and
+has as defaults, and whose leaves are the arrays among those values: two functions with
+equal code and equal closed-over values share one compiled program, and closing over a
+new array of the same shape and dtype is a new input, not a new program. Python numbers
+and strings are compared by value (they are baked into the program); any other object
+(a list, a module, a model) by identity, as `jax.jit` compares it. When a function with
+the code of one traced before is traced again for another value, `MetricRetraceWarning`
+says once, per code and tool, which value made the difference. No Flax internals here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dis
+import functools
+import inspect
+import os
+import sys
+import sysconfig
+import threading
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from flaxlens.core._jit import variable_jit
+from flaxlens.errors import FlaxlensError, MetricRetraceWarning
+
+_ARRAY = ("array",)
+_ARRAYS = (jax.Array, np.ndarray, np.generic)
+_VALUES = (int, str, bytes, bool, type(None))
+_MAX_DEPTH = 8
+
+
+class _Same:
+  """An object compared by identity (and kept alive while its key is)."""
+
+  __slots__ = ("obj",)
+
+  def __init__(self, obj: Any):
+    self.obj = obj
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Same) and self.obj is other.obj
+
+  def __hash__(self) -> int:
+    return id(self.obj)
+
+  def __repr__(self) -> str:
+    return f"the object {_short(self.obj)}"
+
+
+def _short(obj: Any) -> str:
+  text = repr(obj)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _float_key(x: float) -> Any:
+  return (type(x), x.hex())  # -0.0 and nan compare as themselves.
+
+
+@functools.lru_cache(maxsize=1024)
+def _writes_cells(code: types.CodeType) -> bool:
+  """Whether `code` (or code nested in it) assigns a closed-over name (`nonlocal`)."""
+  for instruction in dis.get_instructions(code):
+    if instruction.opname in ("STORE_DEREF", "DELETE_DEREF") and instruction.argval in (
+      code.co_freevars
+    ):
+      return True
+  return any(_writes_cells(c) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def _describe(value: Any, leaves: list[Any] | None, depth: int) -> Any:
+  """The static key of `value`; its arrays are appended to `leaves` (None: arrays are
+  compared by identity, their values baked into the program)."""
+  if isinstance(value, _ARRAYS):
+    if leaves is None:
+      return _Same(value)
+    leaves.append(value)
+    return _ARRAY
+  kind = type(value)
+  if kind in _VALUES:
+    return (kind, value)
+  if kind is float:
+    return _float_key(value)
+  if kind is complex:
+    return ("complex", _float_key(value.real), _float_key(value.imag))
+  if depth < _MAX_DEPTH:
+    if kind is tuple:
+      return ("tuple", tuple(_describe(v, leaves, depth + 1) for v in value))
+    if kind is types.FunctionType:
+      return _describe_function(value, leaves, depth)
+    if kind is types.MethodType:
+      return ("method", _Same(value.__self__), _describe(value.__func__, leaves, depth + 1))
+    if kind is functools.partial and not value.__dict__:
+      return (
+        "partial",
+        _describe(value.func, leaves, depth + 1),
+        tuple(_describe(v, leaves, depth + 1) for v in value.args),
+        tuple((k, _describe(v, leaves, depth + 1)) for k, v in value.keywords.items()),
+      )
+  return _Same(value)
+
+
+def _describe_function(fn: types.FunctionType, leaves: list[Any] | None, depth: int) -> Any:
+  code = fn.__code__
+  if fn.__dict__ or _writes_cells(code):
+    return _Same(fn)
+  parts: list[tuple[str, Any]] = []
+  start = len(leaves) if leaves is not None else 0
+  try:
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
+      parts.append((f"closure variable {name!r}", _describe(cell.cell_contents, leaves, depth + 1)))
+  except ValueError:  # An empty cell (a name not assigned yet): the function as it is.
+    if leaves is not None:
+      del leaves[start:]
+    return _Same(fn)
+  positional = code.co_varnames[: code.co_argcount]
+  defaults = fn.__defaults__ or ()
+  for name, default in zip(positional[len(positional) - len(defaults) :], defaults, strict=True):
+    parts.append((f"default of {name!r}", _describe(default, leaves, depth + 1)))
+  for name, default in sorted((fn.__kwdefaults__ or {}).items()):
+    parts.append((f"default of {name!r}", _describe(default, leaves, depth + 1)))
+  return ("function", code, _Same(fn.__globals__), tuple(parts))
+
+
+def _has_arrays(key: Any) -> bool:
+  if key is _ARRAY:
+    return True
+  if isinstance(key, tuple):
+    return any(_has_arrays(k) for k in key)
+  return False
+
+
+def _rebuild(value: Any, key: Any, leaves: Any) -> Any:
+  """`value` with the arrays its key counted replaced by the next of `leaves`."""
+  if key is _ARRAY:
+    return next(leaves)
+  if not _has_arrays(key):
+    return value
+  kind = key[0]
+  if kind == "tuple":
+    return tuple(_rebuild(v, k, leaves) for v, k in zip(value, key[1], strict=True))
+  if kind == "method":
+    return types.MethodType(_rebuild(value.__func__, key[2], leaves), value.__self__)
+  if kind == "partial":
+    func = _rebuild(value.func, key[1], leaves)
+    args = [_rebuild(v, k, leaves) for v, k in zip(value.args, key[2], strict=True)]
+    keywords = {n: _rebuild(value.keywords[n], k, leaves) for n, k in key[3]}
+    return functools.partial(func, *args, **keywords)
+  fn: types.FunctionType = value
+  parts = iter(key[3])
+  cells = tuple(
+    types.CellType(_rebuild(cell.cell_contents, k, leaves)) if _has_arrays(k) else cell
+    for cell, (_, k) in zip(fn.__closure__ or (), parts, strict=False)
+  )
+  defaults = tuple(_rebuild(d, next(parts)[1], leaves) for d in fn.__defaults__ or ())
+  kwdefaults = {
+    name: _rebuild(fn.__kwdefaults__[name], next(parts)[1], leaves)
+    for name in sorted(fn.__kwdefaults__ or {})
+  }
+  out = types.FunctionType(
+    fn.__code__, fn.__globals__, fn.__name__, defaults or None, cells or None
+  )
+  out.__kwdefaults__ = kwdefaults or None
+  out.__qualname__ = fn.__qualname__
+  return out
+
+
+class _Key:
+  """The static part of a `TracedFunction`: compared by its key; holds the function."""
+
+  __slots__ = ("key", "fn", "argument", "tool", "_hash")
+
+  def __init__(self, key: Any, fn: Callable, argument: str, tool: str):
+    self.key, self.fn, self.argument, self.tool = key, fn, argument, tool
+    self._hash = hash((key, argument, tool))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: object) -> bool:
+    return (
+      isinstance(other, _Key)
+      and self._hash == other._hash
+      and self.argument == other.argument
+      and self.tool == other.tool
+      and self.key == other.key
+    )
+
+
+class TracedFunction:
+  """A function as a pytree: its arrays are leaves, the rest of it is static.
+
+  Calling it calls the function; under a trace, with the arrays it closes over replaced
+  by the traced leaves. Made by `traced_function`.
+  """
+
+  __slots__ = ("static", "leaves", "_fn")
+
+  def __init__(self, static: _Key, leaves: list[Any]):
+    self.static = static
+    self.leaves = leaves
+    self._fn: Callable | None = None
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if self._fn is None:
+      static = self.static
+      self._fn = _rebuild(static.fn, static.key, iter(self.leaves))
+      _note_trace(static)
+    return self._fn(*args, **kwargs)
+
+
+jax.tree_util.register_pytree_node(
+  TracedFunction,
+  lambda f: (f.leaves, f.static),
+  lambda static, leaves: TracedFunction(static, list(leaves)),
+)
+
+
+def traced_function(
+  fn: Callable, argument: str, tool: str, *, arrays_as_inputs: bool = True
+) -> TracedFunction:
+  """`fn` as a pytree keyed by its code and the values it closes over (see the module).
+
+  Args:
+    fn: the function (a metric, say).
+    argument: the name of the argument it was given as (`"metric"`), for the warning.
+    tool: the public function it was given to (`"fl.sweep"`), for the warning.
+    arrays_as_inputs: whether the arrays it closes over are leaves (inputs of the
+      program) or, for a function that needs their values while traced, compared by
+      identity and baked in.
+  """
+  leaves: list[Any] | None = [] if arrays_as_inputs else None
+  key = _describe(fn, leaves, 0)
+  return TracedFunction(_Key(key, fn, argument, tool), leaves or [])
+
+
+def jit_keyed_on_function(fn: Callable, parameter: str, tool: str, argument: str = "metric") -> Any:
+  """`fl.variable_jit(fn)`, with the function passed as `fn`'s `parameter` keyed by what it
+  computes (`traced_function`) instead of its identity, through `call_with_function`.
+
+  Args:
+    fn: the function to compile; its `parameter` takes a function (a metric).
+    parameter: the name of that parameter in `fn`'s signature.
+    tool: the public function that calls it (`"fl.sweep"`), for the warning.
+    argument: the name users give that function as (`"metric"`), for the warning.
+  """
+  jitted = variable_jit(fn)
+  position = list(inspect.signature(fn).parameters).index(parameter)
+
+  @functools.wraps(fn)
+  def wrapper(*args: Any) -> Any:
+    def call(traced: TracedFunction) -> Any:
+      return jitted(*args[:position], traced, *args[position + 1 :])
+
+    return call_with_function(args[position], argument, tool, call)
+
+  return wrapper
+
+
+def call_with_function(fn: Callable, argument: str, tool: str, call: Callable) -> Any:
+  """`call(traced_function(fn, ...))`; where tracing needs the value of an array `fn`
+  closes over (JAX raises a `ConcretizationTypeError`, or an `IndexError` or `TypeError`
+  for a traced slice bound or shape), called again with those arrays baked in, and so
+  from then on for functions of that code."""
+  code = getattr(fn, "__code__", None)
+  if code not in _needs_values:
+    traced = traced_function(fn, argument, tool)
+    if not traced.leaves:
+      return call(traced)
+    site = (tool, argument, _site(traced.static.key))
+    with _lock:
+      last = _last.get(site)
+    try:
+      return call(traced)
+    except FlaxlensError:
+      raise
+    except _NEEDS_VALUE:
+      with _lock:  # The failed trace is not one to compare with.
+        _last.pop(site, None)
+        if last is not None:
+          _last[site] = last
+      out = call(traced_function(fn, argument, tool, arrays_as_inputs=False))
+      if code is not None:
+        _needs_values.add(code)
+      return out
+  return call(traced_function(fn, argument, tool, arrays_as_inputs=False))
+
+
+_NEEDS_VALUE = (jax.errors.ConcretizationTypeError, IndexError, TypeError)
+_needs_values: set[Any] = set()  # Codes that read the value of an array they close over.
+_lock = threading.Lock()
+_last: collections.OrderedDict[Any, Any] = collections.OrderedDict()  # site -> last key
+_warned: set[Any] = set()
+_MAX_SITES = 256
+
+
+def _site(key: Any) -> Any:
+  """What keys of "the same function" share: its code (a callable object: its class)."""
+  if isinstance(key, _Same):
+    return type(key.obj)
+  if key[0] == "function":
+    return key[1]
+  return (key[0], _site(key[2] if key[0] == "method" else key[1]))
+
+
+def _note_trace(static: _Key) -> None:
+  """Warns once per code and tool when a function of known code is traced for new values."""
+  key = static.key
+  site = (static.tool, static.argument, _site(key))
+  with _lock:
+    before = _last.get(site)
+    _last[site] = key
+    _last.move_to_end(site)
+    while len(_last) > _MAX_SITES:
+      _last.popitem(last=False)
+    if before is None or before == key or site in _warned:
+      return
+    _warned.add(site)
+  warnings.warn(
+    MetricRetraceWarning(
+      f"{static.tool}: {static.argument}= is traced and compiled again: it has the code"
+      f" of the {static.argument} of an earlier call, but {_difference(before, key)}."
+      f" {_FIX}"
+    ),
+    stacklevel=_caller_level(),
+  )
+
+
+@functools.cache
+def _library_folders() -> tuple[str, ...]:
+  """The folders of flaxlens, JAX and the standard library (each ending in a separator)."""
+  flaxlens = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  folders = (flaxlens, os.path.dirname(jax.__file__), sysconfig.get_paths()["stdlib"])
+  return tuple(os.path.join(os.path.realpath(f), "") for f in folders)
+
+
+def _caller_level() -> int:
+  """The `stacklevel` of the first frame outside flaxlens, JAX and the standard library."""
+  skipped = _library_folders()
+  frame, level = sys._getframe(1), 1
+  while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(skipped):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+_FIX = (
+  "Arrays a function closes over are inputs of the compiled program, Python numbers and"
+  " strings are baked into it, other objects are compared by identity: close over"
+  " jnp.asarray(value) for a number that changes, and reuse the same objects."
+)
+
+
+def _difference(before: Any, after: Any) -> str:
+  """What differs between two keys of the same site, in words."""
+  if isinstance(before, _Same) or isinstance(after, _Same):
+    return "it is another object (compared by identity)"
+  kind = before[0]
+  if kind == "method":
+    if before[1] != after[1]:
+      return "it is a method of another object (compared by identity)"
+    return _difference(before[2], after[2])
+  if kind == "partial":
+    if before[1] != after[1]:
+      return _difference(before[1], after[1])
+    return "its partial's arguments differ"
+  if before[2] != after[2]:
+    return "it was defined in another module (its globals differ)"
+  for (label, old), (_, new) in zip(before[3], after[3], strict=True):
+    if old == new:
+      continue
+    if _is_function(old) and _is_function(new):
+      if old[1] != new[1]:
+        return f"its {label} is a function of other code"
+      return f"its {label} is a function whose {_difference(old, new).removeprefix('its ')}"
+    return f"its {label} differs ({_shown(old)}, now {_shown(new)})"
+  return "it differs"
+
+
+def _is_function(key: Any) -> bool:
+  return isinstance(key, tuple) and key[0] == "function"
+
+
+def _shown(key: Any) -> str:
+  if isinstance(key, _Same):
+    return repr(key)
+  if key is _ARRAY:
+    return "an array"
+  if len(key) == 2 and isinstance(key[0], type):
+    kind, value = key
+    return repr(float.fromhex(value) if kind is float else value)
+  return f"a {key[0]}"
