@@ -109,10 +109,12 @@ def linen_subject(sizes: Sizes, layers: int | None = None) -> Subject:
     "native": lambda: (jax.jit(model.apply), (variables, x)),
     "variable_jit": lambda: (fl.variable_jit(_call_tree), (tree, x)),
     "stateless_call": lambda: _stateless_jit(tree, x),
+    "frozen_tree": lambda: (jax.jit(_call_tree), (fl.freeze_variables(tree), x)),
   }
   jit_comparisons = [
     Comparison("fl.variable_jit(tree call) / jax.jit(module.apply)", "variable_jit", "native"),
     Comparison("jax.jit(tree.stateless_call) / jax.jit(module.apply)", "stateless_call", "native"),
+    Comparison("jax.jit(f)(frozen tree, x) / jax.jit(module.apply)", "frozen_tree", "native"),
   ]
   penzai_convert = None
   if pz is not None:
@@ -164,11 +166,15 @@ def nnx_subject(sizes: Sizes, layers: int | None = None) -> Subject:
       "variable_jit": lambda: (fl.variable_jit(_call_tree), (tree, x)),
       "jax.jit+merge": lambda: (jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)), (state, x)),
       "stateless_call": lambda: _stateless_jit(tree, x),
+      "frozen_tree": lambda: (jax.jit(_call_tree), (fl.freeze_variables(tree), x)),
     },
     [
       Comparison("fl.variable_jit(tree call) / nnx.jit(model call)", "variable_jit", "nnx.jit"),
       Comparison(
         "jax.jit(tree.stateless_call) / jax.jit(merge + call)", "stateless_call", "jax.jit+merge"
+      ),
+      Comparison(
+        "jax.jit(f)(frozen tree, x) / jax.jit(merge + call)", "frozen_tree", "jax.jit+merge"
       ),
     ],
     tree,

@@ -16,6 +16,7 @@ internals here.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NoReturn
 
 import jax
@@ -37,7 +38,21 @@ class ReadOnlyDict(dict):
     flaxlens.errors.ArgumentError: The dicts of a converted tree are read-only ...
   """
 
-  __slots__ = ()
+  # `(children, keys)`, what flattening returns: made once, with the dict (which never
+  # changes), and read by JAX with `operator.attrgetter` (C, no Python frame): a tree
+  # passed to a plain `jax.jit` function is flattened at every call.
+  __slots__ = ("_flaxlens_flat",)
+
+  def __init__(self, *args: Any, **kwargs: Any):
+    super().__init__(*args, **kwargs)
+    try:
+      keys = tuple(sorted(self))
+    except TypeError as e:
+      raise ArgumentError(
+        f"The keys of a converted tree's dict must be sortable, as JAX orders a dict's"
+        f" children by key; got {list(self)!r} ({e}). Use keys of one type (strings)."
+      ) from None
+    self._flaxlens_flat = (tuple(map(self.__getitem__, keys)), keys)
 
   def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
     raise ArgumentError(
@@ -56,20 +71,17 @@ class ReadOnlyDict(dict):
 
 
 def _flatten_with_keys(d: ReadOnlyDict) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
-  keys = tuple(sorted(d))
-  return [(jax.tree_util.DictKey(k), d[k]) for k in keys], keys
-
-
-def _flatten(d: ReadOnlyDict) -> tuple[list[Any], tuple[Any, ...]]:
-  keys = tuple(sorted(d))
-  return [d[k] for k in keys], keys
+  children, keys = d._flaxlens_flat
+  return [(jax.tree_util.DictKey(k), c) for k, c in zip(keys, children, strict=True)], keys
 
 
 def _unflatten(keys: tuple[Any, ...], children: Any) -> ReadOnlyDict:
   return ReadOnlyDict(zip(keys, children, strict=True))
 
 
-jax.tree_util.register_pytree_with_keys(ReadOnlyDict, _flatten_with_keys, _unflatten, _flatten)
+jax.tree_util.register_pytree_with_keys(
+  ReadOnlyDict, _flatten_with_keys, _unflatten, operator.attrgetter("_flaxlens_flat")
+)
 
 
 def read_only(d: dict[Any, Any]) -> ReadOnlyDict:

@@ -24,11 +24,14 @@ KeyPath = tuple[Any, ...]
 
 
 def _children(node: Any) -> tuple[list[tuple[Any, Any]], Any] | None:
-  """One level of `node`: ([(key, child), ...], treedef), or None for a leaf."""
+  """One level of `node`: ([(key, child), ...], rebuild from new children), or None for a
+  leaf. A struct lists every child field, those its flattening leaves out included."""
+  if getattr(type(node), "flaxlens_fields_level", None) is not None:
+    return node.flaxlens_fields_level()
   pairs, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
   if jax.tree_util.treedef_is_leaf(treedef):
     return None
-  return [(path[0], child) for path, child in pairs], treedef
+  return [(path[0], child) for path, child in pairs], treedef.unflatten
 
 
 def _child(node: Any, key: Any) -> Any:
@@ -63,7 +66,7 @@ def _replace(node: Any, updates: dict[KeyPath, Any]) -> Any:
   level = _children(node)
   if level is None:
     raise SelectionError(f"Cannot descend into leaf {type(node).__name__} at {list(updates)}.")
-  pairs, treedef = level
+  pairs, rebuild = level
   grouped: dict[Any, dict[KeyPath, Any]] = {}
   for path, value in updates.items():
     grouped.setdefault(path[0], {})[path[1:]] = value
@@ -72,7 +75,7 @@ def _replace(node: Any, updates: dict[KeyPath, Any]) -> Any:
   ]
   if grouped:
     raise SelectionError(f"No child {list(grouped)} in {type(node).__name__}.")
-  return jax.tree_util.tree_unflatten(treedef, new_children)
+  return rebuild(new_children)
 
 
 def _format_path(path: KeyPath) -> str:
@@ -92,10 +95,8 @@ def _marked_copy(node: Any, path: KeyPath, ids: dict[int, KeyPath]) -> Any:
   level = _children(node)
   if level is None:
     return _Marker(path)
-  pairs, treedef = level
-  copy = jax.tree_util.tree_unflatten(
-    treedef, [_marked_copy(child, path + (key,), ids) for key, child in pairs]
-  )
+  pairs, rebuild = level
+  copy = rebuild([_marked_copy(child, path + (key,), ids) for key, child in pairs])
   ids[id(copy)] = path
   return copy
 

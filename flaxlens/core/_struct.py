@@ -3,17 +3,21 @@
 Subclassing `Struct` turns the class into a frozen dataclass and registers it with JAX
 as a keyed pytree, so `jax.tree_util` paths read `.field_name`. Fields are pytree
 children unless declared with `static_field()`, in which case they travel in the
-treedef (and must therefore be hashable, as jit caches on them). No Flax internals here.
+treedef (and must therefore be hashable, as jit caches on them). A child field holding
+None or an empty read-only dict has no leaves: it is left out of the children and noted
+in the treedef, and unflattening puts it back. No Flax internals here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, ClassVar, Self
 
 import jax
 
 from flaxlens.core._cache import Derived, without_kept
+from flaxlens.core._readonly import ReadOnlyDict
 from flaxlens.core._selectors import select
 from flaxlens.errors import ArgumentError
 
@@ -77,8 +81,11 @@ class Struct:
     if cls._flaxlens_flat_in_cpp:
       jax.tree_util.register_dataclass(cls)
       return
+    flatten = cls.tree_flatten
+    if flatten is Struct.tree_flatten:  # not overridden: JAX reads the kept pair in C
+      flatten = operator.attrgetter("_flaxlens_flat")
     jax.tree_util.register_pytree_with_keys(
-      cls, cls.tree_flatten_with_keys, cls.tree_unflatten, cls.tree_flatten
+      cls, cls.tree_flatten_with_keys, cls.tree_unflatten, flatten
     )
 
   def attributes_dict(self) -> dict[str, Any]:
@@ -120,12 +127,50 @@ class Struct:
     "aux", lambda self: tuple(_static_entry(getattr(self, n)) for n in self._struct_fields[1])
   )
 
+  # `(children, aux)`, what flattening returns. A struct's fields never change, so the pair
+  # is made once per instance, and JAX reads it with `operator.attrgetter` (C, no Python
+  # frame): a tree passed to a plain `jax.jit` function is flattened at every call, at a
+  # cost per node. A child field holding None or an empty read-only dict (no leaves) is
+  # left out of the children and noted at the end of the aux instead (`_leafless`).
+  _flaxlens_flat = Derived("flat", lambda self: self._flat_pair())
+
+  def _flat_pair(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    children, leafless = [], []
+    for i, name in enumerate(self._struct_fields[0]):
+      value = getattr(self, name)
+      kind = _leafless_kind(value)
+      if kind is None:
+        children.append(value)
+      else:
+        leafless.append((i, kind))
+    aux = self._flaxlens_aux
+    if leafless:
+      aux = (*aux, (_LEAFLESS_TAG, *leafless))
+    return tuple(children), aux
+
+  def _kept_fields(self) -> list[str]:
+    return [n for n in self._struct_fields[0] if _leafless_kind(getattr(self, n)) is None]
+
   def tree_flatten(self) -> tuple[list[Any], tuple[Any, ...]]:
-    return [getattr(self, n) for n in self._struct_fields[0]], self._flaxlens_aux
+    children, aux = self._flaxlens_flat
+    return list(children), aux
 
   def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
-    keyed = [(self.key_for_field(n), getattr(self, n)) for n in self._struct_fields[0]]
-    return keyed, self._flaxlens_aux
+    keyed = [(self.key_for_field(n), getattr(self, n)) for n in self._kept_fields()]
+    return keyed, self._flaxlens_flat[1]
+
+  def flaxlens_fields_level(self) -> tuple[list[tuple[Any, Any]], Any]:
+    """Every child field as `(key, value)` pairs, those JAX skips (None, an empty dict)
+    included, and a function rebuilding the struct from new values in the same order."""
+    names = self._struct_fields[0]
+    pairs = [(self.key_for_field(n), getattr(self, n)) for n in names]
+
+    def rebuild(values: list[Any]) -> Any:
+      fields = {n: getattr(self, n) for n in self._struct_fields[1]}
+      fields.update(zip(names, values, strict=True))
+      return type(self).from_attributes(**fields)
+
+    return pairs, rebuild
 
   def __getstate__(self) -> dict[str, Any]:
     """The fields, without the values kept on this object (`core/_cache.py`)."""
@@ -134,13 +179,27 @@ class Struct:
   @classmethod
   def tree_unflatten(cls, aux_data: tuple[Any, ...], children: Any) -> Self:
     child_names, static_names = cls._struct_fields
-    values = dict(zip(child_names, children, strict=True))
+    children = tuple(children)
+    static = aux_data
+    leafless: dict[int, int] = {}
+    if len(aux_data) > len(static_names):  # the note of the left-out children
+      static = aux_data[: len(static_names)]
+      leafless = dict(aux_data[-1][1:])
+    given = iter(children)
+    values = {
+      n: _LEAFLESS_VALUES[leafless[i]]() if i in leafless else next(given)
+      for i, n in enumerate(child_names)
+    }
+    if next(given, _END) is not _END:
+      raise ValueError(f"{cls.__name__}: too many children to unflatten")
     values.update(
       (n, v.value if type(v) is _StaticEntry else v)
-      for n, v in zip(static_names, aux_data, strict=True)
+      for n, v in zip(static_names, static, strict=True)
     )
     obj = cls.from_attributes(**values)
-    Struct._flaxlens_aux.seed(obj, aux_data)
+    Struct._flaxlens_aux.seed(obj, static)
+    if not any(_leafless_kind(c) is not None for c in children):  # else made when read
+      Struct._flaxlens_flat.seed(obj, (children, aux_data))
     return obj
 
   def treescope_color(self) -> str | None:
@@ -181,6 +240,23 @@ class _StaticEntry:
 
 
 _PLAIN_STATIC = (str, int, float, bool, type(None))
+
+# The aux of a struct with child fields left out ends with `(_LEAFLESS_TAG, (index, kind),
+# ...)`: a plain tuple, which no static entry is (`_static_entry` wraps tuples), of the
+# field's index among the children and what it held (`_LEAFLESS_VALUES`).
+_LEAFLESS_TAG = "flaxlens.leafless"
+_LEAFLESS_VALUES = (lambda: None, lambda: ReadOnlyDict())
+_END = object()
+
+
+def _leafless_kind(value: Any) -> int | None:
+  """0 for None, 1 for an empty read-only dict: child values with no leaves (and no
+  nodes a JAX function could act on) that flattening leaves out; None otherwise."""
+  if value is None:
+    return 0
+  if type(value) is ReadOnlyDict and not value:
+    return 1
+  return None
 
 
 def _static_entry(value: Any) -> Any:

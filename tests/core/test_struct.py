@@ -15,6 +15,7 @@ import treescope
 
 import flaxlens as fl
 from flaxlens.core._cache import Derived
+from flaxlens.core._readonly import read_only
 
 
 class Pair(fl.Struct):
@@ -155,6 +156,33 @@ def test_static_fields_are_part_of_the_treedef():
 def test_tree_map_keeps_static_fields():
   mapped = jax.tree_util.tree_map(lambda x: x + 1, Scaled(5, name="s"))
   assert (mapped.value, mapped.name) == (6, "s")
+
+
+def test_a_struct_rebuilt_by_jax_keeps_its_none_and_empty_dict_fields():
+  empty = read_only({})
+  original = Pair(Pair(None, empty), Pair(read_only({"k": 1}), None))
+  leaves, treedef = jax.tree_util.tree_flatten(original)
+  rebuilt = jax.tree_util.tree_unflatten(treedef, [x + 1 for x in leaves])
+  assert leaves == [1]
+  assert rebuilt.left.left is None
+  assert type(rebuilt.left.right) is type(empty) and rebuilt.left.right == {}
+  assert dict(rebuilt.right.left) == {"k": 2} and rebuilt.right.right is None
+
+
+def test_none_and_empty_dict_fields_tell_treedefs_apart():
+  def structure(left, right):
+    return jax.tree_util.tree_structure(Pair(left, right))
+
+  assert structure(None, 1) != structure(read_only({}), 1)
+  assert structure(None, 1) != structure(1, None)
+  assert structure(None, 1) == structure(None, 2)
+
+
+def test_a_selection_reaches_an_empty_dict_field_and_replaces_it():
+  tree = Pair(read_only({}), 1)
+  edited = tree.select().at(lambda p: p.left).set(read_only({"k": 2}))
+  assert dict(edited.left) == {"k": 2} and edited.right == 1
+  assert jax.tree_util.tree_leaves(edited) == [2, 1]
 
 
 def test_jit_accepts_a_struct_argument():

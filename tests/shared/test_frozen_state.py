@@ -6,7 +6,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from comparisons import assert_trees_equal
 from flax import nnx
+from frameworks import LINEN, NNX
 
 import flaxlens as fl
 
@@ -30,3 +32,14 @@ def test_updating_frozen_state_is_refused_and_leaves_the_tree_as_it_was(make):
   with pytest.raises(fl.VariableError, match="frozen"):
     frozen(fl.ArgsAndKwargs.capture(X))
   assert all(a is b for a, b in zip(before, jax.tree_util.tree_leaves(frozen), strict=True))
+
+
+@pytest.mark.parametrize(
+  "fw, name", [(LINEN, "mlp"), (LINEN, "sequential"), (NNX, "mlp"), (NNX, "sequential")]
+)
+def test_a_frozen_tree_through_a_plain_jax_jit_function_matches_the_native_call(corpora, fw, name):
+  case = corpora[fw][name]
+  frozen = fl.freeze_variables(fw.convert(case))
+  expected_out, _ = fw.native(case, jit=True)
+  out = jax.jit(lambda tree, argument: tree(argument))(frozen, fw.argument(case))
+  assert_trees_equal(out, expected_out)
