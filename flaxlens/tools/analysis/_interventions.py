@@ -521,9 +521,15 @@ _MAKERS = {
 }
 
 
+def maker_name(kind: str) -> str:
+  """The name of the `fl.` function that makes interventions of `kind` (`ablate` for a
+  zero ablation)."""
+  return _MAKERS.get(kind, kind)
+
+
 def _maker(kind: str, at: Any) -> str:
   """How refusals name an intervention being made: `fl.steer('Block_0')`."""
-  return f"fl.{_MAKERS.get(kind, kind)}({_site_text(at)})"
+  return f"fl.{maker_name(kind)}({_site_text(at)})"
 
 
 def _site_text(at: Any) -> str:

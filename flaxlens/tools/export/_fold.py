@@ -31,6 +31,7 @@ from flaxlens.tools.analysis._interventions import (
   Site,
   checked_interventions,
   get_part,
+  maker_name,
   nodes_by_name,
   orthonormal_rows,
   run,
@@ -190,15 +191,8 @@ def _copy(tree: CallNode) -> CallNode:
   return bind_variables(unbound, values)
 
 
-def _maker(intervention: Intervention) -> str:
-  """The name of the function that made `intervention` (`fl.<name>`)."""
-  if intervention.kind in ("zero", "mean", "resample"):
-    return "ablate"
-  return "low_rank_edit" if intervention.kind == "low_rank" else intervention.kind
-
-
 def _describe(intervention: Intervention) -> str:
-  kind = _maker(intervention)
+  kind = maker_name(intervention.kind)
   how = f", how={intervention.kind!r}" if kind == "ablate" else ""
   at = getattr(intervention.at, "name", intervention.at)
   extra = "".join(
@@ -326,7 +320,7 @@ def _heads_refusal(root: CallNode, intervention: Intervention) -> str:
   return (
     f"{at!r} is a head site, a view of the {split.on} of {calls}, and fold folds edits of"
     " calls, not of head views. Fold the same edit of that call's value with where="
-    f" choosing the heads: fl.{_maker(intervention)}({split.site.name!r}, {operands}"
+    f" choosing the heads: fl.{maker_name(intervention.kind)}({split.site.name!r}, {operands}"
     f"on={split.on!r}, where={where}){each}, its operands and where= written for that value"
   )
 

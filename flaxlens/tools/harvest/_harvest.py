@@ -1021,8 +1021,9 @@ def harvest(
       batches are used as given (in a multi-process run they must then be global
       `jax.Array`s). See "Scale out" in docs/harvest.md.
     budget: the most bytes of rows the harvest holds at once (a positive int), or None.
-      A harvest holds the rows of up to three steps (one on the device, two on the host
-      waiting for their writes), so a batch whose three steps' rows exceed `budget` runs
+      A harvest holds the rows of up to four steps (the one dispatched, the one whose
+      writes are being issued, two on the host waiting for their writes), so a batch
+      whose four steps' rows exceed `budget` runs
       in chunks of equal size along its examples, each a step of its own (a last,
       smaller chunk compiles once more). Refused where chunks cannot give the batch's
       rows: a model that couples the examples of a batch, random streams, several
