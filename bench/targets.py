@@ -139,18 +139,27 @@ TARGETS: dict[str, Target] = {
     "interventions",
   ),
   "patching_sweep_vs_loop": Target(
-    "N-site patching sweep in one call / Python loop of N jitted single patches",
+    "blocks × positions patching sweep in one call / Python loop of N jitted single patches",
     "≤",
-    "0.5",
-    "A sweep should be one compiled program over all N sites, not N dispatches of N"
-    " programs; at under half the loop's time it is worth calling.",
+    "0.6",
+    "A sweep should be one compiled program over all N cells, not N dispatches, and its"
+    " patched forwards start from one corrupted base run at the patched block (issue 23).",
     "sweeps",
   ),
   "patching_sweep_vs_batched": Target(
-    "N-site patching sweep in one call / N plain forwards batched",
+    "blocks × positions patching sweep in one call / N plain forwards batched",
+    "≤",
+    "0.6",
+    "Sharing each patched forward's prefix with one base run leaves about (L+1)/2 of L"
+    " blocks' work per forward (issue 23), plus the clean and corrupted runs.",
+    "sweeps",
+  ),
+  "patching_sweep_unshared_vs_batched": Target(
+    "default patching sweep (one batch, no prefix sharing) / N plain forwards batched",
     "≤",
     "1.10",
-    "Batched, a sweep does the work of N forwards; 10% bounds the cost of the patches themselves.",
+    "Batched, the default sweep does the work of N forwards; 10% bounds the cost of the"
+    " patches themselves.",
     "sweeps",
   ),
   "attribution_patching": Target(

@@ -62,13 +62,15 @@ def _native_patched(framework, case, site, clean, position):
 
 @pytest.mark.parametrize("framework", [LINEN, NNX])
 @pytest.mark.parametrize("positions", [None, range(4)], ids=["whole", "positions"])
-def test_sweep_equals_the_loop_of_native_single_patches(framework, corpora, positions):
+def test_batched_sweep_equals_the_loop_of_native_single_patches(framework, corpora, positions):
   # Batching N forwards into one changes the shapes XLA reduces over, and the native
   # reference compiles its own program, so results may round differently (measured: at
-  # most a float32 ulp or two); the next test shows chunk_size=1 is bit for bit.
+  # most a float32 ulp or two); the next test shows the values routed are the same.
   clean, corrupted, sites, metric = _setting(framework, corpora)
   tree = framework.convert(clean)
-  result = fl.sweep(tree, clean.args, corrupted.args, sites, metric, positions=positions)
+  result = fl.sweep(
+    tree, clean.args, corrupted.args, sites, metric, positions=positions, share_prefix=False
+  )
   cleans = {s: _native_clean(framework, clean, s) for s in sites}
   expected = [
     [metric(_native_patched(framework, corrupted, s, cleans[s], p)) for p in positions or [None]]
@@ -78,6 +80,162 @@ def test_sweep_equals_the_loop_of_native_single_patches(framework, corpora, posi
   assert result.sites == tuple(sites)
   expected = expected if positions else expected[:, 0]
   np.testing.assert_allclose(result.values, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+@pytest.mark.parametrize("positions", [None, range(4)], ids=["whole", "positions"])
+def test_shared_prefix_sweep_equals_the_loop_of_single_patches_bit_for_bit(
+  framework, corpora, positions
+):
+  # Each patched forward runs alone, at the single patch's shapes, with the values before
+  # its site taken from the unpatched corrupted run: the same program as the single
+  # patch's, cut at the site. Against native patches compiled by hand (another program,
+  # whose patch XLA fuses otherwise), it agrees to a float32 ulp.
+  clean, corrupted, sites, metric = _setting(framework, corpora)
+  tree = framework.convert(clean)
+  result = fl.sweep(
+    tree, clean.args, corrupted.args, sites, metric, positions=positions, share_prefix=True
+  )
+  _, cache = fl.capture(tree, clean.args, at=sites)
+  where = [None] if positions is None else [jnp.s_[:, p] for p in positions]
+  single = np.asarray(
+    [
+      [
+        metric(fl.run(tree, corrupted.args, interventions=[fl.patch(s, cache[s], where=w)]))
+        for w in where
+      ]
+      for s in sites
+    ]
+  )
+  cleans = {s: _native_clean(framework, clean, s) for s in sites}
+  native = np.asarray(
+    [
+      [metric(_native_patched(framework, corrupted, s, cleans[s], p)) for p in positions or [None]]
+      for s in sites
+    ]
+  )
+  if positions is None:
+    single, native = single[:, 0], native[:, 0]
+  assert not np.allclose(native, np.broadcast_to(result.corrupted, native.shape))
+  np.testing.assert_array_equal(result.values, single)
+  np.testing.assert_allclose(result.values, native, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(
+    result.corrupted, metric(framework.native(corrupted, jit=True)[0]), rtol=1e-6, atol=1e-6
+  )
+
+
+_RUNS: dict[str, int] = {}  # per block name, how many times it ran (not was traced)
+
+
+class _Counted(nn.Module):
+  """A residual Dense block that counts its runs in `_RUNS` as it runs."""
+
+  @nn.compact
+  def __call__(self, x):
+    jax.debug.callback(lambda _, name=self.name: _RUNS.update({name: _RUNS[name] + 1}), x)
+    return x + nn.Dense(x.shape[-1])(x)
+
+
+def test_shared_prefix_sweep_runs_a_block_only_for_forwards_patched_before_it():
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(4):
+        x = _Counted(name=f"block_{i}")(x)
+      return x
+
+  model, x = Stack(), jnp.arange(12.0).reshape(1, 3, 4) / 10
+  sites = [f"block_{i}" for i in range(4)]
+  _RUNS.update(dict.fromkeys(sites, 0))
+  tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+  jax.effects_barrier()
+  _RUNS.update(dict.fromkeys(sites, 0))
+  result = fl.sweep(tree, x, -x, sites, lambda out: out[0, 0, 0], positions=range(3))
+  jax.block_until_ready(result.values)
+  jax.effects_barrier()
+  # Block i runs in the clean run, in the corrupted base run, and in the patched forwards
+  # of the i earlier sites (3 positions each); the others take its output from the base.
+  assert _RUNS == {f"block_{i}": 2 + 3 * i for i in range(4)}
+  unshared = fl.sweep(
+    tree, x, -x, sites, lambda out: out[0, 0, 0], positions=range(3), share_prefix=False
+  )
+  np.testing.assert_allclose(result.values, unshared.values, rtol=1e-6, atol=1e-6)
+
+
+class _Branches(nn.Module):
+  """Two parallel branches (sites side by side) and a site nested in another."""
+
+  @nn.compact
+  def __call__(self, x):
+    left = nn.Dense(4, name="left")(x)
+    right = _TwoDense(name="right")(x)
+    return nn.Dense(3, name="head")(nn.relu(left) * right + x)
+
+
+class _TwoDense(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4, name="outer")(nn.relu(nn.Dense(4, name="inner")(x)))
+
+
+@pytest.mark.parametrize("positions", [None, range(2)], ids=["whole", "positions"])
+def test_shared_prefix_sweep_of_parallel_and_nested_sites_equals_the_single_patches(positions):
+  model, x = _Branches(), jax.random.normal(jax.random.key(1), (2, 2, 4))
+  variables = model.init(jax.random.key(0), x)
+  tree = fl.unflaxify(model, variables, x)
+  sites = ["right/inner", "left", "right", "head"]
+
+  def metric(out):
+    return out[:, 1, 0].sum()
+
+  result = fl.sweep(tree, x, -x, sites, metric, positions=positions, share_prefix=True)
+  assert result.sites == ("left", "right", "right/inner", "head")  # a call before its calls
+  sites = result.sites
+  _, cache = fl.capture(tree, x, at=sites)
+  where = [None] if positions is None else [jnp.s_[:, p] for p in positions]
+  single = np.asarray(
+    [
+      [metric(fl.run(tree, -x, interventions=[fl.patch(s, cache[s], where=w)])) for w in where]
+      for s in sites
+    ]
+  )
+  single = single if positions else single[:, 0]
+  np.testing.assert_array_equal(result.values, single)
+  native = [
+    metric(model.apply(variables, -x, method=lambda m, y, s=s: _patched_apply(m, y, s, cache)))
+    for s in sites
+  ]
+  if positions is None:
+    np.testing.assert_allclose(result.values, np.asarray(native), rtol=1e-6, atol=1e-6)
+
+
+def _patched_apply(module, x, site, cache):
+  """`_Branches` called natively with `site`'s output replaced by its clean value."""
+
+  def interceptor(next_fun, args, kwargs, context):
+    path = "/".join(context.module.path)
+    out = next_fun(*args, **kwargs)
+    return cache[site] if path == site and context.method_name == "__call__" else out
+
+  with nn.intercept_methods(interceptor):
+    return module(x)
+
+
+def test_shared_prefix_refuses_chunk_size_heads_and_other_values(corpora):
+  tree, sites, clean, _ = _exact_stack(LINEN)
+  metric = lambda out: out.sum()  # noqa: E731
+  with pytest.raises(fl.ArgumentError, match=r"runs the patched forwards one at a time"):
+    fl.sweep(tree, clean, -clean, sites, metric, chunk_size=2, share_prefix=True)
+  with pytest.raises(fl.ArgumentError, match=r"share_prefix= is True, False or None"):
+    fl.sweep(tree, clean, -clean, sites, metric, share_prefix=2)
+  with pytest.raises(fl.BudgetError, match=r"about two forwards at once"):
+    budget = _one_forward_bytes(tree, clean, metric) + 1
+    fl.sweep(tree, clean, -clean, sites, metric, budget=budget, share_prefix=True)
+  case = corpora[LINEN]["transformer"]
+  tree = LINEN.convert(case)
+  heads = fl.heads("TransformerBlock_0/MultiHeadDotProductAttention_0")
+  with pytest.raises(fl.ArgumentError, match=r"fl.heads units are parts of one call"):
+    fl.sweep(tree, case.args, case.args, heads, lambda o: o.sum(), share_prefix=True)
 
 
 def _quarters(x):
@@ -128,9 +286,13 @@ def _exact_stack(framework):
 
 
 @pytest.mark.parametrize("framework", [LINEN, NNX])
-@pytest.mark.parametrize("chunk_size", [None, 1, 5], ids=["vmap", "chunks_of_1", "chunks_of_5"])
+@pytest.mark.parametrize(
+  ("chunk_size", "share_prefix"),
+  [(None, False), (1, False), (5, False), (None, True)],
+  ids=["vmap", "chunks_of_1", "chunks_of_5", "shared_prefix"],
+)
 def test_sweep_equals_native_single_patches_bit_for_bit_where_arithmetic_is_exact(
-  framework, chunk_size
+  framework, chunk_size, share_prefix
 ):
   tree, sites, clean, native = _exact_stack(framework)
   corrupted = clean[::-1]
@@ -139,7 +301,14 @@ def test_sweep_equals_native_single_patches_bit_for_bit_where_arithmetic_is_exac
     return out[:, 0, 1]
 
   result = fl.sweep(
-    tree, clean, corrupted, sites, metric, positions=range(4), chunk_size=chunk_size
+    tree,
+    clean,
+    corrupted,
+    sites,
+    metric,
+    positions=range(4),
+    chunk_size=chunk_size,
+    share_prefix=share_prefix,
   )
   _, clean_values = native(clean)
   expected = [

@@ -38,7 +38,7 @@ from flaxlens.core._probes import Probing, scan_iterations
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._variables import bind_variables, unbind_variables
 from flaxlens.errors import ArgumentError, BudgetError, UnsupportedFlaxFeatureError
-from flaxlens.tools.analysis import _budget, _plot, _statistics
+from flaxlens.tools.analysis import _budget, _plot, _shared_prefix, _statistics
 from flaxlens.tools.analysis._calling import check_callable, model_arguments, takes_model_arguments
 from flaxlens.tools.analysis._interventions import (
   Intervention,
@@ -470,7 +470,70 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
   return values, _rows(leads), baselines
 
 
+def _shared_prefix_sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, streams):
+  """The values of `_sweep`, each patched forward run one after another with the calls
+  before its site handed on from one corrupted base run (`_shared_prefix.py`)."""
+  copies = _Copies(tree, chosen)
+  clean_output, clean_values = _captured(copies, clean, part, streams)
+  _, sites = copies.fresh()
+  leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
+  count = 1 if positions is None else len(positions)
+
+  def patched(*inputs: Any) -> Any:
+    copy, sites = copies.fresh()
+    edits = tuple(
+      modify(
+        site.node,
+        _patcher(site.name, 0, lead, positions, axis),
+        value,
+        inputs[2 * k],
+        inputs[2 * k + 1],
+        part=part,
+      )
+      for k, (site, lead, value) in enumerate(zip(sites, leads, clean_values, strict=True))
+    )
+    output, _ = _run(copy, corrupted, edits, None, streams)
+    clean_unit = inputs[-1] == 0  # the metric is traced once, for the clean run too
+    return _metric_value(metric, _where(clean_unit, clean_output, output), scalar=False)
+
+  # Each input pair (iteration, position) belongs to one site; a unit sets its site's
+  # pair and leaves every other at the base pair (-1: no iteration, so nothing patched).
+  owners, iterations, at = [], [], []
+  for k, lead in enumerate(leads):
+    for n in range(math.prod(lead)):
+      for p in positions or (0,):
+        owners.append(k)
+        iterations.append(n)
+        at.append(p)
+  clean = len(sites)  # the owner of the last input: the unit taking the clean output
+  owners.append(clean)
+  owners = np.asarray(owners, np.int32)
+  inputs = []
+  for k in range(len(sites)):
+    mine = owners == k
+    inputs.append(jnp.asarray(np.where(mine, iterations + [0], -1).astype(np.int32)))
+    inputs.append(jnp.asarray(np.where(mine, at + [0], 0).astype(np.int32)))
+  inputs.append(jnp.asarray(np.where(owners == clean, 0, -1).astype(np.int32)))
+  base = [jnp.int32(-1), jnp.int32(0)] * len(sites) + [jnp.int32(-1)]
+  of_input = [*(k for k in range(len(sites)) for _ in (0, 1)), clean]
+  corrupted_metric, values = _shared_prefix.mapped_over_units(
+    patched, base, of_input, inputs, owners, len(sites) + 1
+  )
+  values, clean_metric = values[:-1], values[-1]
+  if positions is not None:
+    values = values.reshape(-1, count, *values.shape[1:])
+  return values, _rows(leads), (clean_metric, corrupted_metric)
+
+
+def _where(condition: Any, chosen: Any, otherwise: Any) -> Any:
+  """`chosen` where `condition`, else `otherwise`, array by array (other leaves kept)."""
+  return jax.tree_util.tree_map(
+    lambda c, o: jnp.where(condition, c, o) if isinstance(o, jax.Array) else o, chosen, otherwise
+  )
+
+
 _sweep_compiled = jit_keyed_on_function(_sweep, "metric", "fl.sweep")
+_shared_prefix_sweep_compiled = jit_keyed_on_function(_shared_prefix_sweep, "metric", "fl.sweep")
 
 
 def _forwards_in(tree: CallNode, corrupted: ArgsAndKwargs, metric: Callable, streams, budget):
@@ -513,6 +576,7 @@ def sweep(
   chunk_size: int | None = None,
   budget: int | None = None,
   per_example: bool = False,
+  share_prefix: bool | None = None,
   random_streams: Any = None,
   jit: bool = True,
 ) -> SweepResult:
@@ -598,6 +662,25 @@ def sweep(
   chosen = None if sweeps_itself is not None else _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
   clean, corrupted = model_arguments(clean), model_arguments(corrupted)
+  if share_prefix not in (None, False, True):
+    raise ArgumentError(
+      f"fl.sweep: share_prefix= is True, False or None (chosen for you), got {share_prefix!r}."
+    )
+  if share_prefix is None:
+    share_prefix = _shares_by_default(sweeps_itself, chunk_size, budget)
+  if share_prefix:
+    _check_shared_prefix(tree, sweeps_itself, chunk_size, corrupted, metric, streams, budget)
+    run = _shared_prefix_sweep_compiled if jit else _shared_prefix_sweep
+    values, rows, (clean_metric, corrupted_metric) = run(
+      tree, clean, corrupted, chosen, metric, positions, axis, part, streams
+    )
+    return _statistics.with_runs(
+      _result(tree, chosen, values, rows, positions),
+      clean_metric,
+      corrupted_metric,
+      per_example=per_example,
+      where="fl.sweep",
+    )
   if budget is not None:
     chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
   if sweeps_itself is not None:
@@ -629,6 +712,39 @@ def sweep(
   return _statistics.with_runs(
     result, clean_metric, corrupted_metric, per_example=per_example, where="fl.sweep"
   )
+
+
+def _shares_by_default(sweeps_itself: Any, chunk_size: Any, budget: Any) -> bool:
+  """Whether a sweep shares prefixes when not told: for calls (not `fl.heads` units),
+  with no `chunk_size` or `budget`, on CPU, where one patched forward at a time with its
+  prefix shared costs less than the batch of whole forwards (see docs/sweeps.md)."""
+  return (
+    sweeps_itself is None
+    and chunk_size is None
+    and budget is None
+    and jax.default_backend() == "cpu"
+  )
+
+
+def _check_shared_prefix(tree, sweeps_itself, chunk_size, corrupted, metric, streams, budget):
+  """Refuses what a sweep with `share_prefix=True` cannot do."""
+  if sweeps_itself is not None:
+    raise ArgumentError(
+      f"fl.sweep of {tree.where()}: share_prefix=True sweeps calls, and fl.heads units are"
+      " parts of one call's value. Leave share_prefix=False for a heads sweep."
+    )
+  if chunk_size is not None:
+    raise ArgumentError(
+      f"fl.sweep of {tree.where()}: share_prefix=True runs the patched forwards one at a"
+      f" time, so chunk_size={chunk_size} has nothing to set. Pass one of them."
+    )
+  if budget is not None and _forwards_in(tree, corrupted, metric, streams, budget) < 2:
+    raise BudgetError(
+      f"fl.sweep of {tree.where()}: share_prefix=True holds the corrupted base run's values"
+      " while it runs one patched forward, about two forwards at once, and"
+      f" budget={budget:,} bytes holds one. Give a budget of at least two forwards, or"
+      " leave share_prefix=False."
+    )
 
 
 # --- attribution patching and gradients ----------------------------------------------------
