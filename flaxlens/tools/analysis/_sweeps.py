@@ -8,7 +8,11 @@ every site, which keeps the corrupted value unless the forward's number (a trace
 input of the batch) names that site, so the N forwards are one program. A call inside
 an `nn.scan`/`nnx.scan` body is one node for all iterations: the sweep treats each
 iteration as a site of its own (`"layers/mlp[3]"`), the edit reading the iteration
-number that an indexed probing (`core/_probes.py`) passes into the scan body.
+number that an indexed probing (`core/_probes.py`) passes into the scan body. With
+shared prefixes (`_shared_prefix_sweep`), each site's edit reads a pair of inputs of its
+own instead (the iteration and position to patch, or none), so that the forward's
+dataflow shows which operations depend on which site, and `_shared_prefix.py` runs each
+patched forward from its site on, the rest taken from the unpatched corrupted run.
 
 `fl.attribute` estimates the same patches linearly, from one clean forward and one
 corrupted forward and backward: `(clean - corrupted) * d metric / d value` at each site,
@@ -584,17 +588,21 @@ def sweep(
 
   For each site (and each position), runs the tree on `corrupted` with that site's
   output replaced by its value in a run on `clean`, and returns `metric(output)`. The
-  clean forward runs once; the patched forwards run batched with `jax.vmap` (or with
-  `jax.lax.map` in batches of `chunk_size`, to bound memory), all in one program
-  compiled once per shape, sites and metric. A call inside an `nn.scan`/`nnx.scan`
-  body is swept one iteration at a time (`"layers/mlp[3]"`: iteration 3).
+  clean forward runs once, and the patched forwards run in one program, compiled once
+  per shape, sites and metric. With shared prefixes (the default on CPU), the corrupted
+  forward runs once unpatched and each patched forward then runs alone, computing only
+  what depends on its site (about (L+1)/2 of L blocks) and taking the rest from that
+  run. Batched (the default elsewhere), the patched forwards run whole under
+  `jax.vmap` (or `jax.lax.map` in batches of `chunk_size`, to bound memory). A call
+  inside an `nn.scan`/`nnx.scan` body is swept one iteration at a time
+  (`"layers/mlp[3]"`: iteration 3).
 
   Each result equals the single patch `fl.run(tree, corrupted, interventions=
-  [fl.patch(site, clean_value, where=...)])` followed by `metric`, up to rounding: the
-  same operations on the same values, but in one program where each single patch is its
-  own, and XLA may round two programs differently (a float32 ulp or two; bit for bit
-  where the arithmetic is exact). Every forward starts from the tree's state, which the
-  sweep leaves unchanged.
+  [fl.patch(site, clean_value, where=...)])` followed by `metric`: the same operations
+  on the same values. With shared prefixes each runs at the single patch's shapes and
+  equals it bit for bit in our tests (XLA does not promise it). Batched, XLA may round
+  the batch differently (a float32 ulp or two; bit for bit where the arithmetic is
+  exact). Every forward starts from the tree's state, which the sweep leaves unchanged.
 
   Args:
     tree: a converted tree (`fl.unflaxify`).
@@ -620,13 +628,18 @@ def sweep(
       `(batch, ...)`, for example `lambda out: out[:, -1, a] - out[:, -1, b]`); the
       result keeps every example's value (`per_example`, examples last) and `values` is
       their mean. Needed for `SweepResult.bootstrap` and `SweepResult.p_values`.
+    share_prefix: True: patched forwards one at a time, each sharing what precedes its
+      site with one unpatched corrupted run (see docs/sweeps.md). False: batched. None
+      (default): True on CPU for sweeps over calls without `chunk_size` or `budget`,
+      else False. Not for `fl.heads` sites or with `chunk_size`; with `budget`, the
+      budget must hold two forwards.
     random_streams: as for a tree call, used by every run.
     jit: compile (default); pass False inside your own `jax.jit`.
 
   Returns:
     A `SweepResult`: `values` of shape `(sites, [positions,] *metric shape)`, `sites`
     (names), `positions`, the unpatched clean and corrupted runs' metrics (`clean`,
-    `corrupted`: two more forwards in the batch, patching nothing) and, with
+    `corrupted`: the forwards patching nothing) and, with
     `per_example`, every example's values.
 
   Raises:
@@ -634,7 +647,7 @@ def sweep(
     ArgumentError: a site returns a structure and `part` is missing, a position or
       `axis` does not fit a site's value, or `per_example` with a scalar metric.
     UnsupportedFlaxFeatureError: a site runs inside an `nn.vmap`/`nnx.vmap` body.
-    BudgetError: one patched forward does not fit `budget`.
+    BudgetError: one patched forward does not fit `budget` (two, with shared prefixes).
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
