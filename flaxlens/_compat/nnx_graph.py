@@ -9,6 +9,11 @@ reprs skip and `nnx.bridge.ToNNX` does not take for a Linen collection.
 
 What else is read here: the leaf order of `flax.nnx.graphlib.flatten` (what `nnx.split`
 runs first, the order `GraphDef.num_leaves` counts and a list of leaves is merged in);
+the layout of a graph-mode `GraphDef` (`nodes` and `attributes` in the order
+`flax.nnx.graphlib.unflatten` reads them: a `NodeDef` takes its next `num_attributes`
+attributes, an attribute marked `NodeAttr` the next node, a `NodeRef` names a node seen
+before), read by `graph_nodes` so that a merged copy's modules and variables are found
+without walking the copy;
 the `flax.nnx.graphlib.IndexMap` that `flax.nnx.graphlib.unflatten(index_ref=...)`
 fills while merging; a pytree module's `_pytree__nodes` and `_pytree__is_pytree` (which
 attributes are data), `flax.nnx.graphlib.get_node_impl` and `is_node` (what NNX
@@ -40,6 +45,11 @@ GRAPH_DATA = tuple(
   Internal("flax.nnx.graphlib", name)
   for name in ("GraphDef", "NodeDef", "VariableDef", "NodeAttr", "Static", "ArrayRefDef")
 )
+NODE_REF = Internal("flax.nnx.graphlib", "NodeRef")
+VARIABLE_DEF = Internal("flax.nnx.graphlib", "VariableDef")
+ARRAY_REF_DEF = Internal("flax.nnx.graphlib", "ArrayRefDef")
+TREE_NODE_DEF = Internal("flax.nnx.graphlib", "TreeNodeDef")
+NODE_ATTR = Internal("flax.nnx.graphlib", "NodeAttr")
 GENERIC_PYTREE = Internal("flax.nnx.graphlib", "GenericPytree")
 PYTREE_STATE = Internal("flax.nnx.pytreelib", "PytreeState")
 HASHABLE_MAPPING = Internal("flax.typing", "HashableMapping")
@@ -91,22 +101,29 @@ def flatten(module: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
   return graphdef, [(tuple(path), variable) for path, variable in flat]
 
 
-def static_attributes(module: Any) -> dict[str, Any]:
+def static_attributes(module: Any, attributes: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """The module's own static attributes, as its `GraphDef` records them.
 
   A pytree module (the default) keeps which attributes are data in `_pytree__nodes`,
   set when they are assigned (`nnx.data(...)` marks a dict of variables as data, as
   `nnx.bridge.ToNNX` does for Linen collections); other modules' attributes are data
   when `graphlib` flattens them as nodes or leaves. NNX's `_pytree__` bookkeeping is
-  left out.
+  left out. `attributes`: a copy of `vars(module)` taken earlier, to read the static
+  attributes the module had then (by default, those it has now).
   """
+  if attributes is None:
+    attributes = vars(module)
   try:
-    nodes = module._pytree__nodes if module._pytree__is_pytree else None
+    if module._pytree__is_pytree:
+      nodes = attributes.get("_pytree__nodes", None)
+      nodes = module._pytree__nodes if nodes is None else nodes
+    else:
+      nodes = None
   except AttributeError as e:
     raise unsupported("flax.nnx.Pytree._pytree__nodes and _pytree__is_pytree") from e
   get_node_impl = GET_NODE_IMPL() if nodes is None else None
   static = {}
-  for name, value in vars(module).items():
+  for name, value in attributes.items():
     if name.startswith(BOOKKEEPING_PREFIX):
       continue
     if nodes is not None:
@@ -133,6 +150,67 @@ def merge_indexed(graphdef: Any, leaves: list[Any]) -> tuple[Any, Mapping[int, A
   """
   made = INDEX_MAP()()
   return UNFLATTEN()(graphdef, leaves, index_ref=made), made
+
+
+def graph_nodes(graphdef: Any) -> list[tuple[tuple[Any, ...], type, int | None]] | None:
+  """`(path, type, index)` of every node of a graph-mode `GraphDef`, each once.
+
+  In `nnx.split`'s order (so a node shared by several paths is at its first path, the
+  one `nnx.state` names its variables by): modules and other graph nodes, containers
+  (lists, tuples, dicts, other pytrees: index None) and variables (their type). A bare
+  array ref comes as the `ArrayRefDef` class. `index` is where `merge_indexed`'s map
+  holds the node made from it. None for a tree-mode `GraphDef` (no indices). Reads only
+  the `GraphDef`, walking no object graph.
+  """
+  try:
+    nodes, attributes = graphdef.nodes, graphdef.attributes
+  except AttributeError as e:
+    raise unsupported("flax.nnx.GraphDef.nodes and attributes") from e
+  if not nodes:
+    return []
+  tree_node_def = TREE_NODE_DEF()
+  if isinstance(nodes[0], tree_node_def):
+    return None
+  node_ref, variable_def, array_ref_def = NODE_REF(), VARIABLE_DEF(), ARRAY_REF_DEF()
+  node_attr = NODE_ATTR()
+  found: list[tuple[tuple[Any, ...], type, int | None]] = []
+  node_at = iter(nodes)
+  attribute_at = iter(attributes)
+  # Depth first, as `unflatten` reads them: (path, attributes left) of the open nodes.
+  stack: list[list[Any]] = []
+  path: tuple[Any, ...] = ()
+  while True:
+    node = next(node_at, None)
+    if node is None:
+      break
+    kind = type(node)
+    if kind is node_ref:
+      pass
+    elif kind is variable_def:
+      found.append((path, node.type, node.index))
+    elif kind is array_ref_def:
+      found.append((path, array_ref_def, node.index))
+    elif kind is tree_node_def:
+      raise unsupported("a tree-mode node inside a graph-mode flax.nnx.GraphDef")
+    else:  # A NodeDef (Flax's own, or flaxlib's).
+      found.append((path, node.type, node.index))
+      stack.append([path, node.num_attributes])
+    # The next node is the value of the next attribute marked NodeAttr.
+    while stack:
+      top = stack[-1]
+      if top[1] == 0:
+        stack.pop()
+        continue
+      top[1] -= 1
+      key, value = next(attribute_at)
+      if type(value) is node_attr:
+        path = (*top[0], key)
+        break
+    else:
+      break
+  if next(node_at, None) is not None:
+    raise unsupported("the node order of flax.nnx.GraphDef")
+  return found
 
 
 def is_graph_container(value: Any) -> bool:

@@ -75,18 +75,19 @@ def unflaxify_nnx(
   def run(interceptor: NNXInterceptor, inputs: Any) -> None:
     leaves, args, kwargs = inputs
     copy, made = nnx_graph.merge_indexed(graphdef, list(leaves))
-    interceptor.instrument(nnx.iter_modules(copy), ())
-    statics = {p: nnx_graph.static_attributes(m) for p, m in interceptor.by_path.items()}
+    private = definition.private_copy(copy, made)
+    interceptor.instrument(private.modules, ())
+    attributes = {p: dict(vars(m)) for p, m in private.modules}
     metadata = [
       (v, dict(nnx_variables.metadata(v))) for v in made.values() if isinstance(v, nnx.Variable)
     ]
+    private.seal()  # After the sites are set: a call that adds attributes is walked.
     with interceptor.active():
       call_method(copy, method, args, kwargs)
-    _check_statics(where, interceptor.by_path, statics)
+    _check_statics(where, interceptor.by_path, attributes)
     _check_metadata(where, copy, metadata)
     created.clear()
-    for path, variable in nnx.to_flat_state(nnx.state(copy)):
-      path = tuple(path)
+    for path, variable in private.current_variables():
       if path not in given:
         _check_created(where, path, variable, interceptor.by_path)
         created[path] = variable
@@ -107,10 +108,18 @@ def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict
   The tree starts every call from the static attributes seen at conversion; a model
   that changed them while running would behave differently on its next call. A static
   placeholder the call replaces with a variable (`cache_index = None` until
-  `init_cache`) is a created variable, not a change.
+  `init_cache`) is a created variable, not a change. `before`: a copy of each module's
+  attributes (`vars`) taken before the call; a module holding the very same attributes
+  now kept its static ones.
   """
   for path, module in modules.items():
-    old, new = before[path], nnx_graph.static_attributes(module)
+    attributes, now = before[path], vars(module)
+    if len(attributes) == len(now) and all(
+      now.get(name, _MISSING) is value for name, value in attributes.items()
+    ):
+      continue
+    old = nnx_graph.static_attributes(module, attributes)
+    new = nnx_graph.static_attributes(module)
     for name in sorted(set(old) | set(new)):
       if name in old and name not in new and name in vars(module):
         continue
@@ -121,6 +130,9 @@ def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict
           " static attributes seen at conversion; keep values that change while"
           " running in an nnx.Variable, or set them before converting."
         )
+
+
+_MISSING = object()
 
 
 def _check_metadata(where: str, copy: Any, before: list[tuple[Any, dict]]) -> None:

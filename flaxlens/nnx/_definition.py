@@ -47,8 +47,9 @@ class NNXModuleDef:
       `graphdef`, in the order `nnx.merge` takes them.
     leaf_paths: the paths of those variables, in the same order.
 
-  Its hash is computed once: hashing a `GraphDef` walks all of it, and jit looks up its
-  cache by the static fields of a tree on every call. A static attribute NNX cannot hash
+  Its hash is computed once, when first asked for (not at conversion): hashing a
+  `GraphDef` walks all of it, and jit looks up its cache by the static fields of a tree
+  on every call. A static attribute NNX cannot hash
   (a dict, a list) leaves the variables' paths as the hash; equality still compares
   the whole `GraphDef`, as NNX does.
 
@@ -87,8 +88,7 @@ class NNXModuleDef:
     self._layout: _Layout | None = None
     self._source: tuple[NNXModuleDef, Path] | None = None
     self._template: Any = None
-    self._hash = _hash_or(graphdef, lambda: hash(self._leaf_paths))
-    self._hash = _hash_or((self._hash, abstract_leaves), lambda: self._hash)
+    self._hash: int | None = None
 
   @classmethod
   def derived(cls, source: NNXModuleDef, path: Path) -> NNXModuleDef:
@@ -100,7 +100,7 @@ class NNXModuleDef:
     self._layout = None
     self._source = (source, path)
     self._template = None
-    self._hash = hash(("derived", source._hash, path))
+    self._hash = None
     return self
 
   @property
@@ -136,12 +136,18 @@ class NNXModuleDef:
     return self._template
 
   def __hash__(self) -> int:
+    if self._hash is None:
+      if self._source is not None:
+        self._hash = hash(("derived", hash(self._source[0]), self._source[1]))
+      else:
+        found = _hash_or(self._graphdef, lambda: hash(self._leaf_paths))
+        self._hash = _hash_or((found, self._abstract_leaves), lambda: found)
     return self._hash
 
   def __eq__(self, other: object) -> bool:
     if self is other:
       return True
-    if type(other) is not NNXModuleDef or self._hash != other._hash:
+    if type(other) is not NNXModuleDef or hash(self) != hash(other):
       return False
     if self._source is not None or other._source is not None:
       mine, theirs = self._source, other._source
@@ -184,16 +190,15 @@ class NNXModuleDef:
       for p, a in zip(self.leaf_paths, self.abstract_leaves, strict=True)
     ]
     model, made = nnx_graph.merge_indexed(self.graphdef, leaves)
-    if self._layout is None:
-      self._layout = _Layout(model, made)
+    layout = self.layout(model, made)
     for path, variable in created.items():
       setattr(navigate(model, path[:-1]), path[-1], variable)
     orphans = {p for p in self.leaf_paths if p not in values}
-    copy = PrivateCopy(model, made, self._layout, created, orphans)
+    copy = PrivateCopy(model, made, layout, created, orphans)
     # A copy can serve later calls when every variable is one the merge made (none
     # created, none orphaned) and it was made outside any JAX trace (see `refill`).
     copy.reusable = (
-      self._layout.checkable
+      layout.checkable
       and not created
       and not orphans
       and len(copy.variables) == len(self.leaf_paths)
@@ -201,31 +206,96 @@ class NNXModuleDef:
     )
     return copy
 
+  def layout(self, model: Any, made: Mapping[int, Any]) -> _Layout:
+    """Where the modules and variables of a copy merged from the definition sit (worked
+    out once, from the `GraphDef`; `model` and `made` are that merge's, taken before a
+    call changes the copy)."""
+    if self._layout is None:
+      self._layout = _Layout.of(self.graphdef, model, made)
+    return self._layout
+
+  def private_copy(self, model: Any, made: Mapping[int, Any]) -> PrivateCopy:
+    """A `PrivateCopy` of `model`, just merged from the definition (`made`: the objects
+    the merge made), holding every variable of the definition."""
+    return PrivateCopy(model, made, self.layout(model, made), {}, set())
+
 
 class _Layout:
   """Where a definition's modules and variables sit in a copy, by `GraphDef` index.
 
-  Worked out on the first copy merged from the definition, right after the merge
-  (before variables created by the call are added):
-  `modules` as `nnx.iter_modules` walks them, `variables` as `nnx.state` finds them
-  (each once, at its first path), and `nodes`, every graph node whose attributes a run
-  could change. `checkable` is False when the copy holds a graph container that can
-  change without an attribute of an NNX object the merge made changing (a list or dict
-  attribute, a custom graph node type); such copies are always walked after the run.
+  Read from the definition's `GraphDef` (`nnx_graph.graph_nodes`), in `nnx.split`'s
+  order, so that no copy is walked: `modules`, every module once (at its first path),
+  `variables` as `nnx.state` finds them (each once, at its first path), and `nodes`,
+  every graph node whose attributes a run could change. `checkable` is False when the
+  copy holds a graph container that can change without an attribute of an NNX object
+  the merge made changing (a list or dict attribute, a custom graph node type or
+  pytree); such copies are always walked after the run. A tree-mode `GraphDef` (no
+  indices) is laid out by walking its first copy instead (`walked`), and never
+  checkable.
   """
 
-  __slots__ = ("modules", "variables", "nodes", "checkable")
+  __slots__ = ("modules", "variables", "nodes", "checkable", "indexed")
 
-  def __init__(self, model: Any, made: Mapping[int, Any]):
+  def __init__(
+    self,
+    modules: tuple[tuple[int | None, Path], ...],
+    variables: tuple[tuple[int | None, Path], ...],
+    nodes: tuple[int, ...],
+    checkable: bool,
+    indexed: bool,
+  ):
+    self.modules = modules
+    self.variables = variables
+    self.nodes = nodes
+    self.checkable = checkable
+    self.indexed = indexed
+
+  @classmethod
+  def of(cls, graphdef: Any, model: Any, made: Mapping[int, Any]) -> _Layout:
+    """The layout of `graphdef`, whose merge made `model` (`made`: by index)."""
+    found = nnx_graph.graph_nodes(graphdef)
+    if found is None:
+      return cls.walked(model, made)
+    modules, variables, nodes, checkable = [], [], [], True
+    for path, kind, index in found:
+      if issubclass(kind, nnx.Variable):
+        variables.append((index, path))
+        continue
+      if issubclass(kind, nnx.Pytree) and index is not None:
+        nodes.append(index)
+        if issubclass(kind, nnx.Module):
+          modules.append((index, path))
+        continue
+      checkable = checkable and _fixed_container(path, kind)
+    return cls(tuple(modules), tuple(variables), tuple(nodes), checkable, True)
+
+  @classmethod
+  def walked(cls, model: Any, made: Mapping[int, Any]) -> _Layout:
+    """The layout found by walking `model` (`nnx.iter_modules`, `nnx.state`)."""
     index = {id(obj): i for i, obj in made.items()}
-    self.modules = tuple((index.get(id(m)), tuple(p)) for p, m in nnx.iter_modules(model))
-    self.variables = tuple(
-      (index.get(id(v)), tuple(p)) for p, v in nnx.to_flat_state(nnx.state(model))
+    return cls(
+      tuple((index.get(id(m)), tuple(p)) for p, m in nnx.iter_modules(model)),
+      tuple((index.get(id(v)), tuple(p)) for p, v in nnx.to_flat_state(nnx.state(model))),
+      tuple(i for i, obj in made.items() if isinstance(obj, nnx.Pytree)),
+      all(_fixed_unless_set(path, value, index) for path, value in nnx.iter_graph(model)),
+      False,
     )
-    self.nodes = tuple(i for i, obj in made.items() if isinstance(obj, nnx.Pytree))
-    self.checkable = all(
-      _fixed_unless_set(path, value, index) for path, value in nnx.iter_graph(model)
-    )
+
+  def modules_of(self, model: Any, made: Mapping[int, Any]) -> tuple[tuple[Path, Any], ...]:
+    """`(path, module)` of every module of a copy just merged (`made`: by index)."""
+    if self.indexed:
+      return tuple((p, made[i]) for i, p in self.modules)
+    return tuple((tuple(p), m) for p, m in nnx.iter_modules(model))
+
+
+def _fixed_container(path: Path, kind: type) -> bool:
+  """Whether a container of type `kind` that a `GraphDef` holds at `path` changes only
+  when an attribute of the NNX object holding it is set: True for tuples, `FrozenDict`,
+  None and NNX's own `_pytree__` bookkeeping; False for lists, dicts, other pytrees and
+  graph node types (which a call could change in place) and bare array refs."""
+  if issubclass(kind, tuple | FrozenDict | type(None)):
+    return True
+  return bool(path) and nnx_graph.is_bookkeeping(path[-1])
 
 
 def _fixed_unless_set(path: Path, value: Any, made: Mapping[int, int]) -> bool:
@@ -250,8 +320,8 @@ class PrivateCopy:
 
   Attributes:
     model: the rebuilt module.
-    modules: `(path, module)` of every module of the copy, as `nnx.iter_modules`
-      yields them.
+    modules: `(path, module)` of every module the merge made, each once (at its first
+      path in `nnx.split`'s order).
     orphans: the paths of the variables no node holds (see `NNXModuleDef.rebuild`).
     variables: `(path, variable)` of the variables the merge made (and those the
       call created), when the copy is checkable; else empty.
@@ -286,14 +356,13 @@ class PrivateCopy:
     self.orphans = orphans
     self.reusable = False
     self._checkable = layout.checkable
+    self.modules = layout.modules_of(model, made)
     if layout.checkable:
-      self.modules = tuple((p, made[i]) for i, p in layout.modules)
       self.variables: tuple[tuple[Path, Any], ...] = tuple(
         (p, made[i]) for i, p in layout.variables
       ) + tuple(created.items())
       self._nodes = [made[i] for i in layout.nodes]
     else:
-      self.modules = tuple((tuple(p), m) for p, m in nnx.iter_modules(model))
       self.variables = ()
       self._nodes = []
     self._attributes: list[tuple[Any, tuple[str, ...], tuple[Any, ...]]] | None = None
@@ -329,13 +398,20 @@ class PrivateCopy:
     moved); otherwise, and for a copy that is not checkable, by walking the copy with
     `nnx.state`.
     """
+    pairs = ((p, v.get_raw_value()) for p, v in self.current_variables())
+    return {p: v for p, v in pairs if p not in self.orphans}
+
+  def current_variables(self) -> tuple[tuple[Path, Any], ...]:
+    """`(path, variable)` of every variable the copy holds now, as `nnx.state` finds them.
+
+    The variables the merge made (and those created for the run) while every graph
+    node holds the very attributes it held at `seal()`; otherwise, and for a copy that
+    is not checkable, found by walking the copy with `nnx.state`.
+    """
     self._intact = self._checkable and self._attributes is not None and self._unchanged()
     if self._intact:
-      pairs = ((p, v.get_raw_value()) for p, v in self.variables)
-    else:
-      flat = nnx.to_flat_state(nnx.state(self.model))
-      pairs = ((tuple(p), v.get_raw_value()) for p, v in flat)
-    return {p: v for p, v in pairs if p not in self.orphans}
+      return self.variables
+    return tuple((tuple(p), v) for p, v in nnx.to_flat_state(nnx.state(self.model)))
 
   def intact(self) -> bool:
     """Whether a reusable copy is, after its run, as its merge made it but for values.

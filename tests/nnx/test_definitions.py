@@ -14,7 +14,10 @@ from comparisons import assert_trees_equal
 from flax import nnx
 
 import flaxlens as fl
-from flaxlens.nnx._definition import equal
+from flaxlens._compat import nnx_graph
+from flaxlens.nnx._definition import _Layout, equal
+
+from .corpus import NAMES
 
 
 class Shared(nnx.Module):
@@ -87,3 +90,52 @@ def test_a_variable_a_call_adds_to_a_plain_list_is_refused_at_conversion():
   with pytest.raises(fl.UnsupportedFlaxFeatureError, match="'log/0' inside a new container"):
     fl.unflaxify(model, jnp.ones((1, 2)))
   assert model.log == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_modules_and_variables_read_from_the_graphdef_are_those_nnx_walks_find(cases, name):
+  graphdef, variables = nnx_graph.flatten(cases[name].model)
+  model, made = nnx_graph.merge_indexed(graphdef, [v.get_raw_value() for _, v in variables])
+  read = _Layout.of(graphdef, model, made)
+  assert read.indexed
+  modules = [(tuple(p), id(m)) for p, m in nnx.iter_modules(model)]
+  assert sorted((p, id(m)) for p, m in read.modules_of(model, made)) == sorted(modules)
+  state = [(tuple(p), id(v)) for p, v in nnx.to_flat_state(nnx.state(model))]
+  assert [(p, id(made[i])) for i, p in read.variables] == state
+
+
+class Counting(nnx.Module):
+  """A call that counts itself in a static attribute."""
+
+  def __init__(self):
+    self.linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    self.calls = 0
+
+  def __call__(self, x):
+    self.calls += 1
+    return self.linear(x)
+
+
+def test_a_call_that_changes_a_static_attribute_is_refused_at_conversion():
+  model = Counting()
+  with pytest.raises(fl.UnsupportedFlaxFeatureError, match="static attribute 'calls'"):
+    fl.unflaxify(model, jnp.ones((1, 2)))
+  assert model.calls == 0
+
+
+class Reshaping(nnx.Module):
+  """A call that sets a static attribute again, to a new but equal value."""
+
+  def __init__(self):
+    self.linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    self.shape = (1, 2)
+
+  def __call__(self, x):
+    self.shape = tuple(int(n) for n in x.shape)
+    return self.linear(x).reshape(self.shape)
+
+
+def test_a_call_that_sets_a_static_attribute_to_an_equal_value_converts():
+  model, x = Reshaping(), jnp.ones((1, 2))
+  tree = fl.unflaxify(model, x)
+  assert_trees_equal(tree(fl.ArgsAndKwargs.capture(x)), model(x))
