@@ -155,11 +155,10 @@ TARGETS: dict[str, Target] = {
     "sweeps",
   ),
   "patching_sweep_unshared_vs_batched": Target(
-    "default patching sweep (one batch, no prefix sharing) / N plain forwards batched",
+    "batched patching sweep (share_prefix=False) / N plain forwards batched",
     "≤",
     "1.10",
-    "Batched, the default sweep does the work of N forwards; 10% bounds the cost of the"
-    " patches themselves.",
+    "Batched, a sweep does the work of N forwards; 10% bounds the cost of the patches themselves.",
     "sweeps",
   ),
   "attribution_patching": Target(

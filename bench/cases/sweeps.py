@@ -7,8 +7,8 @@ run into a run on the reversed tokens. `fl.sweep(share_prefix=True)` (one compil
 sharing each patched forward's prefix with one corrupted base run) is timed against the
 loop a user writes without it (a clean capture, then N jitted `fl.run` calls each with
 one `fl.patch`) and against N plain forwards batched with `jax.vmap` in one jitted call
-(the work a sweep without prefix sharing cannot avoid), as is the default `fl.sweep`
-(one batch of patched forwards for all sites: no prefix sharing, a fast first call);
+(the work a sweep without prefix sharing cannot avoid), as is `fl.sweep(share_prefix=
+False)` (one batch of whole patched forwards, the default off CPU);
 `fl.attribute` against one jitted forward and backward pass (the metric's gradient with
 respect to the parameters). Results are checked against each other before timing: the
 sweeps against the loop, to rounding (forwards batched, the loop's are not).
@@ -117,11 +117,11 @@ def _measure(subject: Subject, sizes: Sizes) -> list[Row]:
     ),
     Row(
       NAME,
-      f"{where}: fl.sweep (default: one batch) / {n} plain forwards batched",
+      f"{where}: fl.sweep(share_prefix=False) / {n} plain forwards batched",
       "patching_sweep_unshared_vs_batched",
       ratios(unshared_s, batched_s),
       f"{seconds(median(unshared_s))} vs {seconds(median(batched_s))}",
-      note="the default compiles one patched forward for all sites (fast first call)",
+      note="one batch of whole patched forwards (the default off CPU)",
     ),
     Row(
       NAME,

@@ -49,22 +49,21 @@ def _dependencies(jaxpr: Any, owner_of_input: Sequence[int]) -> list[frozenset[i
   none: frozenset[int] = frozenset()
   out = []
   for eqn in jaxpr.eqns:
-    found = none.union(
-      *(owners.get(a, none) for a in eqn.invars if not jaxprs.is_literal(a))
-    )
+    found = none.union(*(owners.get(a, none) for a in eqn.invars if not jaxprs.is_literal(a)))
     for v in eqn.outvars:
       owners[v] = found
     out.append(found)
   return out
 
 
-def _pieces(jaxpr: Any, depends: list[frozenset[int]], count: int) -> tuple[list, list]:
-  """The equations no unit runs (their values come from the base run), and the pieces."""
-  base_only, groups = [], []
+def _pieces(jaxpr: Any, depends: list[frozenset[int]], count: int) -> list[_Piece]:
+  """The pieces of `jaxpr` the units run: consecutive equations depending on owners (an
+  equation depending on none runs in the base run only)."""
+  groups = []
   for eqn, owners in zip(jaxpr.eqns, depends, strict=True):
     if not owners:
-      base_only.append(eqn)
-    elif groups and owners <= groups[-1][1]:
+      continue
+    if groups and owners <= groups[-1][1]:
       groups[-1][0].append(eqn)
     else:
       groups.append(([eqn], owners))
@@ -91,7 +90,7 @@ def _pieces(jaxpr: Any, depends: list[frozenset[int]], count: int) -> tuple[list
           inputs.append(a)
     outputs = [v for e in eqns for v in e.outvars if v in later]
     pieces.append(_Piece(tuple(eqns), frozenset(owners), tuple(inputs), tuple(outputs)))
-  return base_only, pieces
+  return pieces
 
 
 def mapped_over_units(
@@ -121,7 +120,7 @@ def mapped_over_units(
   jaxpr, consts = closed.jaxpr, closed.consts
   out_tree = jax.tree_util.tree_structure(shapes)
   depends = _dependencies(jaxpr, owner_of_input)
-  _, pieces = _pieces(jaxpr, depends, owners)
+  pieces = _pieces(jaxpr, depends, owners)
   keep: list[Any] = []  # base-run values the units read or hand on
   kept: set[Any] = set()
   outside = set(jaxpr.invars) | set(jaxpr.constvars)
@@ -166,6 +165,7 @@ def mapped_over_units(
 
 
 def _membership(members: frozenset[int], owners: int) -> Any:
+  """A table, by owner, of whether that owner's units run a piece."""
   table = np.zeros(owners, bool)
   table[list(members)] = True
   return jnp.asarray(table)
