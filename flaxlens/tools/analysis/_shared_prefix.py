@@ -72,15 +72,13 @@ def _pieces(jaxpr: Any, depends: list[frozenset[int]], count: int) -> list[_Piec
     i = min(range(len(groups) - 1), key=lambda j: len(groups[j][0]) + len(groups[j + 1][0]))
     (a, oa), (b, ob) = groups[i], groups[i + 1]
     groups[i : i + 2] = [(a + b, oa | ob)]
-  used_later: list[set[Any]] = [set() for _ in groups]
-  final = {v for v in jaxpr.outvars if not jaxprs.is_literal(v)}
-  reads_after: set[Any] = set(final)
-  for i in range(len(groups) - 1, -1, -1):
-    used_later[i] = set(reads_after)
-    for eqn in groups[i][0]:
-      reads_after.update(a for a in eqn.invars if not jaxprs.is_literal(a))
+  last_read: dict[Any, int] = {}  # the last group reading each variable
+  for i, (eqns, _) in enumerate(groups):
+    for eqn in eqns:
+      last_read.update((a, i) for a in eqn.invars if not jaxprs.is_literal(a))
+  last_read.update((v, len(groups)) for v in jaxpr.outvars if not jaxprs.is_literal(v))
   pieces = []
-  for (eqns, owners), later in zip(groups, used_later, strict=True):
+  for i, (eqns, owners) in enumerate(groups):
     defined = {v for e in eqns for v in e.outvars}
     inputs, seen = [], set()
     for e in eqns:
@@ -88,7 +86,7 @@ def _pieces(jaxpr: Any, depends: list[frozenset[int]], count: int) -> list[_Piec
         if not jaxprs.is_literal(a) and a not in defined and a not in seen:
           seen.add(a)
           inputs.append(a)
-    outputs = [v for e in eqns for v in e.outvars if v in later]
+    outputs = [v for e in eqns for v in e.outvars if last_read.get(v, -1) > i]
     pieces.append(_Piece(tuple(eqns), frozenset(owners), tuple(inputs), tuple(outputs)))
   return pieces
 

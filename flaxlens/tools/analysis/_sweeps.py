@@ -446,11 +446,18 @@ def patched_forwards(
   return values, baselines
 
 
-def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams):
+def _clean_run(tree, chosen, clean, part, streams) -> tuple[_Copies, Any, list, list]:
+  """What every sweep starts from: the copies of the tree, the clean run's output and the
+  chosen sites' clean values, and each site's scan axes (`_lead`)."""
   copies = _Copies(tree, chosen)
   clean_output, clean_values = _captured(copies, clean, part, streams)
   _, sites = copies.fresh()
   leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
+  return copies, clean_output, clean_values, leads
+
+
+def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams):
+  copies, clean_output, clean_values, leads = _clean_run(tree, chosen, clean, part, streams)
   bases = np.cumsum([0, *(math.prod(lead) for lead in leads)]).tolist()
 
   def patched(unit_and_position: tuple[Any, Any]) -> Any:
@@ -477,10 +484,7 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
 def _shared_prefix_sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, streams):
   """The values of `_sweep`, each patched forward run one after another with the calls
   before its site handed on from one corrupted base run (`_shared_prefix.py`)."""
-  copies = _Copies(tree, chosen)
-  clean_output, clean_values = _captured(copies, clean, part, streams)
-  _, sites = copies.fresh()
-  leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
+  copies, clean_output, clean_values, leads = _clean_run(tree, chosen, clean, part, streams)
   count = 1 if positions is None else len(positions)
 
   def patched(*inputs: Any) -> Any:
@@ -497,8 +501,8 @@ def _shared_prefix_sweep(tree, clean, corrupted, chosen, metric, positions, axis
       for k, (site, lead, value) in enumerate(zip(sites, leads, clean_values, strict=True))
     )
     output, _ = _run(copy, corrupted, edits, None, streams)
-    clean_unit = inputs[-1] == 0  # the metric is traced once, for the clean run too
-    return _metric_value(metric, _where(clean_unit, clean_output, output), scalar=False)
+    # The last input is CLEAN_UNIT for the clean baseline's unit: the metric is traced once.
+    return _metric_value(metric, with_clean(inputs[-1], clean_output, output), scalar=False)
 
   # Each input pair (iteration, position) belongs to one site; a unit sets its site's
   # pair and leaves every other at the base pair (-1: no iteration, so nothing patched).
@@ -509,31 +513,24 @@ def _shared_prefix_sweep(tree, clean, corrupted, chosen, metric, positions, axis
         owners.append(k)
         iterations.append(n)
         at.append(p)
-  clean = len(sites)  # the owner of the last input: the unit taking the clean output
+  clean = len(leads)  # the owner of the last input: the unit taking the clean output
   owners.append(clean)
   owners = np.asarray(owners, np.int32)
   inputs = []
-  for k in range(len(sites)):
+  for k in range(len(leads)):
     mine = owners == k
     inputs.append(jnp.asarray(np.where(mine, iterations + [0], -1).astype(np.int32)))
     inputs.append(jnp.asarray(np.where(mine, at + [0], 0).astype(np.int32)))
-  inputs.append(jnp.asarray(np.where(owners == clean, 0, -1).astype(np.int32)))
-  base = [jnp.int32(-1), jnp.int32(0)] * len(sites) + [jnp.int32(-1)]
-  of_input = [*(k for k in range(len(sites)) for _ in (0, 1)), clean]
+  inputs.append(jnp.asarray(np.where(owners == clean, CLEAN_UNIT, CORRUPTED_UNIT).astype(np.int32)))
+  base = [jnp.int32(-1), jnp.int32(0)] * len(leads) + [jnp.int32(CORRUPTED_UNIT)]
+  of_input = [*(k for k in range(len(leads)) for _ in (0, 1)), clean]
   corrupted_metric, values = _shared_prefix.mapped_over_units(
-    patched, base, of_input, inputs, owners, len(sites) + 1
+    patched, base, of_input, inputs, owners, len(leads) + 1
   )
   values, clean_metric = values[:-1], values[-1]
   if positions is not None:
     values = values.reshape(-1, count, *values.shape[1:])
   return values, _rows(leads), (clean_metric, corrupted_metric)
-
-
-def _where(condition: Any, chosen: Any, otherwise: Any) -> Any:
-  """`chosen` where `condition`, else `otherwise`, array by array (other leaves kept)."""
-  return jax.tree_util.tree_map(
-    lambda c, o: jnp.where(condition, c, o) if isinstance(o, jax.Array) else o, chosen, otherwise
-  )
 
 
 _sweep_compiled = jit_keyed_on_function(_sweep, "metric", "fl.sweep")
