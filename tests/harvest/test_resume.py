@@ -12,6 +12,7 @@ import time
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -121,3 +122,44 @@ def test_a_call_on_its_own_complete_store_runs_no_model_code(tmp_path):
   traced.clear()
   again = fl.harvest(tree, batches, "Dense_0", tmp_path / "s")
   assert traced == [] and again.complete and len(again) == len(first)
+
+
+_DTYPES = ["float32", "bfloat16", "float16", "int8", "uint8", "bool", "int32", "int16", "complex64"]
+
+
+@pytest.mark.parametrize("dtype", _DTYPES)
+def test_the_checksum_summed_on_the_host_equals_the_one_summed_by_a_jitted_program(dtype):
+  # On CPU a store's checksums (the model's variables, the first batch) are summed with
+  # NumPy; arrays on accelerators or over several devices are summed by a jitted program. A
+  # store made one way must resume the other, so both must give the same numbers. The
+  # array spans several of the host's slices, and a partial one.
+  from flaxlens.tools.harvest import _harvest
+
+  rng = np.random.default_rng(0)
+  size = 2 * _harvest._SPAN + 7
+  values = rng.standard_normal(size) * 50 + 1j * rng.standard_normal(size)
+  if dtype == "bool":
+    array = values.real > 0
+  elif dtype.startswith(("int", "uint")):
+    array = np.clip(values.real, -100, 100).astype(dtype)
+  else:
+    array = (values if dtype.startswith("complex") else values.real).astype(jnp.dtype(dtype))
+  device = jax.device_put(array)
+  on_device = _harvest._checksums([device])[0].tolist()
+  assert list(_harvest._host_checksum(_harvest._on_host(array))) == on_device
+  assert list(_harvest._host_checksum(_harvest._on_host(device))) == on_device
+  # And the fingerprint is the same for the NumPy array and the device array.
+  assert _harvest._fingerprint([("a", array)]) == _harvest._fingerprint([("a", device)])
+
+
+def test_the_checksum_of_64_bit_arrays_is_the_same_on_the_host_and_on_device():
+  from flaxlens.tools.harvest import _harvest
+
+  enable_x64 = getattr(jax, "enable_x64", None)  # a config state: no truth value
+  if enable_x64 is None:
+    from jax.experimental import enable_x64
+  rng = np.random.default_rng(1)
+  with enable_x64(True):
+    for array in (rng.standard_normal(1000), rng.integers(-(2**62), 2**62, 1000)):
+      on_device = _harvest._checksums([jax.device_put(array)])[0].tolist()
+      assert list(_harvest._host_checksum(_harvest._on_host(array))) == on_device

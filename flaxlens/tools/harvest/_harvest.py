@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -517,6 +518,8 @@ def _checksums(leaves: list[Any]) -> Any:
   for leaf in leaves:
     if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
       leaf = jax.random.key_data(leaf)
+    if jnp.issubdtype(leaf.dtype, jnp.complexfloating):  # real and imaginary parts in turn
+      leaf = jnp.stack([leaf.real, leaf.imag], axis=-1)
     if leaf.dtype == jnp.bool_ or leaf.dtype.itemsize == 1:
       bits = leaf.astype(jnp.uint32)
     else:
@@ -528,13 +531,66 @@ def _checksums(leaves: list[Any]) -> Any:
   return jnp.stack(sums) if sums else jnp.zeros((0, 2), jnp.uint32)
 
 
+# The position weights' period, and the elements summed at a time on the host: a whole
+# number of periods, so every slice starts at weight 1 and one table of weights serves all.
+_PERIOD = 65521
+_SPAN = 16 * _PERIOD
+_host_weights = functools.cache(
+  lambda: (np.arange(_SPAN, dtype=np.uint32) % _PERIOD + 1).astype(np.uint32)
+)
+
+
+def _on_host(value: Any) -> np.ndarray | None:
+  """`value` as a NumPy array without a transfer where it already is one in host memory (a
+  NumPy array, at the dtype `jnp.asarray` would give it, or a JAX array on one CPU device);
+  None for anything else (arrays on accelerators or over several devices)."""
+  if isinstance(value, np.ndarray | np.generic):
+    if value.dtype.kind not in "biufc" and value.dtype.name != "bfloat16":
+      return None  # other dtypes: jnp.asarray says what it makes of them
+    return np.asarray(value).astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
+  if (
+    isinstance(value, jax.Array)
+    and not jnp.issubdtype(value.dtype, jax.dtypes.prng_key)
+    and value.is_fully_addressable
+    and len(value.sharding.device_set) == 1
+    and next(iter(value.sharding.device_set)).platform == "cpu"
+  ):
+    return np.asarray(value)
+  return None
+
+
+def _host_checksum(array: np.ndarray) -> tuple[int, int]:
+  """`_checksums`' pair for one host array, computed with NumPy a slice at a time (the same
+  unsigned 32-bit arithmetic, so the same numbers, in memory bounded by `_SPAN`)."""
+  if array.dtype.kind == "c":  # real and imaginary parts in turn, as `_checksums` sums them
+    array = np.stack([array.real, array.imag], axis=-1)
+  flat = array.reshape(-1)
+  if array.dtype.itemsize in (2, 4, 8) and array.dtype != np.bool_:
+    flat = flat.view({2: np.uint16, 4: np.uint32, 8: np.uint32}[array.dtype.itemsize])
+  weights, plain, weighted = _host_weights(), 0, 0
+  for start in range(0, flat.size, _SPAN):
+    bits = flat[start : start + _SPAN].astype(np.uint32)
+    plain += int(bits.sum(dtype=np.uint32))
+    weighted += int((bits * weights[: bits.size]).sum(dtype=np.uint32))
+  return plain % 2**32, weighted % 2**32
+
+
 def _fingerprint(named: list[tuple[str, Any]]) -> str:
-  """A checksum of named arrays: their names, shapes, dtypes and bits (not cryptographic)."""
-  arrays = [jnp.asarray(value) for _, value in named]
-  sums = _fetch(_checksums(arrays)) if arrays else np.zeros((0, 2), np.uint32)
+  """A checksum of named arrays: their names, shapes, dtypes and bits (not cryptographic).
+
+  Arrays already in host memory are summed there with NumPy (on CPU, the model's variables:
+  no program to trace and compile in each new process); the others in one jitted program
+  on their devices. Both give the same numbers, so a store fingerprinted on one resumes
+  on the other."""
+  host = [_on_host(value) for _, value in named]
+  arrays = [h if h is not None else jnp.asarray(v) for h, (_, v) in zip(host, named, strict=True)]
+  host = [h if h is not None else _on_host(a) for h, a in zip(host, arrays, strict=True)]
+  on_device = [a for h, a in zip(host, arrays, strict=True) if h is None]
+  device_sums = iter(_fetch(_checksums(on_device)) if on_device else ())
   digest = hashlib.sha256()
-  for (name, _), array, pair in zip(named, arrays, sums, strict=True):
-    digest.update(f"{name}|{array.dtype}|{tuple(array.shape)}|{pair.tolist()};".encode())
+  for h, (name, _), array in zip(host, named, arrays, strict=True):
+    pair = list(_host_checksum(h)) if h is not None else next(device_sums).tolist()
+    digest.update(f"{name}|{array.dtype}|{tuple(array.shape)}|{pair};".encode())
   return digest.hexdigest()[:32]
 
 
