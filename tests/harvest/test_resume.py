@@ -163,3 +163,42 @@ def test_the_checksum_of_64_bit_arrays_is_the_same_on_the_host_and_on_device():
     for array in (rng.standard_normal(1000), rng.integers(-(2**62), 2**62, 1000)):
       on_device = _harvest._checksums([jax.device_put(array)])[0].tolist()
       assert list(_harvest._host_checksum(_harvest._on_host(array))) == on_device
+
+
+def test_progress_counts_rows_only_after_the_writes_are_synced(linen_model, tmp_path, monkeypatch):
+  # The arrays are written without a sync per chunk; `progress.json` may count rows only
+  # once a sync of the store's filesystem came after their writes (else a crash of the
+  # machine could leave counted rows unwritten). Every save is seen in order.
+  from flaxlens.tools.harvest import _harvest, _store
+
+  events = []
+  flush, write_progress = _store.flush, _store.write_progress
+  monkeypatch.setattr(_store, "flush", lambda path: (events.append("sync"), flush(path))[1])
+  monkeypatch.setattr(
+    _store,
+    "write_progress",
+    lambda path, progress: (events.append(progress["batches"]), write_progress(path, progress))[1],
+  )
+  monkeypatch.setattr(_harvest, "COMMIT_EVERY", 0.0)  # every batch is saved
+  fl.harvest(linen_model.tree, models.token_batches(4), "Block_0", tmp_path / "s", positions=None)
+  assert _store.syncs_itself()
+  saved = [i for i, event in enumerate(events) if event != "sync"]
+  assert [events[i] for i in saved] == [1, 2, 3, 4, 4]  # each batch, then complete
+  assert all(events[i - 1] == "sync" for i in saved)
+  assert fl.open_harvest(tmp_path / "s").complete
+
+
+def test_a_failed_save_of_the_progress_stops_the_run_with_its_error(
+  linen_model, tmp_path, monkeypatch
+):
+  from flaxlens.tools.harvest import _harvest, _store
+
+  def refuse(path, progress):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(_store, "write_progress", refuse)
+  monkeypatch.setattr(_harvest, "COMMIT_EVERY", 0.0)
+  with pytest.raises(OSError, match="No space left"):
+    fl.harvest(linen_model.tree, models.token_batches(4), "Block_0", tmp_path / "s", positions=None)
+  monkeypatch.undo()
+  assert not fl.open_harvest(tmp_path / "s").complete

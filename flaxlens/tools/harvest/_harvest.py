@@ -16,6 +16,7 @@ barriers before process 0 commits) goes through JAX's collectives
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -1208,24 +1209,43 @@ def _run(
 
   last_commit = time.perf_counter()
   unsaved: list[dict[str, Any]] = []  # the latest written batch's progress, not yet saved
+  # One process saves its progress on a thread of its own: syncing the writes (before
+  # progress.json counts them) waits for the disk, which the loop need not do.
+  saver = None if several else concurrent.futures.ThreadPoolExecutor(1, "flaxlens-harvest")
+  saving: collections.deque[concurrent.futures.Future] = collections.deque()
+
+  def save(progress: dict[str, Any]) -> None:
+    saving.append(saver.submit(_store.commit, path, progress))
+    while saving and saving[0].done():
+      saving.popleft().result()  # a failed save stops the run
 
   def commit(written: _Written) -> None:
     nonlocal last_commit
     written.wait()
     if written.progress is None:
       return  # a chunk of a batch: the batch commits with its last chunk
-    if not several and time.perf_counter() - last_commit < COMMIT_EVERY:
+    if not several:
       unsaved[:] = [written.progress]  # written; saved with a later batch or at the end
+      if time.perf_counter() - last_commit >= COMMIT_EVERY:
+        save(unsaved.pop())
+        last_commit = time.perf_counter()
       return
+    if _store.syncs_itself():
+      _store.flush(path)  # every process's writes durable before the barrier
     _barrier(f"batch {written.progress['batches'] - 1} written")
     if lead:
       _store.write_progress(path, written.progress)
-    unsaved.clear()
     last_commit = time.perf_counter()
 
   def save_unsaved() -> None:
-    if unsaved:
-      _store.write_progress(path, unsaved.pop())
+    """Saves the last written batch's progress, and waits for every save."""
+    try:
+      if unsaved:
+        save(unsaved.pop())
+    finally:
+      saver.shutdown(wait=True)
+    while saving:
+      saving.popleft().result()
 
   def written(step: _Step) -> None:
     """Checks a dispatched step's rows and issues their writes (waiting for its sizes)."""
@@ -1297,9 +1317,7 @@ def _run(
   _barrier("every batch written")
   if lead:
     _store.shrink(arrays, rows)
-    _store.write_progress(
-      path, {"batches": batches, "examples": examples, "rows": rows, "complete": True}
-    )
+    _store.commit(path, {"batches": batches, "examples": examples, "rows": rows, "complete": True})
   _barrier("complete")  # no process returns before the store says complete
 
 
