@@ -76,13 +76,15 @@ def _spec(path: str, name: str, dtype: str | None = None) -> dict[str, Any]:
   return spec
 
 
-def _write_json(path: str, value: Any) -> None:
-  """Writes `value` to `path` atomically: a temporary file, flushed, then `os.replace`."""
+def _write_json(path: str, value: Any, sync: bool = True) -> None:
+  """Writes `value` to `path` atomically: a temporary file, flushed (and synced, unless a
+  sync of the whole store follows), then `os.replace`."""
   temporary = f"{path}.tmp"
   with open(temporary, "w") as file:
     json.dump(value, file, indent=1, sort_keys=True)
     file.flush()
-    os.fsync(file.fileno())
+    if sync:
+      os.fsync(file.fileno())
   os.replace(temporary, path)
 
 
@@ -166,7 +168,8 @@ def create(path: str, metadata: dict[str, Any]) -> None:
   """Creates the store's groups and arrays (empty, `ROW_BOUND` rows) at `path`."""
   ts = tensorstore()
   os.makedirs(path, exist_ok=True)
-  context = ts.Context()
+  together = syncs_itself()  # one sync of everything below, not one per file
+  context = ts.Context({"file_io_sync": False} if together else {})
   futures = []
   for site in metadata["sites"]:
     group = os.path.join(path, site["group"])
@@ -174,6 +177,7 @@ def create(path: str, metadata: dict[str, Any]) -> None:
     _write_json(
       os.path.join(group, "zarr.json"),
       {"zarr_format": 3, "node_type": "group", "attributes": {"site": site["name"]}},
+      sync=not together,
     )
     for name in array_names(site):
       dtype, features = _array_dtype(site, name), _array_shape(site, name)
@@ -189,6 +193,8 @@ def create(path: str, metadata: dict[str, Any]) -> None:
       futures.append(ts.open(spec, create=True, delete_existing=True, context=context))
   for future in futures:
     future.result()
+  if together:
+    flush(path)
   # The group's metadata last: a directory without it is no store (nothing to resume).
   _write_json(
     os.path.join(path, "zarr.json"),
