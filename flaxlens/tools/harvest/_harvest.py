@@ -583,14 +583,19 @@ def _fingerprint(named: list[tuple[str, Any]]) -> str:
   no program to trace and compile in each new process); the others in one jitted program
   on their devices. Both give the same numbers, so a store fingerprinted on one resumes
   on the other."""
-  host = [_on_host(value) for _, value in named]
-  arrays = [h if h is not None else jnp.asarray(v) for h, (_, v) in zip(host, named, strict=True)]
-  host = [h if h is not None else _on_host(a) for h, a in zip(host, arrays, strict=True)]
-  on_device = [a for h, a in zip(host, arrays, strict=True) if h is None]
+  arrays = []  # each value as a host array where it is in host memory, else on device
+  for _, value in named:
+    host = _on_host(value)
+    if host is None:  # not an array yet (a Python number), or on an accelerator
+      value = jnp.asarray(value)
+      host = _on_host(value)
+    arrays.append(value if host is None else host)
+  on_device = [a for a in arrays if isinstance(a, jax.Array)]
   device_sums = iter(_fetch(_checksums(on_device)) if on_device else ())
   digest = hashlib.sha256()
-  for h, (name, _), array in zip(host, named, arrays, strict=True):
-    pair = list(_host_checksum(h)) if h is not None else next(device_sums).tolist()
+  for (name, _), array in zip(named, arrays, strict=True):
+    on_host = isinstance(array, np.ndarray)
+    pair = list(_host_checksum(array)) if on_host else next(device_sums).tolist()
     digest.update(f"{name}|{array.dtype}|{tuple(array.shape)}|{pair};".encode())
   return digest.hexdigest()[:32]
 
@@ -1230,8 +1235,7 @@ def _run(
         save(unsaved.pop())
         last_commit = time.perf_counter()
       return
-    if _store.syncs_itself():
-      _store.flush(path)  # every process's writes durable before the barrier
+    _store.flush(path)  # every process's writes durable before the barrier
     _barrier(f"batch {written.progress['batches'] - 1} written")
     if lead:
       _store.write_progress(path, written.progress)

@@ -130,10 +130,12 @@ def syncs_itself() -> bool:
 def flush(path: str) -> None:
   """Makes every write to the filesystem holding `path` durable: called before
   `progress.json` counts rows, as the arrays are written without a sync per chunk (which
-  costs more CPU than the harvest's forward can spare on a CPU host)."""
+  costs more CPU than the harvest's forward can spare on a CPU host). Nothing to do where
+  TensorStore syncs every chunk (`syncs_itself`)."""
   syncfs = _syncfs()
   if syncfs is None:
-    os.sync()
+    if hasattr(os, "sync"):
+      os.sync()
     return
   descriptor = os.open(path, os.O_RDONLY)
   try:
@@ -146,8 +148,7 @@ def flush(path: str) -> None:
 
 def commit(path: str, progress: dict[str, Any]) -> None:
   """Counts `progress` as committed once the writes it counts are durable."""
-  if syncs_itself():
-    flush(path)
+  flush(path)
   write_progress(path, progress)
 
 
@@ -193,8 +194,7 @@ def create(path: str, metadata: dict[str, Any]) -> None:
       futures.append(ts.open(spec, create=True, delete_existing=True, context=context))
   for future in futures:
     future.result()
-  if together:
-    flush(path)
+  flush(path)
   # The group's metadata last: a directory without it is no store (nothing to resume).
   _write_json(
     os.path.join(path, "zarr.json"),
