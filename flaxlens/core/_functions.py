@@ -3,10 +3,11 @@
 `jax.jit` keys a function argument on the function object, so a metric written as a new
 `lambda` at every call (in a loop, in a helper) traces and compiles again although it
 computes the same thing. `traced_function(fn, ...)` makes a pytree of `fn` whose
-static part is its code, its globals (by identity) and the values it closes over and
-has as defaults, and whose leaves are the arrays among those values: two functions with
-equal code and equal closed-over values share one compiled program, and closing over a
-new array of the same shape and dtype is a new input, not a new program. Python numbers
+static part is its code, its module's globals (by identity), the values of the globals
+it reads, and the values it closes over and has as defaults, and whose leaves are the
+arrays among those values: two functions with equal code and equal closed-over values
+share one compiled program, and closing over a new array of the same shape and dtype is
+a new input, not a new program. Python numbers
 and strings are compared by value (they are baked into the program); any other object
 (a list, a module, a model) by identity, as `jax.jit` compares it. When a function with
 the code of one traced before is traced again for another value, `MetricRetraceWarning`
@@ -38,6 +39,7 @@ _ARRAY = ("array",)
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
 _VALUES = (int, str, bytes, bool, type(None))
 _MAX_DEPTH = 8
+_MAX_ITEMS = 64  # A global list or dict with more items is compared by identity.
 
 
 class _Same:
@@ -129,7 +131,40 @@ def _describe_function(fn: types.FunctionType, leaves: list[Any] | None, depth: 
     parts.append((f"default of {name!r}", _describe(default, leaves, depth + 1)))
   for name, default in sorted((fn.__kwdefaults__ or {}).items()):
     parts.append((f"default of {name!r}", _describe(default, leaves, depth + 1)))
-  return ("function", code, _Same(fn.__globals__), tuple(parts))
+  # The globals it reads, by value: a lambda in a loop at a module's top level reads the
+  # loop variable as a global, and the program bakes in what it read when traced.
+  namespace = fn.__globals__
+  for name in _global_names(code):
+    if name in namespace:
+      parts.append((f"global {name!r}", _describe_global(namespace[name], depth + 1)))
+  return ("function", code, _Same(namespace), tuple(parts))
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+  """The names `code` (or code nested in it) may read as globals, sorted. `co_names`
+  holds attribute names too: a global that shares an attribute's name is keyed as well,
+  which costs a retrace at most, never a wrong result."""
+  names = set(code.co_names)
+  for constant in code.co_consts:
+    if isinstance(constant, types.CodeType):
+      names.update(_global_names(constant))
+  return tuple(sorted(names))
+
+
+def _describe_global(value: Any, depth: int) -> Any:
+  """The key of a global a function reads: as `_describe` with arrays by identity (their
+  values are baked into the program, as `jax.jit` bakes a global array), and small lists
+  and dicts by their items (a global read at trace time is not an input of the program,
+  so a container changed in place must give a new key)."""
+  kind = type(value)
+  if kind in (list, dict) and len(value) <= _MAX_ITEMS and depth < _MAX_DEPTH:
+    items = value.items() if kind is dict else enumerate(value)
+    return (
+      kind.__name__,
+      tuple((_describe(k, None, depth + 1), _describe_global(v, depth + 1)) for k, v in items),
+    )
+  return _describe(value, None, depth)
 
 
 def _has_arrays(key: Any) -> bool:
@@ -355,8 +390,9 @@ def _caller_level() -> int:
 
 _FIX = (
   "Arrays a function closes over are inputs of the compiled program, Python numbers and"
-  " strings are baked into it, other objects are compared by identity: close over"
-  " jnp.asarray(value) for a number that changes, and reuse the same objects."
+  " strings (closed over or read as globals) are baked into it, other objects are compared"
+  " by identity: close over jnp.asarray(value) for a number that changes, and reuse the"
+  " same objects."
 )
 
 

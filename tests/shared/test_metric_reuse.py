@@ -119,6 +119,25 @@ def test_a_metric_closing_over_another_number_traces_again_and_warns_once(framew
     np.testing.assert_allclose(value, native.reshape(-1)[k] * 2.0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("tool", ("sweep", "grad_at"))
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_a_metric_reading_a_global_that_changes_gets_its_new_value(framework, tool, corpora):
+  """A lambda written in a loop at a module's top level reads the loop variable as a
+  global: each value must give its own program (the program bakes in what it read)."""
+  tree, args, site, native = _setting(framework, corpora)
+  namespace = {"picked": {"at": 0}}
+  code = compile(
+    "\n" * next(_lines) + "lambda out: out.reshape(-1)[k + picked['at']] * 2.0", __file__, "eval"
+  )
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", fl.MetricRetraceWarning)
+    for k, at in [(0, 0), (1, 0), (2, 0), (2, 3)]:  # a global number, then a dict in place
+      namespace["k"] = k
+      namespace["picked"]["at"] = at
+      value = _ask(tool, tree, args, site, eval(code, namespace))
+      np.testing.assert_allclose(value, native.reshape(-1)[k + at] * 2.0, rtol=1e-6)
+
+
 @pytest.mark.parametrize("framework", [LINEN, NNX])
 def test_a_metric_needing_the_value_of_an_array_it_closes_over_gets_it(framework, corpora):
   tree, args, site, native = _setting(framework, corpora)
