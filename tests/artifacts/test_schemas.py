@@ -16,7 +16,14 @@ import flaxlens as fl
 from .conftest import read_manifest, write_manifest
 
 SCHEMAS = files("flaxlens.tools.files").joinpath("schemas")
-NAMES = ["values", "isolated", "interventions", "safetensors-header"]
+NAMES = [
+  "values",
+  "isolated",
+  "interventions",
+  "safetensors-header",
+  "harvest",
+  "harvest-progress",
+]
 
 
 def _schema(name: str) -> dict:

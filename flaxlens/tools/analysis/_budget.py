@@ -32,6 +32,21 @@ from flaxlens.errors import BudgetError
 from flaxlens.tools.analysis._index import MASK, is_array
 
 
+def _less(where: str) -> str:
+  """How to capture less, in the options of the tool `where` names."""
+  return (
+    "fewer sites, positions=, dtype="
+    if where.startswith("fl.harvest")
+    else ("fewer sites, index=, dtype=")
+  )
+
+
+def _part(where: str) -> str:
+  if where.startswith("fl.harvest"):
+    return 'positions= ("last", or a mask)'
+  return "index= (jnp.s_[:, -1]: the last position)"
+
+
 def checked_budget(budget: Any, where: str) -> int | None:
   """`budget` as a positive number of bytes, or None; anything else refused naming `where`.
 
@@ -100,7 +115,7 @@ def batch_size(argument: ArgsAndKwargs, where: str) -> int:
   if not arrays:
     raise BudgetError(
       f"{where}: the captures exceed the budget, and the model's arguments hold no array to"
-      " split into chunks. Capture less (fewer sites, index=, dtype=) or give a larger budget."
+      f" split into chunks. Capture less ({_less(where)}) or give a larger budget."
     )
   sizes = {x.shape[0] if x.ndim else None for _, x in arrays}
   if len(sizes) != 1 or None in sizes:
@@ -109,7 +124,7 @@ def batch_size(argument: ArgsAndKwargs, where: str) -> int:
       f"{where}: the captures exceed the budget, so the batch would be split along the leading"
       f" axis of the model's array arguments, and these do not share one leading size"
       f" ({shapes}). Give every array argument the batch as its first axis (make other"
-      " arrays attributes of the model), or capture less (fewer sites, index=, dtype=)."
+      f" arrays attributes of the model), or capture less ({_less(where)})."
     )
   return int(sizes.pop())
 
@@ -247,7 +262,7 @@ def layout(
     raise BudgetError(
       f"{where}: the run returns other values for one example than for the batch of {batch}"
       " (it takes another branch on the batch size), so the batch cannot be split. Capture"
-      " less (fewer sites, index=, dtype=) or give a larger budget."
+      f" less ({_less(where)}) or give a larger budget."
     )
   axes, rows, names = [], [], []
   fixed = per_example = 0
@@ -301,9 +316,9 @@ def examples_per_chunk(
     raise BudgetError(
       f"{where}: the budget does not hold the captures of one example: {per_example:,}"
       f" bytes per example ({listed}{more}), besides {fixed:,} bytes that do not grow with"
-      " the batch. Capture fewer sites, keep part of each value with index="
-      " (jnp.s_[:, -1]: the last position), cast with dtype= (jnp.bfloat16), or give a"
-      f" budget of at least {fixed + per_example:,} bytes."
+      f" the batch. Capture fewer sites, keep part of each value with {_part(where)}, cast"
+      f" with dtype= (jnp.bfloat16), or give a budget of at least {fixed + per_example:,}"
+      " bytes."
     )
   if per_example == 0 or room >= batch * per_example:
     return batch

@@ -20,12 +20,14 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import math
 import os
 import shutil
 import sys
 import time
+import types
 from collections.abc import Callable, Iterable
 from importlib import metadata as package_metadata
 from typing import Any
@@ -40,7 +42,13 @@ from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._selectors import path_matches
-from flaxlens.core._variables import Uninitialized, variables_in
+from flaxlens.core._variables import (
+  StateVariable,
+  Uninitialized,
+  bind_variables,
+  unbind_variables,
+  variables_in,
+)
 from flaxlens.errors import ArgumentError, BudgetError, HarvestError
 from flaxlens.tools.analysis import _budget
 from flaxlens.tools.analysis._calling import model_arguments
@@ -150,6 +158,11 @@ def _rows(
     tree, model_arguments(batch), capture=plan.capture, jit=False, random_streams=random_streams
   )
   ids = None if plan.ids is None else jnp.asarray(plan.ids(batch))
+  if ids is not None and not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ArgumentError(
+      f"fl.harvest: ids= gave an array of {ids.dtype}, where ids are integers (an example's"
+      " number, a token id). Return an integer array (.astype(jnp.int32))."
+    )
   masks: dict[int, Any] = {}
   found: dict[str, Any] = {}
   sizes, lengths = None, []
@@ -197,6 +210,12 @@ def _select(
   if site.rule is None:
     out = {"values": value, "ids": _ids_of(site, ids, examples, None)}
   elif site.rule == "last":
+    if value.shape[1] == 0:
+      raise ArgumentError(
+        f"{site.name}: positions='last' keeps the last position, and this batch has none"
+        f" (the site's output has shape {tuple(value.shape)}). Give batches of at least one"
+        " position, or drop the empty ones."
+      )
     row_ids = _ids_of(site, ids, examples, value.shape[1])
     out = {"values": value[:, -1], "ids": None if row_ids is None else row_ids[:, -1]}
   else:
@@ -375,19 +394,40 @@ def _failed_processes(ok: bool) -> list[int]:
   return [int(i) for i in np.flatnonzero(flags == 0)]
 
 
-def _shapes(tree: CallNode, batch: Any, plan: _Plan, random_streams: Any) -> dict[str, Any]:
-  """The step's output shapes for `batch`, traced abstractly (nothing computed)."""
+def _shapes(
+  tree: CallNode, batch: Any, plan: _Plan, random_streams: Any
+) -> tuple[dict[str, Any], list[str]]:
+  """The step's output shapes for `batch`, traced abstractly on a copy of the tree (nothing
+  computed, the tree left alone), and the labels of the state variables a run updates."""
   leaves, treedef = jax.tree_util.tree_flatten(batch)
   arrays = [i for i, leaf in enumerate(leaves) if _traced_leaf(leaf)]
   groups = _groups(batch)
+  slots, held = unbind_variables(tree, freeze=True)
+  updated: list[str] = []
 
   def rows(values: list[Any]) -> Any:
     filled = list(leaves)
     for i, value in zip(arrays, values, strict=True):
       filled[i] = value
-    return _rows(tree, jax.tree_util.tree_unflatten(treedef, filled), plan, random_streams, groups)
+    copy = bind_variables(slots, held)
+    before = _state(copy)
+    out = _rows(copy, jax.tree_util.tree_unflatten(treedef, filled), plan, random_streams, groups)
+    updated[:] = _updated(before, copy)
+    return out
 
-  return jax.eval_shape(rows, [leaves[i] for i in arrays])
+  return jax.eval_shape(rows, [leaves[i] for i in arrays]), updated
+
+
+def _state(tree: CallNode) -> list[tuple[str, Any]]:
+  """`(label, value)` of the tree's state variables."""
+  return [(v.label or "?", v.value) for v in variables_in(tree) if isinstance(v, StateVariable)]
+
+
+def _updated(before: list[tuple[str, Any]], tree: CallNode) -> list[str]:
+  """The labels of the state variables whose value is not the one `before` held (a run
+  stores a new value only in the variables it updates)."""
+  now = _state(tree)
+  return [label for (label, old), (_, new) in zip(before, now, strict=True) if new is not old]
 
 
 # --- a budget: batches in chunks ------------------------------------------------------------
@@ -422,13 +462,13 @@ class _Chunks:
     if key in self.sizes:
       return self.sizes[key]
     examples = _budget.batch_size(model_arguments(batch), f"{self.where}, batch {number}")
-    whole = _shapes(self.tree, batch, self.plan, self.random_streams)
+    whole, updated = _shapes(self.tree, batch, self.plan, self.random_streams)
     held = IN_FLIGHT + 2
     if _budget.nbytes(whole) * held <= self.budget:
       self.sizes[key] = examples
       return examples
-    self._refuse_split(number)
-    one = _shapes(self.tree, _part(batch, 0, 1), self.plan, self.random_streams)
+    self._refuse_split(number, updated)
+    one, _ = _shapes(self.tree, _part(batch, 0, 1), self.plan, self.random_streams)
     rows = _budget.layout(whole, one, examples, self.where, jax.tree_util.keystr)
     size = _budget.examples_per_chunk(
       rows.per_example * held,
@@ -452,9 +492,16 @@ class _Chunks:
       self.checked = True
     return [_part(batch, start, min(start + size, examples)) for start in range(0, examples, size)]
 
-  def _refuse_split(self, number: int) -> None:
+  def _refuse_split(self, number: int, updated: list[str]) -> None:
     reason = None
-    if jax.process_count() > 1 or self.sharding is not None:
+    if updated:
+      reason = (
+        f"a run updates the state variables {updated[:6]}{' ...' if len(updated) > 6 else ''}:"
+        " chunks of the batch would each update them, in turn, where the whole batch updates"
+        " them once (batch statistics over the batch, a counter, NNX random counts). Harvest"
+        " in a mode that updates no state (train=False, model.eval()), or give smaller batches"
+      )
+    elif jax.process_count() > 1 or self.sharding is not None:
       reason = (
         "batches placed over devices (sharding=, or several processes) are not split: a chunk"
         " of a sharded batch would not be sharded alike. Give smaller batches (each process's"
@@ -600,22 +647,64 @@ def _fingerprint(named: list[tuple[str, Any]]) -> str:
   return digest.hexdigest()[:32]
 
 
-def _function_id(fn: Any) -> str:
-  """A function by its qualified name, the hash of its code, and the values it closes over
-  and its defaults: numbers, strings and None by value, arrays by shape, dtype and checksum,
-  anything else by type (not its module's name, which differs between a script and its
-  import)."""
+def _function_id(fn: Any, depth: int = 0) -> str:
+  """A function as text that is the same in every process for the same computation: its
+  qualified name, the hash of its code, and the values it closes over, has as defaults
+  and reads as globals; a `functools.partial` by its function and arguments, a method by
+  its function and its object's attributes, an object with `__call__` by its class's
+  `__call__` and its attributes. Numbers, strings and None by value, arrays by shape,
+  dtype and checksum, functions in turn, modules by name, anything else by type (not its
+  module's name, which differs between a script and its import)."""
+  if depth > _MAX_DEPTH:
+    return type(fn).__qualname__
+  if isinstance(fn, functools.partial):
+    arguments = _values_text([*fn.args, *sorted(fn.keywords.items())], depth + 1)
+    return f"partial({_function_id(fn.func, depth + 1)};{arguments})"
+  if isinstance(fn, types.MethodType):
+    owner = fn.__self__
+    return f"{_function_id(fn.__func__, depth + 1)} of {_object_text(owner, depth + 1)}"
   code = getattr(fn, "__code__", None)
   name = getattr(fn, "__qualname__", type(fn).__name__)
   if code is None:
+    call = inspect.getattr_static(type(fn), "__call__", None)
+    if isinstance(call, types.FunctionType):  # an object with __call__: its method, its state
+      return f"{_function_id(call, depth + 1)} of {_object_text(fn, depth + 1)}"
     return name
   values = [cell.cell_contents for cell in (getattr(fn, "__closure__", None) or ())]
   values += list(getattr(fn, "__defaults__", None) or ())
-  text = f"{code.co_code.hex()}|{code.co_consts!r}|{code.co_names!r}|{_values_text(values)}"
+  values += sorted((getattr(fn, "__kwdefaults__", None) or {}).items())
+  namespace = getattr(fn, "__globals__", {})
+  values += [(n, namespace[n]) for n in _global_names(code) if n in namespace]
+  text = f"{_code_text(code)}|{_values_text(values, depth)}"
   return f"{name}:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
-def _values_text(values: list[Any]) -> str:
+@functools.lru_cache(maxsize=1024)
+def _code_text(code: types.CodeType) -> str:
+  """`code` as text without addresses (a nested code object's `repr` holds one)."""
+  consts = [_code_text(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+  return f"{code.co_code.hex()}|{consts}|{code.co_names!r}"
+
+
+_MAX_DEPTH = 6  # Functions read through functions: deeper ones by their type alone.
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+  """The names `code` (or code nested in it) may read as globals, sorted."""
+  names = set(code.co_names)
+  for constant in code.co_consts:
+    if isinstance(constant, types.CodeType):
+      names.update(_global_names(constant))
+  return tuple(sorted(names))
+
+
+def _object_text(owner: Any, depth: int) -> str:
+  attributes = sorted(getattr(owner, "__dict__", {}).items())
+  return f"{type(owner).__qualname__}({_values_text(attributes, depth)})"
+
+
+def _values_text(values: list[Any], depth: int = 0) -> str:
   parts = []
   for value in values:
     if value is None or isinstance(value, bool | int | float | complex | str | bytes):
@@ -623,7 +712,13 @@ def _values_text(values: list[Any]) -> str:
     elif isinstance(value, jax.Array | np.ndarray | np.generic):
       parts.append(_fingerprint([("", value)]))
     elif isinstance(value, tuple | list) and len(value) <= 64:
-      parts.append(f"[{_values_text(list(value))}]")
+      parts.append(f"[{_values_text(list(value), depth)}]")
+    elif isinstance(value, dict) and len(value) <= 64:
+      parts.append(f"{{{_values_text(sorted(value.items(), key=lambda kv: repr(kv[0])), depth)}}}")
+    elif isinstance(value, types.ModuleType):
+      parts.append(f"module {value.__name__}")
+    elif isinstance(value, types.FunctionType | functools.partial | types.MethodType):
+      parts.append(_function_id(value, depth + 1))
     else:
       parts.append(type(value).__qualname__)
   return ",".join(parts)
@@ -640,6 +735,8 @@ def _metadata(
   shapes: dict[str, Any] | None,
   random_streams: Any,
   stored: list[dict[str, Any]] | None = None,
+  updates: list[str] | None = None,
+  variables: list[tuple[str, Any]] | None = None,
 ) -> dict[str, Any]:
   """The store's metadata for this call. The sites' dtypes, feature shapes, chunking and
   ids dtypes come from `shapes` (the step's output, or its abstract value), or, with
@@ -647,14 +744,12 @@ def _metadata(
   are compared (the model, the sites and rules, the first batch's shapes and dtypes), so a
   store whose other settings are this call's has this call's (and every batch is checked
   against them before it is written)."""
-  variables = [
-    (v.label or str(i), leaf)  # a boxed value (nn.Partitioned) by its array
-    for i, v in enumerate(variables_in(tree))
-    if not isinstance(v.value, Uninitialized)
-    for leaf in jax.tree_util.tree_leaves(v.value)
-  ]
+  if variables is None:
+    variables = _variables(tree)
   leaves, treedef = jax.tree_util.tree_flatten(batch)
   arrays = [leaf for leaf in leaves if _traced_leaf(leaf)]
+  # Leaves that are no arrays (a Python number given as an argument) are inputs too.
+  values = [_values_text([leaf]) for leaf in leaves if not _traced_leaf(leaf)]
   sites = []
   for k, site in enumerate(plan.sites):
     if shapes is None:
@@ -673,6 +768,12 @@ def _metadata(
       continue
     found = shapes[site.name]
     dtype = np.dtype(found["values"].dtype)
+    if 0 in _features(found):
+      raise ArgumentError(
+        f"{site.name}: fl.harvest stores rows of the site's features, and its rows have the"
+        f" feature shape {tuple(_features(found))}, which holds no value. Harvest a site"
+        " whose rows hold values."
+      )
     sites.append(
       {
         "name": site.name,
@@ -701,6 +802,7 @@ def _metadata(
     "inputs": {
       "structure": str(treedef),
       "arrays": [[np.dtype(a.dtype).name, np.ndim(a)] for a in arrays],
+      **({"values": values} if values else {}),
     },
     "first_batch": _fingerprint([(str(i), a) for i, a in enumerate(arrays)]),
     "random_streams": _fingerprint([(str(i), s) for i, s in enumerate(streams)])
@@ -709,17 +811,36 @@ def _metadata(
   }
   settings = json.dumps({key: found[key] for key in _SETTINGS}, sort_keys=True)
   found["fingerprint"] = hashlib.sha256(settings.encode()).hexdigest()[:32]
+  if updates:
+    found["updates"] = list(updates)  # state a run updates: skipped batches are run again
   return found
+
+
+def _variables(tree: CallNode) -> list[tuple[str, Any]]:
+  """The model's variables as `(label, array)`, as the store's model fingerprint sums them
+  (taken before a step that may update the model's state)."""
+  return [
+    (v.label or str(i), leaf)  # a boxed value (nn.Partitioned) by its array
+    for i, v in enumerate(variables_in(tree))
+    if not isinstance(v.value, Uninitialized)
+    for leaf in jax.tree_util.tree_leaves(v.value)
+  ]
 
 
 def _differences(there: dict[str, Any], here: dict[str, Any]) -> list[str]:
   if there.get("format") != here["format"]:
     return [f"format: {there.get('format')!r} there, {here['format']!r} now"]
-  return [
+  found = [
     f"{key}: {json.dumps(there.get(key))} there, {json.dumps(here[key])} now"
     for key in _SETTINGS
     if there.get(key) != here[key]
   ]
+  if there.get("model") != here["model"] and there.get("updates"):
+    found.append(
+      f"(the model's state is part of it, and a run of this model updates {there['updates'][:3]}:"
+      " each harvest or call of the model advances it, as the model's own calls do)"
+    )
+  return found
 
 
 # --- the store on disk ------------------------------------------------------------------------
@@ -733,8 +854,11 @@ def _adopted(
   (or in a multi-process run, where every process must trace alike)."""
   if jax.process_count() > 1 or not os.path.isdir(path):
     return None
-  existing = _store.read_metadata(path)
-  if existing is None or not isinstance(existing.get("sites"), list):
+  try:
+    existing = _store.read_metadata(path)
+  except HarvestError:
+    return None  # a damaged store: refused or overwritten by `_prepare`
+  if existing is None or existing.get("format") != _store.FORMAT:
     return None
   guess = _metadata(tree, batch, plan, None, random_streams, stored=existing["sites"])
   return existing if not _differences(existing, guess) else None
@@ -749,19 +873,32 @@ def _prepare(path: str, metadata: dict[str, Any], overwrite: bool) -> dict[str, 
   """
   _same_call(metadata)
   action = _agreed(lambda: _inspect(path, metadata, overwrite), path)
+  if action == "complete":  # returned as it is: nothing written, not even where read-only
+    return _agreed(lambda: _store.read_progress(path, metadata), path)
   _agreed(lambda: _make(path, metadata, action) if jax.process_index() == 0 else None, path)
   _agreed(lambda: _check_shared(path, metadata), path)
-  return _store.read_progress(path)
+  return _store.read_progress(path, metadata)
 
 
 def _inspect(path: str, metadata: dict[str, Any], overwrite: bool) -> str:
-  """What to do at `path`: "resume", "create" or "overwrite"; refuses anything else."""
+  """What to do at `path`: "complete" (this call's store, complete), "resume", "create" or
+  "overwrite"; refuses anything else. A damaged store (files that do not fit their
+  schema) is overwritten with `overwrite`, else refused."""
   if os.path.lexists(path) and not os.path.isdir(path):
     raise HarvestError(
       f"fl.harvest: {path} exists and is not a directory. Give a new path or a harvest"
       " store's directory."
     )
-  existing = _store.read_metadata(path) if os.path.isdir(path) else None
+  try:
+    existing = _store.read_metadata(path) if os.path.isdir(path) else None
+    if existing is not None and not _differences(existing, metadata):
+      progress = _store.read_progress(path, metadata)
+      _store.open_arrays(path, existing, write=False)  # refuses damaged arrays
+      return "complete" if progress["complete"] else "resume"
+  except HarvestError as error:
+    if overwrite:
+      return "overwrite"
+    raise HarvestError(f"fl.harvest: {error} Nothing was overwritten.") from None
   if existing is None and os.path.isdir(path) and os.listdir(path):
     raise HarvestError(
       f"fl.harvest: {path} is a directory holding other files, not a harvest store; nothing"
@@ -770,8 +907,6 @@ def _inspect(path: str, metadata: dict[str, Any], overwrite: bool) -> str:
   if existing is None:
     return "create"
   differences = _differences(existing, metadata)
-  if not differences:
-    return "resume"
   if not overwrite:
     raise HarvestError(
       f"fl.harvest: the store at {path} was made by another call; nothing was"
@@ -1134,7 +1269,7 @@ def harvest(
   plan = _plan(tree, at, positions, dtype, ids)
   random_streams = resolve_random_streams(random_streams, tree.where())
   budget = _budget.checked_budget(budget, "fl.harvest")
-  total = len(batches) if hasattr(batches, "__len__") else None
+  total = _length(batches)
   stream = iter(batches)
   first = next(stream, _MISSING)
   if first is _MISSING:
@@ -1150,15 +1285,24 @@ def harvest(
     chunks.split(first, 0)  # refuses what the budget cannot split before anything is written
   metadata, first_out = _adopted(path, tree, first, plan, random_streams), None
   if metadata is None and jax.process_count() > 1:
-    metadata = _metadata(
-      tree, first, plan, _shapes(tree, first, plan, random_streams), random_streams
-    )
+    shapes, updated = _shapes(tree, first, plan, random_streams)
+    metadata = _metadata(tree, first, plan, shapes, random_streams, updates=updated)
   elif metadata is None:
     # The first step, dispatched now, gives the rows' shapes (its trace is the one the loop
-    # reuses) and runs while the store is prepared.
+    # reuses) and runs while the store is prepared; the model is fingerprinted as it was
+    # before the step (which may update its state).
     part = first if chunks is None else chunks.split(first, 0)[0]
+    variables, state = _variables(tree), _state(tree)
     first_out = _step(tree, part, plan, random_streams, _groups(part))
-    metadata = _metadata(tree, first, plan, first_out, random_streams)
+    metadata = _metadata(
+      tree,
+      first,
+      plan,
+      first_out,
+      random_streams,
+      updates=_updated(state, tree),
+      variables=variables,
+    )
   state = _prepare(path, metadata, overwrite)
   if state["complete"]:
     return _store.open_harvest(path)
@@ -1184,6 +1328,16 @@ def harvest(
   return _store.open_harvest(path)
 
 
+def _length(batches: Iterable[Any]) -> int | None:
+  """The number of batches where `batches` says (for the progress bar), else None: an
+  iterable may have no `len`, or one that raises (tf.data's of unknown cardinality)."""
+  try:
+    length = len(batches)  # type: ignore[arg-type]
+  except Exception:
+    return None
+  return length if isinstance(length, int) and length >= 0 else None
+
+
 def _run(
   tree: CallNode,
   first: Any,
@@ -1207,6 +1361,9 @@ def _run(
   lead = jax.process_index() == 0
   expected = {s["name"]: s for s in metadata["sites"]}
   skip = state["batches"]
+  # A model that updates its state (batch statistics, NNX random counts) runs the batches
+  # committed before too, their rows unused, so that it reaches the state it had there.
+  replay = bool(metadata.get("updates"))
   batches, examples = state["batches"], state["examples"]
   rows = {site.name: int(state["rows"].get(site.name, 0)) for site in plan.sites}
   pending: collections.deque[_Written] = collections.deque()
@@ -1285,10 +1442,13 @@ def _run(
   try:
     try:
       for number, batch in enumerate(_chain(first, stream)):
-        if number < skip:
+        if number < skip and not replay:
           continue
         batch = _place(_as_arrays(batch), sharding)
         _check_global(batch, number)
+        if number < skip:
+          _step(tree, batch, plan, random_streams, _groups(batch))
+          continue
         parts = [batch] if chunks is None else chunks.split(batch, number)
         for last, part in enumerate(parts, 1 - len(parts)):
           if first_out is not None and number == 0 and last == 1 - len(parts):

@@ -17,13 +17,16 @@ import ctypes
 import functools
 import json
 import os
+import secrets
+import shutil
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from flaxlens.core._checks import check_path
-from flaxlens.errors import ArgumentError, HarvestError
+from flaxlens.errors import ArgumentError, ArtifactError, HarvestError
+from flaxlens.tools.files import _schemas
 
 ROW_BOUND = 2**40  # Rows an array can hold while a harvest runs (chunks are written sparsely).
 CHUNK_BYTES = 2**20  # About this many bytes per chunk: a row chunk of 2**k rows.
@@ -32,6 +35,10 @@ WINDOW_BYTES = 2**28  # What a shuffled iteration holds in memory at most (besid
 GROUP_KEY = "flaxlens_harvest"
 PROGRESS = "progress.json"
 FORMAT = 1
+# Bounds on the JSON files a store is read from: far above what fl.harvest writes (about
+# 300 bytes per site, 150 per progress entry), far below what would strain memory.
+MAX_METADATA_BYTES = 2**24
+MAX_PROGRESS_BYTES = 2**22
 
 
 def tensorstore() -> Any:
@@ -88,24 +95,69 @@ def _write_json(path: str, value: Any, sync: bool = True) -> None:
   os.replace(temporary, path)
 
 
-def read_metadata(path: str) -> dict[str, Any] | None:
-  """The harvest metadata of the store at `path`, or None where there is no harvest store."""
+def _read_bounded(file: str, limit: int) -> bytes:
+  with open(file, "rb") as opened:
+    raw = opened.read(limit + 1)
+  if len(raw) > limit:
+    raise HarvestError(
+      f"{file} holds more than {limit:,} bytes, more than fl.harvest writes there: it is"
+      " not a harvest store's file, or it was altered. Harvest into a new path, or again"
+      " with overwrite=True."
+    )
+  return raw
+
+
+def _checked(raw: bytes, schema: str, file: str) -> Any:
+  """`raw` parsed as strict, bounded JSON and validated against the shipped `schema`;
+  HarvestError naming the file where it is malformed."""
+  fix = "Harvest into a new path, or again with overwrite=True to start the store afresh."
   try:
-    with open(os.path.join(path, "zarr.json")) as file:
-      group = json.load(file)
-  except (OSError, ValueError):
+    data = _schemas.read_json(raw, file, fix)
+    _schemas.check_schema(data, schema, file, fix)
+  except ArtifactError as error:
+    raise HarvestError(f"This harvest store is damaged: {error}") from None
+  return data
+
+
+def read_metadata(path: str) -> dict[str, Any] | None:
+  """The harvest metadata of the store at `path`, or None where there is no harvest store
+  (no group metadata, or a group without flaxlens's attributes). Metadata of this format
+  that does not fit its schema (a damaged store) is refused with `HarvestError`."""
+  file = os.path.join(path, "zarr.json")
+  try:
+    raw = _read_bounded(file, MAX_METADATA_BYTES)
+    group = json.loads(raw)
+  except (OSError, ValueError, HarvestError):
     return None
   attributes = group.get("attributes") if isinstance(group, dict) else None
-  return attributes.get(GROUP_KEY) if isinstance(attributes, dict) else None
+  found = attributes.get(GROUP_KEY) if isinstance(attributes, dict) else None
+  if not isinstance(found, dict) or found.get("format") != FORMAT:
+    return found  # None, or another format (its readers name the format)
+  return _checked(raw, "harvest", file)["attributes"][GROUP_KEY]
 
 
-def read_progress(path: str) -> dict[str, Any]:
-  """What the store at `path` has committed: nothing when no batch was committed yet."""
+def read_progress(path: str, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+  """What the store at `path` has committed: nothing when no batch was committed yet.
+  Refuses (`HarvestError`) a `progress.json` that does not fit its schema or, given the
+  store's `metadata`, counts rows of sites the store does not hold."""
+  file = os.path.join(path, PROGRESS)
   try:
-    with open(os.path.join(path, PROGRESS)) as file:
-      return json.load(file)
+    raw = _read_bounded(file, MAX_PROGRESS_BYTES)
   except FileNotFoundError:
     return {"batches": 0, "examples": 0, "rows": {}, "complete": False}
+  except OSError as error:
+    raise HarvestError(f"Cannot read {file}: {error}.") from error
+  progress = _checked(raw, "harvest-progress", file)
+  if metadata is not None:
+    names = {site["name"] for site in metadata["sites"]}
+    unknown = sorted(set(progress["rows"]) - names)
+    if unknown:
+      raise HarvestError(
+        f"This harvest store is damaged: {file} counts rows of {unknown}, which are no"
+        f" sites of the store ({sorted(names)}). Harvest into a new path, or again with"
+        " overwrite=True to start the store afresh."
+      )
+  return progress
 
 
 def write_progress(path: str, progress: dict[str, Any]) -> None:
@@ -166,9 +218,41 @@ def _array_shape(site: dict[str, Any], name: str) -> list[int]:
 
 
 def create(path: str, metadata: dict[str, Any]) -> None:
-  """Creates the store's groups and arrays (empty, `ROW_BOUND` rows) at `path`."""
+  """Creates the store's groups and arrays (empty, `ROW_BOUND` rows) at `path` (absent, or
+  an empty directory), all at once: they are made in a new directory beside `path`, which
+  then replaces it (`os.rename`), so a creation that fails or is killed leaves `path` as
+  it was, never a directory half made. (Where the parent cannot be written, the store is
+  made in `path` itself, and what a failed creation made is removed.)"""
+  parent, name = os.path.split(path)
+  os.makedirs(parent, exist_ok=True)
+  if not os.access(parent, os.W_OK):
+    os.makedirs(path, exist_ok=True)
+    try:
+      _create_in(path, metadata)
+    except BaseException:
+      for entry in os.listdir(path):
+        shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+      raise
+    return
+  if os.path.isdir(path) and not os.access(path, os.W_OK):
+    raise PermissionError(f"{path} is not writable")
+  temporary = os.path.join(parent, f".{name}.creating-{os.getpid()}-{secrets.token_hex(4)}")
+  os.mkdir(temporary)
+  try:
+    _create_in(temporary, metadata)
+    os.rename(temporary, path)  # replaces an empty directory at `path`
+  except BaseException:
+    shutil.rmtree(temporary, ignore_errors=True)
+    raise
+  descriptor = os.open(parent, os.O_RDONLY)
+  try:
+    os.fsync(descriptor)  # the rename itself durable
+  finally:
+    os.close(descriptor)
+
+
+def _create_in(path: str, metadata: dict[str, Any]) -> None:
   ts = tensorstore()
-  os.makedirs(path, exist_ok=True)
   together = syncs_itself()  # one sync of everything below, not one per file
   context = ts.Context({"file_io_sync": False} if together else {})
   futures = []
@@ -215,10 +299,27 @@ def open_arrays(path: str, metadata: dict[str, Any], *, write: bool) -> dict[str
       name: ts.open(_spec(group, name), open=True, read=True, write=write, context=context)
       for name in array_names(site)
     }
-  arrays = {
-    site: {name: future.result() for name, future in found.items()}
-    for site, found in opened.items()
-  }
+  arrays: dict[str, dict[str, Any]] = {}
+  for site in metadata["sites"]:
+    arrays[site["name"]] = {}
+    for name, future in opened[site["name"]].items():
+      try:
+        array = future.result()
+      except ValueError as error:  # TensorStore: a missing or damaged array
+        raise HarvestError(
+          f"This harvest store is damaged: the array {site['group']}/{name} of {site['name']!r}"
+          f" at {path} cannot be opened ({' '.join(str(error).split())[:300]}). Harvest into"
+          " a new path, or again with overwrite=True to start the store afresh."
+        ) from None
+      expected = [*site["features"]] if name == "values" else [2] if name == "index" else []
+      if list(array.shape[1:]) != expected or array.dtype.name != _array_dtype(site, name):
+        raise HarvestError(
+          f"This harvest store is damaged: the array {site['group']}/{name} of"
+          f" {site['name']!r} at {path} is {array.dtype.name}{list(array.shape[1:])} per row,"
+          f" where the store's metadata says {_array_dtype(site, name)}{expected}. Harvest"
+          " into a new path, or again with overwrite=True to start the store afresh."
+        )
+      arrays[site["name"]][name] = array
   if write:
     for found in arrays.values():
       for name, array in found.items():
@@ -247,12 +348,15 @@ def _positions(key: Any, length: int, where: str) -> Any:
   """`key` (an int, a slice or integer positions) as positions within `length` rows,
   negative ones counting from the end, as NumPy reads them; refuses what lies outside."""
   if isinstance(key, slice):
-    return slice(*key.indices(length))
+    start, stop, step = key.indices(length)
+    return slice(start, stop, step) if len(range(start, stop, step)) else slice(0, 0, 1)
   if isinstance(key, int | np.integer) and not isinstance(key, bool):
     if not -length <= key < length:
       raise IndexError(f"{where}: row {key} is outside the {length} rows committed.")
     return int(key) % length
   positions = np.asarray(key)
+  if positions.size == 0 and positions.dtype.kind == "f":  # `[]`: no rows
+    positions = positions.astype(np.int64)
   if positions.dtype.kind not in "iu":
     raise ArgumentError(
       f"{where}: rows are read by an int, a slice or integer positions, got"
@@ -379,6 +483,15 @@ class Harvest:
     self.batches_committed = int(progress["batches"])
     self._examples = int(progress["examples"])
     arrays = open_arrays(path, metadata, write=False)
+    for site in metadata["sites"]:
+      rows = int(progress["rows"].get(site["name"], 0))
+      short = [n for n, a in arrays[site["name"]].items() if a.shape[0] < rows]
+      if short:
+        raise HarvestError(
+          f"This harvest store is damaged: {PROGRESS} at {path} counts {rows} rows of"
+          f" {site['name']!r}, and its arrays {short} hold fewer. Harvest into a new path,"
+          " or again with overwrite=True to start the store afresh."
+        )
     self._sites = {
       site["name"]: HarvestedSite(
         site["name"],
@@ -575,4 +688,4 @@ def open_harvest(path: Any) -> Harvest:
       f"fl.open_harvest: {path} is harvest format {metadata.get('format')!r}; this flaxlens"
       f" reads format {FORMAT}. Harvest again with this version."
     )
-  return Harvest(path, metadata, read_progress(path))
+  return Harvest(path, metadata, read_progress(path, metadata))
