@@ -101,12 +101,14 @@ def replay(
   console = Console()
   try:
     isolated = fl.load_isolated(path, allow=allow, import_path=import_path)
-  except fl.ArtifactError as e:
+  except fl.FlaxlensError as e:  # The artifact, or an --allow that names no package.
     print(f"flaxlens replay: {e}", file=sys.stderr)
     return 2
   try:
     report = isolated.replay(jit=jit)
-  except Exception as e:
+  except KeyboardInterrupt:
+    raise
+  except BaseException as e:  # An allowed model's sys.exit(0) is no exact replay.
     print(f"flaxlens replay: the saved call raised {type(e).__name__}: {e}", file=sys.stderr)
     return 2
   width = max((len(row.name) for row in report.rows), default=0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 import flaxlens as fl
@@ -191,3 +193,173 @@ def test_a_user_allowed_package_loads(artifact, side_effect_package):
 def test_allow_rejects_a_bare_string():
   with pytest.raises(fl.ArgumentError, match=r"allow=\['transformers'\]"):
     fl.load_isolated("anywhere", allow="transformers")
+
+
+F2PY_MAIN = "numpy.f2py.__main__:main"  # Importing numpy.f2py.__main__ runs f2py's main().
+
+
+@pytest.fixture
+def interventions(tmp_path):
+  path = tmp_path / "edits"
+  fl.save_interventions([fl.modify("Dense_0", jax.nn.relu)], path)
+  return path
+
+
+def test_a_module_that_runs_a_program_is_not_imported_for_an_intervention_set(interventions, capfd):
+  manifest = read_manifest(interventions)
+  manifest["interventions"][0]["fn"] = {"ref": F2PY_MAIN}
+  write_manifest(interventions, manifest)
+  with pytest.raises(fl.ArtifactError, match=rf"'{F2PY_MAIN}' at interventions\[0\]\.fn.*__main__"):
+    fl.load_interventions(interventions)
+  assert "f2py" not in "".join(capfd.readouterr())
+  assert "numpy.f2py.__main__" not in sys.modules
+
+
+def test_a_module_that_runs_a_program_is_not_imported_by_flaxlens_replay(artifact, capfd):
+  manifest = read_manifest(artifact)
+  manifest["recipe"]["module"]["class"] = F2PY_MAIN
+  write_manifest(artifact, manifest)
+  with pytest.raises(fl.ArtifactError, match=F2PY_MAIN):
+    fl.load_isolated(artifact)
+  assert cli.main(["replay", str(artifact)]) == 2
+  out, err = capfd.readouterr()
+  assert "f2py" not in out
+  assert F2PY_MAIN in err
+  assert "numpy.f2py.__main__" not in sys.modules
+
+
+@pytest.fixture
+def f2py_unloaded(monkeypatch):
+  """numpy.f2py unloaded for the test (restored after it, if it was loaded)."""
+  for name in [n for n in sys.modules if n == "numpy.f2py" or n.startswith("numpy.f2py.")]:
+    monkeypatch.delitem(sys.modules, name)
+  monkeypatch.delattr(np, "f2py", raising=False)
+
+
+@pytest.mark.parametrize(
+  "ref", ["numpy.f2py:main", "numpy:f2py.main"], ids=["module", "lazy attribute"]
+)
+def test_a_default_package_module_not_loaded_is_refused_with_the_fix(
+  interventions, f2py_unloaded, ref
+):
+  manifest = read_manifest(interventions)
+  manifest["interventions"][0]["fn"] = {"ref": ref}
+  write_manifest(interventions, manifest)
+  fix = r"import numpy\.f2py.*allow=\['numpy'\]" if ref.startswith("numpy.f2py") else "has no"
+  with pytest.raises(fl.ArtifactError, match=rf"'{ref}'.* at interventions\[0\]\.fn.*{fix}"):
+    fl.load_interventions(interventions)
+  assert "numpy.f2py" not in sys.modules
+
+
+def test_a_default_package_module_the_user_imported_is_looked_up(interventions, f2py_unloaded):
+  manifest = read_manifest(interventions)
+  manifest["interventions"][0]["fn"] = {"ref": "numpy.f2py:main"}
+  write_manifest(interventions, manifest)
+  import numpy.f2py  # noqa: F401  (what the refusal tells the user to do)
+
+  with pytest.raises(fl.ArtifactError, match="'numpy.f2py:main'.*as a function to call"):
+    fl.load_interventions(interventions)
+
+
+@pytest.mark.parametrize("package", ["numpy", "sideeffect_mod"])
+def test_a_main_module_is_refused_even_in_an_allowed_package(
+  artifact, side_effect_package, package
+):
+  ref = f"{package}.__main__:main"
+  manifest = read_manifest(artifact)
+  manifest["recipe"]["module"]["class"] = ref
+  manifest["requires"] = [package]
+  write_manifest(artifact, manifest)
+  with pytest.raises(fl.ArtifactError, match=rf"'{ref}'.*`__main__` module runs a program"):
+    fl.load_isolated(artifact, allow=[package])
+  assert not side_effect_package.exists()
+  assert f"{package}.__main__" not in sys.modules
+
+
+@pytest.fixture
+def local_module(tmp_path, monkeypatch):
+  """Writes a module `name` with `source` into a folder on sys.path; unloaded afterwards."""
+  folder = tmp_path / "local"
+  folder.mkdir()
+  monkeypatch.syspath_prepend(str(folder))
+  names = []
+
+  def write(name: str, source: str) -> None:
+    (folder / f"{name}.py").write_text(source)
+    names.append(name)
+
+  yield write
+  for name in names:
+    sys.modules.pop(name, None)
+
+
+class Stop(BaseException):
+  """A BaseException other than KeyboardInterrupt, as a module could raise at import."""
+
+
+@pytest.mark.parametrize("raised", ["SystemExit(0)", "SystemExit('bye')", "Stop()"])
+def test_whatever_an_allowed_modules_import_raises_is_a_refusal(
+  artifact, local_module, capsys, raised
+):
+  local_module("exits_mod", f"from {__name__} import Stop\nraise {raised}\n")
+  manifest = read_manifest(artifact)
+  manifest["recipe"]["module"]["class"] = "exits_mod:Block"
+  manifest["requires"] = ["exits_mod"]
+  write_manifest(artifact, manifest)
+  error = raised.partition("(")[0]
+  with pytest.raises(fl.ArtifactError, match=rf"Importing 'exits_mod'.* raised {error}"):
+    fl.load_isolated(artifact, allow=["exits_mod"])
+  assert cli.main(["replay", str(artifact), "--allow", "exits_mod"]) == 2
+  assert error in capsys.readouterr().err
+  assert "exits_mod" not in sys.modules
+
+
+def test_a_module_an_allowed_package_imports_is_found_whatever_the_order(local_module, monkeypatch):
+  from flaxlens.tools.files._codec import resolve_references
+  from flaxlens.tools.files._policy import LoadPolicy
+
+  monkeypatch.delitem(sys.modules, "flax.cursor", raising=False)
+  local_module("cursor_user", "import flax.cursor\n\n\nclass Mark:\n  pass\n")
+  references = [("flax.cursor:AccessType", "enum", "$.a"), ("cursor_user:Mark", "value", "$.b")]
+  resolved = resolve_references(LoadPolicy.create(allow=["cursor_user"]), references)
+  assert resolved["flax.cursor:AccessType"] is sys.modules["flax.cursor"].AccessType
+
+
+QUITS = """
+import sys
+import jax
+import flax.linen as nn
+
+EXIT_WHEN = None  # "traced" (as loading rebuilds the call) or "run" (as replay runs it)
+
+
+class Quits(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    if EXIT_WHEN == ("traced" if isinstance(x, jax.core.Tracer) else "run"):
+      sys.exit(0)
+    return nn.Dense(2)(x)
+"""
+
+
+@pytest.mark.parametrize("when", ["traced", "run"])
+def test_an_allowed_model_that_exits_fails_the_load_or_the_replay_never_exits_0(
+  local_module, tmp_path, monkeypatch, capsys, when
+):
+  local_module("quits_mod", QUITS)
+  import quits_mod
+
+  model, x = quits_mod.Quits(), jax.numpy.ones((1, 3))
+  tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+  fl.save_isolated(fl.isolate(tree, x, ""), tmp_path / "quits")
+  monkeypatch.setattr(quits_mod, "EXIT_WHEN", when)
+  if when == "traced":
+    with pytest.raises(fl.ArtifactError, match="cannot be rebuilt.*SystemExit"):
+      fl.load_isolated(tmp_path / "quits", allow=["quits_mod"])
+  assert cli.main(["replay", str(tmp_path / "quits"), "--allow", "quits_mod", "--no-cache"]) == 2
+  assert "SystemExit" in capsys.readouterr().err
+
+
+def test_replay_of_an_allow_that_names_no_package_exits_2(artifact, capsys):
+  assert cli.main(["replay", str(artifact), "--allow", "linen.corpus"]) == 2
+  assert "allow takes top-level package names" in capsys.readouterr().err

@@ -343,9 +343,9 @@ def _rebuild(source: pathlib.Path, manifest: Manifest, decoder: Decoder) -> Isol
   side_inputs = decoder.decode(saved["side_inputs"], "saved.side_inputs")
   try:
     submodel, initial = submodel_from(recipe, decoder.decode, argument, side_inputs)
-  except ArtifactError:
+  except (ArtifactError, KeyboardInterrupt):
     raise
-  except Exception as e:
+  except BaseException as e:  # A model's code that exits (SystemExit) fails the load too.
     raise ArtifactError(
       f"{source}: the saved call cannot be rebuilt ({type(e).__name__}: {e}); the artifact"
       " is inconsistent or needs other versions of the packages it names."

@@ -447,7 +447,9 @@ class Decoder:
       return codec.from_data(cls, value)
     except ArtifactError as e:
       raise ArtifactError(f"Malformed artifact at {where}: {e}") from None
-    except Exception as e:
+    except KeyboardInterrupt:
+      raise
+    except BaseException as e:  # An allowed class's constructor that exits, too.
       raise ArtifactError(
         f"The artifact's {codec.name} object at {where} cannot be rebuilt from its data"
         f" ({type(e).__name__}: {e}); it is corrupted or was written for another version."
@@ -477,7 +479,9 @@ def _hashable(key: Any) -> Any:
 def resolve_references(
   policy: LoadPolicy, references: list[tuple[str, str, str]]
 ) -> dict[str, Any]:
-  """Imports every reference (packages already checked) and checks its role."""
+  """Imports every reference (packages already checked) and checks its role; those into
+  allowed packages are imported first (`LoadPolicy.import_allowed`)."""
+  policy.import_allowed(references)
   resolved: dict[str, Any] = {}
   for ref, role, where in references:
     if role.startswith("codec:"):

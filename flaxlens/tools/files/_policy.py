@@ -1,17 +1,24 @@
 """What an artifact may make flaxlens import: the loading policy, checked before any import.
 
-An artifact names code by `"package.module:Qualified.name"` references. A reference is
-imported only if its top-level package is allowed: `DEFAULT_PACKAGES` (the libraries
-flaxlens itself runs on) or a package the user names (`allow=[...]`, `--allow PKG`). The
-package name never comes from the artifact: the manifest's own `requires` list only
-serves to tell the user what `allow=` would load it. After import, each object is
-checked for the role it plays (a module class, a data type, a function) before anything
-is constructed or called; objects from user-allowed packages are trusted in every role
-(a class named as a Flax module must still be one), objects from the default packages
-only in the vetted roles below. Where an allowed module is found is `import_folders`'
-rule (the user's `import_path` folders, the current folder, then `sys.path`), the one
-the CLI follows for a TARGET's module too. Flax internals: the classes a `GraphDef` is
-made of, through `flaxlens._compat.nnx_graph`.
+An artifact names code by `"package.module:Qualified.name"` references, and importing a
+module runs its code, so a reference is imported only from a package the user named
+(`allow=[...]`, `--allow PKG`) or from flaxlens itself. A reference into the other
+libraries flaxlens runs on (`DEFAULT_PACKAGES`: jax, flax, numpy) imports nothing: it is
+looked up in a module already loaded (`sys.modules`, walking module dictionaries, never a
+module's lazy `__getattr__`), and refused, naming the fix, if its module is not loaded;
+`import flaxlens` loads every module a saved Linen or NNX model refers to, and the allowed
+packages are imported first, so what they import is found too. A module path with a
+`__main__` part is refused in every package, allowed or not: importing one runs a
+program (`numpy.f2py.__main__`). Whatever an import raises, `SystemExit` included (but
+not `KeyboardInterrupt`), becomes an `ArtifactError`. The package name never comes from
+the artifact: the manifest's own `requires` list only serves to tell the user what
+`allow=` would load it. Then each object is checked for the role it plays (a module
+class, a data type, a function) before anything is constructed or called; objects from
+user-allowed packages are trusted in every role (a class named as a Flax module must
+still be one), objects from the default packages only in the vetted roles below. Where
+an allowed module is found is `import_folders`' rule (the user's `import_path` folders,
+the current folder, then `sys.path`), the one the CLI follows for a TARGET's module too.
+Flax internals: the classes a `GraphDef` is made of, through `flaxlens._compat.nnx_graph`.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import importlib.util
 import os
 import re
 import sys
+import types
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -33,13 +41,17 @@ from flaxlens.core._checks import check_items, refuse
 from flaxlens.core._variables import Uninitialized
 from flaxlens.errors import ArgumentError, ArtifactError
 
-# The packages flaxlens runs on: importing their modules runs nothing a user of flaxlens
-# has not already run. Objects from them are still checked role by role.
+# The packages flaxlens runs on, whose objects an artifact may name without `allow=`:
+# flaxlens's own modules are imported, the others' only looked up if already loaded (some
+# of their modules run code when imported). Objects from them are checked role by role.
 DEFAULT_PACKAGES = frozenset({"jax", "flax", "numpy", "flaxlens"})
+# The one default package whose modules an artifact may make flaxlens import: its own.
+_IMPORTED_PACKAGE = "flaxlens"
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 # Built-in container types a pytree definition may name; resolved without any import.
 _BUILTIN_TYPES = {"builtins:tuple": tuple, "builtins:list": list, "builtins:dict": dict}
+_MISSING = object()
 
 # Functions a module field may hold, by namespace (checked by identity after import).
 _FUNCTIONS = {
@@ -164,7 +176,15 @@ class LoadPolicy:
   def check_package(self, ref: str, where: str, needed: Iterable[str]) -> None:
     """Refuses `ref` unless its package may be imported; names the `allow=` that allows it
     (and the CLI flag, if the file is one the CLI loads), and where to put the package if
-    it cannot be found either."""
+    it cannot be found either. A `__main__` module is refused in every package."""
+    if "__main__" in ref.partition(":")[0].split("."):
+      raise ArtifactError(
+        f"The artifact references {ref!r} at {where}; a `__main__` module runs a program when"
+        " imported, so none is ever loaded, whatever is allowed. If the artifact is yours and"
+        " names a class or function defined in the script you ran, move it into a module"
+        " file (mymodel.py), save again and load with allow=['mymodel']; otherwise do not"
+        " use the artifact."
+      )
     if ref in _BUILTIN_TYPES or package_of(ref) in DEFAULT_PACKAGES | self.allowed:
       return
     if ref.startswith("builtins:"):
@@ -220,9 +240,21 @@ class LoadPolicy:
       )
     return obj
 
+  def import_allowed(self, references: Iterable[tuple[str, str, str]]) -> None:
+    """Imports the `(ref, role, where)` references into user-allowed packages, before the
+    others are resolved: the modules of jax, flax and numpy that they import are then
+    loaded, whatever the order of the references."""
+    for ref, _, where in references:
+      if self.user_allowed(ref):
+        self._import(ref, where)
+
   def _import(self, ref: str, where: str) -> Any:
-    """Imports `ref` from `folders` and `sys.path`; refusals say how to make it load."""
+    """The object `ref` names: imported from `folders` and `sys.path` if its package is
+    allowed or flaxlens, else looked up in its already loaded module; refusals say how to
+    make it load."""
     package = package_of(ref)
+    if package != _IMPORTED_PACKAGE and not self.user_allowed(ref):
+      return self._loaded(ref, where)
     with importing_from(self.folders):
       try:
         return _import(ref, where)
@@ -233,6 +265,37 @@ class LoadPolicy:
             f" {self.not_found(package, self.cli)}"
           ) from None
         raise
+
+  def _loaded(self, ref: str, where: str) -> Any:
+    """The object `ref` names in a default package, looked up without importing anything:
+    its module must be loaded already, and each module on the way is read through its
+    dictionary (a module's `__getattr__` may import others: `numpy.f2py`)."""
+    module_name, _, qualname = ref.partition(":")
+    obj = sys.modules.get(module_name)
+    if obj is None:
+      package = package_of(ref)
+      raise ArtifactError(
+        f"Cannot import {ref!r} named by the artifact at {where}: the module {module_name!r}"
+        " is not loaded, and an artifact makes flaxlens import no module of"
+        f" {package} (importing one runs its code; some, such as numpy.f2py.__main__, run a"
+        " program). If you trust the artifact and that module, import it yourself before"
+        f" loading (`import {module_name}`), or allow the package with allow=[{package!r}]"
+        + (f" (CLI: --allow {package})" if self.cli else "")
+        + f", which lets the artifact import and use any module of {package}."
+      )
+    for part in qualname.split("."):
+      if isinstance(obj, types.ModuleType):
+        found = vars(obj).get(part, _MISSING)
+      else:
+        found = getattr(obj, part, _MISSING)
+      if found is _MISSING:
+        raise ArtifactError(
+          f"Cannot import {ref!r} named by the artifact at {where}: {module_name!r} has no"
+          f" {qualname!r}. Load it where the versions of jax, flax and numpy that saved it"
+          " are installed."
+        )
+      obj = found
+    return obj
 
   def _fits(self, obj: Any, ref: str, role: str, base: type | None) -> bool:
     trusted = self.user_allowed(ref)
@@ -321,10 +384,13 @@ def _import(ref: str, where: str) -> Any:
       f"Cannot import {ref!r} named by the artifact at {where} ({e}). Install the package"
       " that defines it (at a compatible version) where you load the artifact."
     ) from e
-  except Exception as e:  # The module's own code raised while it was imported.
+  except KeyboardInterrupt:
+    raise
+  except BaseException as e:  # The module's own code raised (or exited) while imported.
+    message = " ".join(str(e).split())
     raise ArtifactError(
       f"Importing {module_name!r} for {ref!r} named by the artifact at {where} raised"
-      f" {type(e).__name__}: {' '.join(str(e).split())}. Fix that module so that"
+      f" {type(e).__name__}{f': {message}' if message else ''}. Fix that module so that"
       f" `python -c 'import {module_name}'` runs."
     ) from e
   return obj
