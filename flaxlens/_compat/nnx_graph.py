@@ -213,6 +213,43 @@ def graph_nodes(graphdef: Any) -> list[tuple[tuple[Any, ...], type, int | None]]
   return found
 
 
+def references(root: Any) -> tuple[dict[tuple[int, tuple[Any, ...]], Any], dict[int, Any]]:
+  """Every reference to a variable or NNX object (module, `nnx.Rngs`) in `root`'s graph.
+
+  Returns `(refs, owners)`: `refs` maps `(id(owner), key path inside the owner)` to the
+  object referenced, where the owner is the nearest NNX object holding the reference
+  (through plain containers: lists, dicts, tuples, other pytrees); `owners` maps each
+  owner's id to a path from `root` (for messages). Shared objects are
+  walked once but every reference to them is listed, so two graphs with equal `refs`
+  hold the same objects at the same places, shared the same way. NNX's `_pytree__`
+  bookkeeping and static values (neither variables nor graph nodes) are left out.
+  """
+  get_node_impl, is_node = GET_NODE_IMPL(), IS_NODE()
+  refs: dict[tuple[int, tuple[Any, ...]], Any] = {}
+  owners: dict[int, Any] = {id(root): ()}
+  pending: list[tuple[Any, tuple[Any, ...]]] = [(root, ())]
+  while pending:
+    owner, owner_path = pending.pop(0)
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), owner)]
+    while stack:
+      rel, node = stack.pop()
+      impl = get_node_impl(node)
+      if impl is None:
+        continue
+      for key, child in impl.node_dict(node).items():
+        if is_bookkeeping(key):
+          continue
+        where = (*rel, key)
+        if isinstance(child, nnx.Variable | nnx.Pytree):
+          refs[(id(owner), where)] = child
+          if isinstance(child, nnx.Pytree) and id(child) not in owners:
+            owners[id(child)] = (*owner_path, *where)
+            pending.append((child, (*owner_path, *where)))
+        elif is_node(child):
+          stack.append((where, child))
+  return refs, owners
+
+
 def is_graph_container(value: Any) -> bool:
   """Whether NNX traverses `value` as a node of the graph (module, list, dict, ...)."""
   return IS_NODE()(value)

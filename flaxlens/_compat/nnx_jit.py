@@ -5,7 +5,9 @@ Checked with flax 0.12.6–0.12.8. `nnx.jit` returns a
 `graph_updates=False`), whose `fun` is the function it wraps, and caches its trace on
 the `GraphDef`s of its arguments. While a run is active their `__call__` is replaced
 in place (see `patching.patched`) so that the run can put the jitted call's key into
-the site attributes of the modules passed, or run the function inline.
+the site attributes of the modules passed, or run the function inline. Whether a
+wrapper donates its arguments is read from its `jitted_fn` (a `jax.jit` function): the
+`donate_argnums`/`donate_argnames` of its `_jit_info` (checked with jax 0.10).
 """
 
 from __future__ import annotations
@@ -33,16 +35,30 @@ def _nnx_jit_call(original: Callable[..., Any]) -> Callable[..., Any]:
       lambda: original(self, *args, **kwargs),
       (args, kwargs),
       lambda: self.fun(*args, **kwargs),
+      donates(self),
     )
 
   return call
 
 
-@contextmanager
-def jit_keys(handler: Callable[[Callable[[], Any], Any], Any]) -> Iterator[None]:
-  """While active in this thread, `nnx.jit` calls run as `handler(call, arguments, inline)`.
+def donates(wrapper: Any) -> bool:
+  """Whether an `nnx.jit` wrapper donates any of its arguments' buffers.
 
-  `inline()` calls the function `nnx.jit` wraps (its `fun`) directly, untraced.
+  True when it cannot tell (an unknown wrapper), so that callers stay on the safe side.
+  """
+  info = getattr(getattr(wrapper, "jitted_fn", None), "_jit_info", None)
+  if info is None or not hasattr(info, "donate_argnums"):
+    return True
+  return bool(info.donate_argnums) or bool(getattr(info, "donate_argnames", ()))
+
+
+@contextmanager
+def jit_keys(handler: Callable[..., Any]) -> Iterator[None]:
+  """While active in this thread, `nnx.jit` calls run as
+  `handler(call, arguments, inline, donates)`.
+
+  `inline()` calls the function `nnx.jit` wraps (its `fun`) directly, untraced;
+  `donates` says whether the jitted function donates any of its arguments.
   """
   replacements = {
     JIT_WRAPPED_CALL.site(): _nnx_jit_call,

@@ -86,12 +86,14 @@ def unflaxify_linen(
         **kwargs,
       )
     mutated = result[1] if _any_mutable(mutable, capture_intermediates) else {}
+    updated_params[:] = _updated_params(vs, mutated)
     return jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x,
       mutated,
     )
 
   root = CallRecord(module, (), method_name)
+  updated_params: list[str] = []
   try:
     mutated = record_calls(
       root,
@@ -108,6 +110,13 @@ def unflaxify_linen(
       " module.init returns for this module: fl.unflaxify(module,"
       " module.init(key, *example_args), *example_args)."
     ) from said
+  if updated_params:
+    raise UnsupportedFlaxFeatureError(
+      f"{where}: the call updates the parameter {updated_params[0]!r} (the 'params'"
+      " collection is mutable and the call puts a new value into it). flaxlens holds"
+      " parameters fixed while a tree runs; keep values a call updates in another"
+      " collection (self.variable('state', ...)) and make it mutable instead."
+    )
   named = [mutable] if isinstance(mutable, str) else mutable
   named = list(named) if isinstance(named, list | tuple) else []
   tree = _build_tree(root, variables, mutated, capture_intermediates, named)
@@ -127,6 +136,20 @@ _MISSING_VARIABLES = (
   flax_errors.ScopeParamNotFoundError,
   flax_errors.ScopeVariableNotFoundError,
 )
+
+
+def _updated_params(given: Mapping[str, Any], mutated: Mapping[str, Any]) -> list[str]:
+  """The paths of the parameters a call put new values into (`put_variable`).
+
+  A parameter the call only read is returned as the very object it was given (conversion
+  traces the call, so every given value is a distinct tracer); any other leaf is new.
+  Created parameters are refused elsewhere (`_build_tree`).
+  """
+  if "params" not in mutated:
+    return []
+  before = flatten_collections({"params": given.get("params", {})})
+  after = flatten_collections({"params": mutated["params"]})
+  return [join_name(k[1]) for k, v in after.items() if k in before and v is not before[k]]
 
 
 def _any_mutable(mutable: Any, capture_intermediates: Any) -> bool:

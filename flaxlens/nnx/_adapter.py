@@ -33,6 +33,7 @@ from flaxlens.nnx._definition import (
   apply_static_edits,
   equal,
   navigate,
+  own_containers,
   plain_module,
   split_leaves,
   static_edits,
@@ -162,6 +163,7 @@ class NNXAdapter(FrameworkAdapter):
     node.check_runs_alone("be exported on its own; export the tree it belongs to")
     check_exportable(node)
     model = _rebuild(node, Gathered(node)).model
+    own_containers(model)  # Static lists and dicts are the tree's definition's own.
     if into is None:
       return model
     _update_in_place(node, into, model)

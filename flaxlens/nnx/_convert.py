@@ -27,7 +27,14 @@ from flaxlens.core._names import Path, join_name
 from flaxlens.core._scope import ScopeBuilder
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
-from flaxlens.nnx._definition import NNXModuleDef, abstract, equal, metadata_changed
+from flaxlens.nnx._definition import (
+  NNXModuleDef,
+  abstract,
+  equal,
+  metadata_changed,
+  own_containers,
+  private_container,
+)
 from flaxlens.nnx._interceptor import NNXInterceptor, call_method
 from flaxlens.nnx._node import InterceptedNNXModuleMethod, NNXVariableSpec
 
@@ -57,8 +64,20 @@ def unflaxify_nnx(
     )
 
   graphdef, variables = nnx_graph.flatten(model)
+  # The definition gets its own copies of static lists, dicts and sets, so that no run
+  # of the tree (nor the conversion's) changes the user's in place.
+  template = nnx.merge(graphdef, [None] * len(variables))
+  if own_containers(template):
+    graphdef = nnx_graph.flatten(template)[0]
   given = dict(variables)
   for path, variable in given.items():
+    if not isinstance(variable, nnx.Variable):
+      raise UnsupportedFlaxFeatureError(
+        f"{where}: the attribute {join_name(path)!r} holds a plain"
+        f" {type(variable).__name__} as data, not an nnx.Variable; flaxlens holds a"
+        " model's arrays only in variables. Wrap it in one (nnx.Param for a weight,"
+        " nnx.Variable or nnx.BatchStat for other state) before converting."
+      )
     mode = nnx_variables.variable_mode(variable)
     if mode is not None:
       raise UnsupportedFlaxFeatureError(
@@ -78,13 +97,22 @@ def unflaxify_nnx(
     private = definition.private_copy(copy, made)
     interceptor.instrument(private.modules, ())
     attributes = {p: dict(vars(m)) for p, m in private.modules}
+    containers = [
+      (p, m, name, private_container(value))
+      for p, m in private.modules
+      for name, value in nnx_graph.static_attributes(m).items()
+      if private_container(value) is not value
+    ]
     metadata = [
       (v, dict(nnx_variables.metadata(v))) for v in made.values() if isinstance(v, nnx.Variable)
     ]
+    graph = nnx_graph.references(copy)
     private.seal()  # After the sites are set: a call that adds attributes is walked.
     with interceptor.active():
       call_method(copy, method, args, kwargs)
+    _check_graph(where, graph, nnx_graph.references(copy))
     _check_statics(where, interceptor.by_path, attributes)
+    _check_containers(where, containers)
     _check_metadata(where, copy, metadata)
     created.clear()
     for path, variable in private.current_variables():
@@ -100,6 +128,63 @@ def unflaxify_nnx(
     ArgsAndKwargs(args=tuple(example_args), kwargs=dict(example_kwargs)),
   )
   return _build_tree(definition, root, given, created)
+
+
+def _check_graph(where: str, before: tuple[dict, dict], after: tuple[dict, dict]) -> None:
+  """Refuses calls that change the module's graph (`nnx_graph.references` before, after).
+
+  The tree rebuilds every call from the graph seen at conversion, so an attribute that
+  held a variable or a submodule must hold the very same object after the call: one
+  deleted, re-pointed (`self.cur = self.b`), aliased (`self.b = self.a`) or replaced by
+  a variable of another type would be undone at the next call. What a call may do:
+  replace a variable by a new one of the same type and metadata (its value is read
+  back by path), and add new variables to existing modules (checked by
+  `_check_created`).
+  """
+  (old, owners), (new, _) = before, after
+  known = {id(obj) for obj in old.values()}
+  counts: dict[int, int] = {}
+  for obj in new.values():
+    counts[id(obj)] = counts.get(id(obj), 0) + 1
+
+  def name(key: tuple[int, Path]) -> str:
+    return join_name((*owners.get(key[0], ("<new>",)), *key[1]))
+
+  def refuse(key: tuple[int, Path], what: str) -> UnsupportedFlaxFeatureError:
+    return UnsupportedFlaxFeatureError(
+      f"{where}: the call changes the model's graph at {name(key)!r}: it {what}. flaxlens"
+      " replays every call"
+      " from the graph of variables and submodules seen at conversion, so later calls"
+      " would differ from the model's; keep the graph fixed while running (update a"
+      " variable's value in place: `v[...] = new`), or make the change before converting."
+    )
+
+  partner: dict[int, tuple[int, Path]] = {}
+  for key, obj in old.items():
+    now = new.get(key, _MISSING)
+    if now is _MISSING:
+      raise refuse(key, f"deletes the {type(obj).__name__} held there")
+    if now is not obj:
+      kind = type(obj).__name__
+      if id(now) in known:
+        raise refuse(key, f"re-points the attribute from a {kind} to another object of the model")
+      if not isinstance(obj, nnx.Variable) or not isinstance(now, nnx.Variable):
+        raise refuse(key, f"replaces the {kind} held there by a new {type(now).__name__}")
+      if type(now) is not type(obj):
+        raise refuse(key, f"changes the type of the variable from {kind} to {type(now).__name__}")
+      if counts[id(now)] > 1 or metadata_changed(nnx_variables.metadata(obj), now):
+        raise refuse(key, f"replaces the {kind} held there by one of other metadata or sharing")
+    # Objects shared before must be shared after, and only by the same references.
+    first = partner.setdefault(id(obj), key)
+    if new[first] is not now:
+      raise refuse(key, f"no longer shares the {type(obj).__name__} held at {name(first)!r}")
+  for key, obj in new.items():
+    if key in old:
+      continue
+    if id(obj) in known or counts[id(obj)] > 1:
+      raise refuse(key, f"adds another reference to a {type(obj).__name__} of the model (an alias)")
+    if key[0] not in owners or not isinstance(obj, nnx.Variable):
+      raise refuse(key, f"adds a new {type(obj).__name__}")
 
 
 def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict]) -> None:
@@ -133,6 +218,24 @@ def _check_statics(where: str, modules: dict[Path, Any], before: dict[Path, dict
 
 
 _MISSING = object()
+
+
+def _check_containers(where: str, containers: list[tuple[Path, Any, str, Any]]) -> None:
+  """Refuses calls that change a static list, dict or set in place (`self.log.append`).
+
+  `containers`: `(path, module, name, copy)` of every static attribute holding plain
+  containers, copied before the call; an attribute the call set anew is left to
+  `_check_statics`.
+  """
+  for path, module, name, before in containers:
+    now = vars(module).get(name, _MISSING)
+    if now is not _MISSING and not equal(before, now):
+      raise UnsupportedFlaxFeatureError(
+        f"{where}: the call changes the static attribute {name!r} of the module at"
+        f" {join_name(path) or '<root>'!r} in place. flaxlens replays every call from"
+        " the static attributes seen at conversion; keep values that change while"
+        " running in an nnx.Variable, or set them before converting."
+      )
 
 
 def _check_metadata(where: str, copy: Any, before: list[tuple[Any, dict]]) -> None:

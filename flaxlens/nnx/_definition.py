@@ -532,6 +532,42 @@ def navigate(root: Any, path: Path) -> Any:
   return node
 
 
+def private_container(value: Any) -> Any:
+  """`value` with every plain list, dict and set in it copied (recursively, through
+  tuples too); other objects are kept. `value` itself when it holds none.
+
+  A static attribute NNX keeps in a `GraphDef` is the very object of the module it was
+  split from; copying its plain containers keeps a call that changes them in place
+  (`self.log.append(...)`) from changing the module the definition came from.
+  """
+  kind = type(value)
+  if kind is list or kind is tuple:
+    items = [private_container(v) for v in value]
+    if kind is tuple and all(map(operator.is_, items, value)):
+      return value
+    return kind(items)
+  if kind is dict:
+    return {k: private_container(v) for k, v in value.items()}
+  if kind is set:
+    return set(value)
+  return value
+
+
+def own_containers(model: Any) -> bool:
+  """Gives every NNX object of `model` its own copies of the plain containers its static
+  attributes hold (`private_container`); whether any was copied."""
+  copied = False
+  for _, node in nnx.iter_graph(model):
+    if not isinstance(node, nnx.Pytree):
+      continue
+    for name, value in nnx_graph.static_attributes(node).items():
+      private = private_container(value)
+      if private is not value:
+        nnx_graph.set_static(node, name, private)
+        copied = True
+  return copied
+
+
 def plain_module(graphdef: Any, leaves: list[Any]) -> Any:
   """A plain NNX module (no run site) from a split of a module of a run."""
   module = nnx.merge(graphdef, leaves)

@@ -15,9 +15,10 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from flaxlens._compat import nnx_graph, nnx_jit, patching, tracing
+from flaxlens._compat import nnx_graph, nnx_jit, nnx_variables, patching, tracing
 from flaxlens.core._active import is_active
 from flaxlens.core._call_record import CallRecord
 from flaxlens.core._calls import CallInterceptor
@@ -173,12 +174,17 @@ class NNXInterceptor(CallInterceptor):
     with patching.patched(wrappers), nnx_jit.jit_keys(self._jit_call), super().active():
       yield
 
-  def _jit_call(self, call: Callable[[], Any], arguments: Any, inline: Callable[[], Any]) -> Any:
+  def _jit_call(
+    self, call: Callable[[], Any], arguments: Any, inline: Callable[[], Any], donates: bool
+  ) -> Any:
     """Runs one `nnx.jit` call with the run's key in its modules' sites.
 
     A run that captures calls the jitted function inline instead, so that values
     captured in it belong to the run's trace (compiled with the run under `fl.run`'s
-    jit); the function updates the modules in place, as `nnx.jit` would.
+    jit); the function updates the modules in place, as `nnx.jit` would. A jitted
+    function that donates its arguments, called eagerly, first gets copies of the
+    arrays of the copy's modules: they are the tree's (and the user's model's) own
+    buffers, which donation would delete.
     """
     if self.probing is not None and self.probing.capturing and self.frames:
       return inline()
@@ -189,6 +195,8 @@ class NNXInterceptor(CallInterceptor):
       for _, m in nnx.iter_modules(leaf)
       if _site_of(m, self) is not None
     ]
+    if donates and ours and tracing.at_top_level():
+      _own_buffers(ours)
     if not ours or not self.frames:
       return call()
     sites = [nnx_graph.site(m) for m in ours]
@@ -211,6 +219,23 @@ class NNXInterceptor(CallInterceptor):
 
   def same_module(self, node: CallNode, module: Any) -> bool:
     return node.module_type is type(module)
+
+
+def _own_buffers(modules: list[Any]) -> None:
+  """Gives every variable of `modules` (made by a run, at the top level) a copy of its
+  JAX array, so that a donating `nnx.jit` call deletes only the copies."""
+  seen: set[int] = set()
+  for module in modules:
+    if id(module) in seen:
+      continue
+    for _, value in nnx.iter_graph(module):
+      if id(value) in seen:
+        continue
+      seen.add(id(value))
+      if isinstance(value, nnx.Variable):
+        raw = value.get_raw_value()
+        if isinstance(raw, jax.Array):
+          nnx_variables.set_raw_value(value, jnp.copy(raw))
 
 
 def _is_module(x: Any) -> bool:

@@ -58,3 +58,39 @@ def test_no_interceptor_is_left_behind_when_a_replacement_raises(cases):
     LINEN.call(patched, case)
   assert len(linen_module._global_interceptor_stack) == 0
   assert_trees_equal(LINEN.call(LINEN.convert(case), case), case.apply())
+
+
+class DoublesItsParameter(nn.Module):
+  """A call that puts a new value into the 'params' collection."""
+
+  @nn.compact
+  def __call__(self, x):
+    p = self.param("p", nn.initializers.ones, (3,))
+    self.put_variable("params", "p", p * 2)
+    return x * p
+
+
+def test_a_call_that_updates_params_is_refused_at_conversion():
+  module, x = DoublesItsParameter(), jnp.ones((2, 3))
+  variables = module.init(jax.random.key(0), x)
+  before = variables["params"]["p"]
+  with pytest.raises(fl.UnsupportedFlaxFeatureError, match="updates the parameter 'p'"):
+    fl.unflaxify(module, variables, x, mutable=["params"])
+  assert variables["params"]["p"] is before
+  assert_trees_equal(before, jnp.full(3, 2.0))
+
+
+class Normalizes(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.BatchNorm(use_running_average=False)(nn.Dense(3)(x))
+
+
+@pytest.mark.parametrize("mutable", [True, ["params", "batch_stats"]])
+def test_params_listed_as_mutable_but_left_unchanged_convert(mutable):
+  module, x = Normalizes(), jnp.arange(6.0).reshape(2, 3)
+  variables = module.init(jax.random.key(0), x)
+  tree = fl.unflaxify(module, variables, x, mutable=mutable)
+  native, updates = module.apply(variables, x, mutable=mutable)
+  assert_trees_equal(tree(fl.ArgsAndKwargs.capture(x)), native)
+  assert_trees_equal(tree.export()["batch_stats"], updates["batch_stats"])

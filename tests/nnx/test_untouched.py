@@ -96,3 +96,23 @@ def test_converted_classes_keep_their_names_and_isinstance(cases):
   assert seen[0] == ("MyLinear", True)
   assert jnp.array_equal(seen[1].args[0], case.args[0])
   assert type(case.model.first) is corpus.MyLinear
+
+
+class _Normed(nnx.Module):
+  def __init__(self):
+    rngs = nnx.Rngs(0)
+    self.linear = nnx.Linear(4, 2, rngs=rngs)
+    self.bn = nnx.BatchNorm(2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.bn(self.linear(x))
+
+
+def test_a_method_that_donates_the_model_leaves_the_users_buffers_alone():
+  step = nnx.jit(lambda m, x: m(x), donate_argnums=0)
+  native, model, x = _Normed(), _Normed(), jnp.ones((2, 4))
+  tree = fl.unflaxify(model, x, method=step)
+  for _ in range(2):
+    assert_trees_equal(tree(fl.ArgsAndKwargs.capture(x)), step(native, x))
+  assert not any(v.is_deleted() for v in model_state(model).values())
+  assert_trees_equal(model(x), _Normed()(x))
