@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import jax
@@ -363,3 +365,27 @@ def test_an_allowed_model_that_exits_fails_the_load_or_the_replay_never_exits_0(
 def test_replay_of_an_allow_that_names_no_package_exits_2(artifact, capsys):
   assert cli.main(["replay", str(artifact), "--allow", "linen.corpus"]) == 2
   assert "allow takes top-level package names" in capsys.readouterr().err
+
+
+def test_a_script_loads_the_interventions_it_defined_itself_with_allow_main(tmp_path):
+  """The running script's `__main__` is loaded already: importing it runs nothing."""
+  script = tmp_path / "script.py"
+  script.write_text(
+    "import sys, jax.numpy as jnp, flax.linen as nn, flaxlens as fl\n"
+    "def double(x):\n"
+    "  return 2 * x\n"
+    "path = sys.argv[1]\n"
+    "fl.save_interventions([fl.modify(nn.Dense, double)], path)\n"
+    "(loaded,) = fl.load_interventions(path, allow=['__main__'])\n"
+    "print('LOADED', loaded.fn(jnp.ones(2)).tolist())\n"
+  )
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+  done = subprocess.run(
+    [sys.executable, str(script), str(tmp_path / "set")],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
+  assert "LOADED [2.0, 2.0]" in done.stdout, done.stderr[-2000:]

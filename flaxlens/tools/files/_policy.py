@@ -8,9 +8,11 @@ looked up in a module already loaded (`sys.modules`, walking module dictionaries
 module's lazy `__getattr__`), and refused, naming the fix, if its module is not loaded;
 `import flaxlens` loads every module a saved Linen or NNX model refers to, and the allowed
 packages are imported first, so what they import is found too. A module path with a
-`__main__` part is refused in every package, allowed or not: importing one runs a
-program (`numpy.f2py.__main__`). Whatever an import raises, `SystemExit` included (but
-not `KeyboardInterrupt`), becomes an `ArtifactError`. The package name never comes from
+`__main__` part that is not loaded already is refused in every package, allowed or not:
+importing one runs a program (`numpy.f2py.__main__`); the running script's own
+`__main__` is loaded, so a script may load what it saved with `allow=["__main__"]`.
+Whatever an import raises, `SystemExit` included (but not `KeyboardInterrupt`), becomes
+an `ArtifactError`. The package name never comes from
 the artifact: the manifest's own `requires` list only serves to tell the user what
 `allow=` would load it. Then each object is checked for the role it plays (a module
 class, a data type, a function) before anything is constructed or called; objects from
@@ -177,11 +179,13 @@ class LoadPolicy:
     """Refuses `ref` unless its package may be imported; names the `allow=` that allows it
     (and the CLI flag, if the file is one the CLI loads), and where to put the package if
     it cannot be found either. A `__main__` module is refused in every package."""
-    if "__main__" in ref.partition(":")[0].split("."):
+    module = ref.partition(":")[0]
+    if "__main__" in module.split(".") and module not in sys.modules:
       raise ArtifactError(
         f"The artifact references {ref!r} at {where}; a `__main__` module runs a program when"
-        " imported, so none is ever loaded, whatever is allowed. If the artifact is yours and"
-        " names a class or function defined in the script you ran, move it into a module"
+        " imported, so none is loaded that is not running already, whatever is allowed. If"
+        " the artifact is yours and names a class or function defined in a script, load it"
+        " from that script (with allow=['__main__']), or move the definition into a module"
         " file (mymodel.py), save again and load with allow=['mymodel']; otherwise do not"
         " use the artifact."
       )
