@@ -30,7 +30,12 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   `fl.steer('Block_0'): alpha='big' ...`), or a value, mask or index that does not fit
   its site: a `where=` or `index=` that reaches outside the value or selects nothing is
   refused naming the site, the axis, its size and the positions it allows
-  (docs/interventions.md, index rules). Fix: as the message says; the model's arguments
+  (docs/interventions.md, index rules). Also: clean and corrupted arguments of
+  another structure or other shapes (`fl.sweep`, `fl.attribute`, `fl.path_patch`),
+  gradients taken at an integer-valued site or of a metric that is not a real float
+  scalar, a capture `dtype=` that is no dtype, a number JAX's 32-bit dtypes cannot hold,
+  and an error raised by a function given to `fl.modify` (raised from it, naming the
+  site). Fix: as the message says; the model's arguments
   are one value after the tree (one argument, a tuple, or
   `fl.ArgsAndKwargs.capture(*args, **kwargs)`).
 - `VariableError` (also `ValueError`): a variable, slot or label was used inconsistently
@@ -52,8 +57,9 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   the tolerance, or its operands hold nan or inf). Fix: the message lists the patched
   calls, the variables that differ, or each unfoldable intervention with its reason.
 - `ArtifactError`: an artifact could not be written, read or trusted (malformed,
-  truncated, or naming code from a package not allowed). Fix: the message names the
-  file and, for code, the `allow=[...]` that would load it.
+  truncated, naming code from a package not allowed, or describing an intervention no
+  `fl.` function would make). Fix: the message names the file and, for code, the
+  `allow=[...]` that would load it.
 - `BudgetError` (also `ValueError`): `budget=` (of `fl.run`, `fl.capture`, `fl.sweep`)
   cannot be kept: the captures of one example (one patched forward, for a sweep) do not
   fit, or the batch would have to be split where splitting cannot give the result of the
@@ -90,8 +96,10 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   code that caught the model's errors keeps working. Nothing is checked before a call:
   arguments of new shapes that the model accepts run as before, at no cost. Errors
   flaxlens raises itself (every `FlaxlensError`) and errors raised by a replacement
-  layer you wrote pass through unchanged. Fix: call the tree with arguments like those
-  at conversion, or that the native model accepts, or convert it with such arguments.
+  layer you wrote pass through unchanged; an error raised by a function given to
+  `fl.modify` is an `ArgumentError` naming it and the site. Fix: call the tree with
+  arguments like those at conversion, or that the native model accepts, or convert it
+  with such arguments.
   `fl.unflaxify` raises it too when the model's own code fails on the example arguments
   (`unflaxify(Model.__call__): conversion runs the model once on the example arguments,
   and the model's own code failed in layers/0.__call__ (...)`), naming the call being

@@ -606,6 +606,58 @@ def test_attribution_refuses_a_metric_that_is_not_a_scalar(corpora):
     fl.attribute(tree, clean.args, corrupted.args, sites, metric)
 
 
+class _TokenIds(nn.Module):
+  """A call with an integer output: no gradient reaches it."""
+
+  @nn.compact
+  def __call__(self, ids):
+    return ids * 2
+
+
+class _Embedder(nn.Module):
+  @nn.compact
+  def __call__(self, ids):
+    return nn.Dense(4, name="head")(nn.Embed(20, 8, name="embed")(_TokenIds(name="ids")(ids)))
+
+
+def _embedder():
+  ids = jnp.array([[1, 2, 3]])
+  model = _Embedder()
+  return fl.unflaxify(model, model.init(jax.random.key(0), ids), ids), ids
+
+
+GRADIENT_TOOLS = {
+  "grad_at": lambda tree, ids, at, metric: fl.grad_at(tree, ids, at, metric),
+  "attribute": lambda tree, ids, at, metric: fl.attribute(tree, ids, (ids + 1) % 9, at, metric),
+}
+
+
+@pytest.mark.parametrize("tool", sorted(GRADIENT_TOOLS))
+def test_gradients_at_a_call_with_an_integer_output_are_refused_naming_it(tool):
+  tree, ids = _embedder()
+  with pytest.raises(fl.ArgumentError) as raised:
+    GRADIENT_TOOLS[tool](tree, ids, "ids", lambda out: out.sum())
+  message = str(raised.value)
+  assert message.startswith(f"ids: fl.{tool} takes gradients at the site's output, which is")
+  assert "int32[1, 3]: an integer or boolean value has no gradient. Choose sites" in message
+
+
+@pytest.mark.parametrize("tool", sorted(GRADIENT_TOOLS))
+@pytest.mark.parametrize(
+  "metric, dtype",
+  [
+    (lambda out: jnp.argmax(out.sum(-1).ravel()), "int32"),
+    (lambda out: out.sum().astype(jnp.complex64), "complex64"),
+  ],
+  ids=["argmax", "complex"],
+)
+def test_gradients_of_a_metric_that_is_not_a_real_float_are_refused(tool, metric, dtype):
+  tree, ids = _embedder()
+  refused = rf"^Gradients need a real floating-point metric; this one returned {dtype}\. Return "
+  with pytest.raises(fl.ArgumentError, match=refused):
+    GRADIENT_TOOLS[tool](tree, ids, "embed", metric)
+
+
 # --- gradients at calls ------------------------------------------------------------------------
 
 

@@ -233,13 +233,27 @@ def test_the_intervention_sets_page_examples_run(index):
   [
     (["index", ["slice", 0, 4, 0]], "a slice with step 0"),
     (["index", ["ellipsis"], ["int", 0], ["ellipsis"]], "more than one '...'"),
+    (["index", ["array"]], "an array of dtype float32"),
   ],
-  ids=["step_0", "two_ellipses"],
+  ids=["step_0", "two_ellipses", "float_array"],
 )
-def test_a_forged_where_that_is_no_index_is_refused_naming_the_site(saved, where, message):
-  _forge(saved, lambda m: m["interventions"][1].update(where=where))
-  with pytest.raises(fl.FlaxlensError, match=rf"^fl\.steer\('Dense_0'\): where= .*{message}"):
+def test_a_forged_where_that_is_no_index_is_refused_naming_the_file_the_entry_and_the_site(
+  saved, where, message
+):
+  def edit(manifest):
+    entry = manifest["interventions"][1]
+    entry["where"] = where
+    if ["array"] in where:  # the index array is the steering vector, float32[4]
+      entry["where_arrays"] = entry["operands"][:1]
+
+  _forge(saved, edit)
+  with pytest.raises(fl.ArtifactError) as raised:
     fl.load_interventions(saved)
+  said = str(raised.value)
+  assert said.startswith(f"{saved}: manifest.json's interventions[1] ")
+  assert re.search(rf"fl\.steer\('Dense_0'\): where= .*{message}", said), said
+  assert said.endswith("save it again with fl.save_interventions.")
+  assert isinstance(raised.value.__cause__, fl.ArgumentError)
 
 
 def test_a_format_2_set_still_loads(saved):

@@ -223,3 +223,50 @@ METRIC_TOOLS = {
 def test_a_metric_that_is_not_a_function_is_refused_by_name(tagger, tool, metric):
   with pytest.raises(fl.ArgumentError, match=rf"fl\.{tool}: metric must be a function"):
     METRIC_TOOLS[tool](tagger.tree, metric)
+
+
+# --- a clean and a corrupted run ------------------------------------------------------------
+
+RUN_PAIR_TOOLS = {
+  "sweep": lambda t, clean, corrupted: fl.sweep(t, clean, corrupted, "dense", lambda o: o.sum()),
+  "attribute": lambda t, clean, corrupted: fl.attribute(
+    t, clean, corrupted, "dense", lambda o: o.sum()
+  ),
+  "path_patch": lambda t, clean, corrupted: fl.path_patch(
+    t, clean, corrupted, "dense", "head", lambda o: o.sum()
+  ),
+}
+
+
+@pytest.mark.parametrize("tool", sorted(RUN_PAIR_TOOLS))
+def test_clean_and_corrupted_arguments_of_other_shapes_are_refused_naming_both(tagger, tool):
+  fewer = fl.ArgsAndKwargs.capture(**{**KWARGS, "inputs": X[:1]})
+  with pytest.raises(fl.ArgumentError) as raised:
+    RUN_PAIR_TOOLS[tool](tagger.tree, CALL, fewer)
+  message = str(raised.value)
+  assert message.startswith(f"fl.{tool} of ")
+  assert (
+    "the clean and the corrupted run's arguments differ in shape: kwargs['inputs'] is"
+    " float32[2, 3, 4] in the clean run and float32[1, 3, 4] in the corrupted run." in message
+  )
+  assert "fl.modify" not in message
+  assert message.endswith("or take as many examples for each run).")
+
+
+@pytest.mark.parametrize("tool", sorted(RUN_PAIR_TOOLS))
+def test_clean_and_corrupted_arguments_of_another_structure_are_refused(tagger, tool):
+  other = fl.ArgsAndKwargs.capture(X, **{k: v for k, v in KWARGS.items() if k != "inputs"})
+  refused = (
+    r"differ in structure: the clean run's are \(at=0\.5, .*inputs=float32\[2, 3, 4\].*\),"
+    r" the corrupted run's \(float32\[2, 3, 4\], at=0\.5, "
+  )
+  with pytest.raises(fl.ArgumentError, match=refused):
+    RUN_PAIR_TOOLS[tool](tagger.tree, CALL, other)
+
+
+def test_clean_and_corrupted_arguments_may_differ_in_python_numbers(tagger):
+  corrupted = fl.ArgsAndKwargs.capture(**{**KWARGS, "index": -2.0})
+  result = fl.sweep(tagger.tree, CALL, corrupted, "head", lambda out: out[0, 0, 1])
+  # head's output patched from the clean run: the rest of the call is the same in both.
+  np.testing.assert_allclose(result.values, [tagger.call(**KWARGS)[0, 0, 1]], rtol=1e-6)
+  np.testing.assert_allclose(result.corrupted, tagger.call(**corrupted.kwargs)[0, 0, 1], rtol=1e-6)

@@ -6,7 +6,9 @@ more than 8 positions fail inside the call adding the table (a broadcasting erro
 failure is compared with the same call of the native model: the tree raises the native
 error as a `ModelCallError` that is also of the native error's class, whose cause is the
 native error, and whose message names the calls and the shapes they had at conversion
-and now. Arguments of new shapes that the model accepts run as natively.
+and now. Arguments of new shapes that the model accepts run as natively. An error raised
+by a function given to `fl.modify` is the function's, not the model's: it is refused as
+an `fl.ArgumentError` naming the site, from the function's own error.
 """
 
 from __future__ import annotations
@@ -126,6 +128,28 @@ def test_an_error_of_a_replacement_layer_passes_unchanged(corpora, fw):
   with pytest.raises(RuntimeError, match="a bug in my layer") as raised:
     _tree_call(tree, case.args[0], jit=False)
   assert type(raised.value) is RuntimeError
+
+
+def _buggy_edit(argument, value):
+  raise RuntimeError("a bug in my edit")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_an_error_of_an_intervention_function_names_fl_modify_and_the_site(corpora, fw, jit):
+  case = _positional(corpora, fw)
+  site = TABLE_CALL[fw.name].removesuffix(".__call__")
+  edit = fl.modify(site, _buggy_edit)
+  with pytest.raises(fl.ArgumentError) as raised:
+    fl.run(fw.convert(case), case.args[0], interventions=[edit], jit=jit)
+  message = str(raised.value)
+  assert not isinstance(raised.value, fl.ModelCallError)
+  assert message.startswith(f"{site}: the function given to fl.modify, ")
+  assert "_buggy_edit, raised RuntimeError: a bug in my edit" in message
+  assert "model's own code" not in message
+  assert message.endswith("Fix the function (run with jit=False to debug it eagerly).")
+  assert type(raised.value.__cause__) is RuntimeError
+  assert str(raised.value.__cause__) == "a bug in my edit"
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)

@@ -99,6 +99,21 @@ def test_a_capture_site_that_matches_nothing_is_refused(fw, corpora):
     fl.capture(tree, args, at=f"{first}x")
 
 
+@pytest.mark.parametrize("dtype", ["foo", "U", object])
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_capture_dtype_that_jax_does_not_compute_with_is_refused_before_running(
+  fw, corpora, dtype
+):
+  _, tree, args, first, *_ = _model(fw, corpora)
+  refused = rf"^fl\.run/fl\.capture: dtype={re.escape(repr(dtype))} is not a dtype .* Give "
+  with compilations() as compiled:
+    with pytest.raises(fl.ArgumentError, match=refused):
+      fl.capture(tree, args, at=first, dtype=dtype)
+    with pytest.raises(fl.ArgumentError, match=refused):
+      fl.run(tree, args, capture=first, dtype=dtype, jit=False)
+  assert compiled == []
+
+
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_a_module_class_the_model_never_calls_is_refused_with_the_classes_it_calls(fw, corpora):
   _, tree, args, first, _, absent, _ = _model(fw, corpora)
@@ -265,6 +280,22 @@ MAKERS = {
   "on": (lambda: fl.scale("Block_0", 2.0, on="out"), "scale", "on= is 'output' or 'input'"),
   "part_bool": (lambda: fl.ablate("Block_0", part=True), "ablate", "part=True names no part"),
   "part_float": (lambda: fl.steer("Block_0", 1.0, part=1.0), "steer", "part=1.0 names no part"),
+  # Numbers JAX's 32-bit dtypes cannot hold (an OverflowError, a wrapped int, an inf).
+  "scale_int_beyond_int32": (
+    lambda: fl.scale("Block_0", 2**40),
+    "scale",
+    "factor=1099511627776 is outside the range of int32",
+  ),
+  "steer_int64_beyond_int32": (
+    lambda: fl.steer("Block_0", np.array([1, -(2**40)])),
+    "steer",
+    "vector (an array int64[2]) holds -1099511627776, outside the range of int32",
+  ),
+  "scale_float_beyond_float32": (
+    lambda: fl.scale("Block_0", 1e300),
+    "scale",
+    "factor=1e+300 is beyond the range of float32",
+  ),
 }
 
 

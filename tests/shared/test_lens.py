@@ -2,16 +2,20 @@
 
 The last block's lens must be the model's own logits, bit for bit; an intermediate
 block's lens must be the model's final layers applied natively (`module.apply` of the
-final norm and the unembedding, the NNX model's own modules) to the block's output.
+final norm and the unembedding, the NNX model's own modules) to the block's output. A
+model in a training mode is lensed from the tree's state, which the lens leaves as it was.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from comparisons import assert_trees_equal
-from frameworks import LINEN, NNX
+from frameworks import LINEN, NNX, Wrap
 
 import flaxlens as fl
 
@@ -128,3 +132,42 @@ def test_a_residual_that_cannot_enter_the_head_is_refused_naming_the_site(corpor
       jit=False,
       head=["LayerNorm_0", "Dense_0"],
     )
+
+
+# Models in a training mode (train-mode batch statistics; NNX dropout's random counts), the
+# call lensed, and the head found after it.
+TRAINING = [
+  (LINEN, "batchnorm_train", "Conv_0", ("BatchNorm_0", "BatchNorm_0")),
+  (NNX, "convnet_train", "conv", ("norm", "head")),
+]
+
+
+def _native_with(fw, case, last):
+  """The native compiled call's output and the output of its call `last`."""
+
+  def call(x):
+    seen = []
+    output, _ = fw.native(
+      dataclasses.replace(case, args=(x,)), wrap=Wrap(last, lambda out, *a: seen.append(out) or out)
+    )
+    return output, seen[-1]
+
+  return jax.jit(call)(case.args[0])
+
+
+@pytest.mark.parametrize("fw, name, at, head", TRAINING)
+def test_a_lens_of_a_model_in_training_mode_projects_from_the_trees_state_and_keeps_it(
+  corpora, fw, name, at, head
+):
+  case = corpora[fw][name]
+  tree = fw.convert(case)
+  before = fw.tree_state(tree)
+  result = fl.lens(tree, fw.argument(case), at)
+  after = fw.tree_state(tree)
+  assert before.keys() == after.keys()
+  assert all(before[k] is after[k] for k in before)  # no run's update is kept
+  assert result.head == head
+  output, projected = _native_with(fw, case, head[1])  # one native call from that state
+  # To float32 rounding: the lens is one program with its projections, fused otherwise.
+  np.testing.assert_allclose(result.output, output, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(result.logits[0], projected, rtol=1e-6, atol=1e-6)

@@ -7,7 +7,9 @@ one argument as itself, several positional arguments as a tuple, keyword argumen
 `at=`, `jit=`, ...) can ever be taken for an argument of the model, and a model whose
 call takes `inputs=` or `method=` runs like any other. `takes_model_arguments` turns a
 call written the old way (the model's arguments spread over the tool's) into an
-`ArgumentError` that shows the new one; it costs nothing when the call binds.
+`ArgumentError` that shows the new one; it costs nothing when the call binds. The tools
+that move values between a clean and a corrupted run check that the two runs' arguments
+agree in structure and shapes (`check_matching_runs`) before anything is traced.
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import jax
+import numpy as np
+
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._checks import refuse
+from flaxlens.core._spec import show_arguments, signature
 from flaxlens.errors import ArgumentError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -34,6 +40,69 @@ def model_arguments(value: Any) -> ArgsAndKwargs:
   if isinstance(value, ArgsAndKwargs):
     return ArgsAndKwargs(args=tuple(value.args), kwargs=dict(value.kwargs))
   return ArgsAndKwargs(args=value if isinstance(value, tuple) else (value,), kwargs={})
+
+
+def check_matching_runs(
+  clean: ArgsAndKwargs, corrupted: ArgsAndKwargs, where: str, why: str
+) -> None:
+  """Refuses clean and corrupted arguments that differ in structure or in an array's shape.
+
+  `where` starts the message (`"fl.sweep of Net.__call__"`), `why` says what the tool
+  does with the two runs' values. Python values other than numbers (`train=True`) are
+  not compared: they may differ between the runs.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> clean, corrupted = model_arguments(jnp.ones((2, 3))), model_arguments(jnp.ones((1, 3)))
+    >>> try:
+    ...   check_matching_runs(clean, corrupted, "fl.sweep", "It patches.")
+    ... except ArgumentError as e:
+    ...   print(str(e).split(": ", 2)[2].split(". ")[0])
+    args[0] is float32[2, 3] in the clean run and float32[1, 3] in the corrupted run
+  """
+  fix = (
+    "Give both runs arguments of the same structure and shapes (the same batch size and"
+    " sequence length: pad the shorter inputs, or take as many examples for each run)."
+  )
+  flat = []
+  for argument in (clean, corrupted):
+    try:
+      flat.append(jax.tree_util.tree_flatten_with_path((argument.args, argument.kwargs)))
+    except Exception:  # A pytree that cannot be flattened here: the run will say so.
+      return
+  (clean_leaves, clean_structure), (corrupted_leaves, corrupted_structure) = flat
+  if clean_structure != corrupted_structure:
+    shown = [show_arguments(signature((a.args, a.kwargs))) for a in (clean, corrupted)]
+    raise ArgumentError(
+      f"{where}: the clean and the corrupted run's arguments differ in structure: the clean"
+      f" run's are {shown[0]}, the corrupted run's {shown[1]}. {why} {fix}"
+    )
+  for (path, a), (_, b) in zip(clean_leaves, corrupted_leaves, strict=True):
+    shapes = _shape(a), _shape(b)
+    if None not in shapes and shapes[0] != shapes[1]:
+      raise ArgumentError(
+        f"{where}: the clean and the corrupted run's arguments differ in shape:"
+        f" {_argument_name(path)} is {_show(a)} in the clean run and {_show(b)} in the"
+        f" corrupted run. {why} {fix}"
+      )
+
+
+def _shape(leaf: Any) -> tuple[int, ...] | None:
+  """The shape of an array or a Python number (`()`); None for other values."""
+  if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+    return tuple(leaf.shape)
+  return () if isinstance(leaf, bool | int | float | complex) else None
+
+
+def _show(leaf: Any) -> str:
+  if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+    return f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+  return repr(leaf)
+
+
+def _argument_name(path: tuple[Any, ...]) -> str:
+  """`args[0]`, `kwargs['mask']`: where a leaf of `(args, kwargs)` sits."""
+  return ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
 
 
 def check_callable(value: Any, name: str, where: str) -> None:

@@ -346,7 +346,20 @@ class Intervention(Struct):
       base = target.astype(rotation.dtype) @ rotation.T
       source = jnp.broadcast_to(ops[1], target.shape).astype(rotation.dtype) @ rotation.T
       return jnp.where(ops[2], source, base) @ rotation
-    out = self.fn(argument, target, *ops)
+    try:
+      out = self.fn(argument, target, *ops)
+    except FlaxlensError:
+      raise
+    except Exception as e:
+      said = " ".join(f"{type(e).__name__}: {e}".split())
+      raise ArgumentError(
+        f"{site}: the function given to fl.modify, {_function_name(self.fn)}, raised"
+        f" {said if len(said) <= 400 else said[:400] + ' ...'} (the original error is this"
+        f" one's cause). It was called as fn(argument, value, *operands) with the {on},"
+        f" {target.dtype}{list(target.shape)}, and {len(ops)} operand(s), traced under"
+        " jax.jit unless the run has jit=False. Fix the function (run with jit=False to"
+        " debug it eagerly)."
+      ) from e
     if getattr(out, "shape", None) != target.shape:
       raise ArgumentError(
         f"{site}: the function of fl.modify returned"
@@ -354,6 +367,12 @@ class Intervention(Struct):
         f" {tuple(target.shape)}. Return an array of the same shape."
       )
     return out
+
+
+def _function_name(fn: Any) -> str:
+  name = getattr(fn, "__qualname__", None) or type(fn).__name__
+  module = getattr(fn, "__module__", None)
+  return f"{module}.{name}" if module and module != "__main__" else name
 
 
 def orthonormal_rows(matrix: Any) -> Any:
@@ -496,7 +515,10 @@ def _array(x: Any, name: str, maker: str) -> Any:
   `maker` (`"fl.steer('Block_0')"`) and `name` (`"alpha"`) start a refusal.
   """
   if isinstance(x, bool | int | float | complex):
+    _check_representable(np.asarray(x), jax.dtypes.canonicalize_dtype(type(x)), name, maker)
     return jnp.asarray(x, dtype=jax.dtypes.canonicalize_dtype(type(x)))
+  if isinstance(x, np.generic | np.ndarray) and x.dtype.kind in "iuf":
+    _check_representable(np.asarray(x), jax.dtypes.canonicalize_dtype(x.dtype), name, maker)
   if isinstance(x, np.generic) or is_array(x):
     try:
       x = jnp.asarray(x)
@@ -511,6 +533,47 @@ def _array(x: Any, name: str, maker: str) -> Any:
     f"{maker}: {name}={shown} is a {type(x).__name__}, not an array or a number. Give {name}"
     " as a number or an array (jnp.asarray(...)) that broadcasts to the site's value."
   )
+
+
+def _check_representable(x: np.ndarray, dtype: Any, name: str, maker: str) -> None:
+  """Refuses host values that JAX's dtype (`dtype`, 32-bit unless `jax_enable_x64`) would
+  change beyond rounding: integers outside its range (wrapped around, or an
+  `OverflowError`), finite floats beyond its range (made inf)."""
+  dtype = np.dtype(dtype)
+  if x.dtype == dtype or x.size == 0:
+    return
+  if x.dtype == object or dtype.kind in "iu":
+    limits = np.iinfo(dtype)
+    try:
+      low, high = int(np.min(x)), int(np.max(x))
+    except (TypeError, ValueError):
+      return
+    if limits.min <= low and high <= limits.max:
+      return
+    beyond = high if high > limits.max else low
+    raise ArgumentError(
+      f"{maker}: {_holding(name, x, beyond)} outside the range of {dtype.name}, the dtype JAX"
+      f" computes it in ({limits.min} to {limits.max}; 64-bit types are off unless"
+      f" jax_enable_x64 is set). Give {name} as a float"
+      f" ({f'{name}={float(beyond)!r}' if x.ndim == 0 else 'np.asarray(..., np.float32)'}),"
+      " or values within that range."
+    )
+  if dtype.kind == "f" and x.dtype.kind in "iuf":
+    large = np.abs(x[np.isfinite(x)])
+    if (large > np.finfo(dtype).max).any():
+      raise ArgumentError(
+        f"{maker}: {_holding(name, x, large.max().item())} beyond the range of {dtype.name},"
+        f" the dtype JAX computes it in (up to {float(np.finfo(dtype).max):.4g}; 64-bit types"
+        " are off unless jax_enable_x64 is set), where it would become inf. Give values"
+        " within that range."
+      )
+
+
+def _holding(name: str, x: np.ndarray, value: Any) -> str:
+  """`factor=1e+300 is` or `factor (an array float64[3]) holds 1e+300,`."""
+  if x.ndim == 0:
+    return f"{name}={x.item()!r} is"
+  return f"{name} (an array {x.dtype.name}{list(x.shape)}) holds {value!r},"
 
 
 _MAKERS = {
@@ -948,6 +1011,21 @@ def _part_hint(value: Any) -> str:
   return " (an index or key)"
 
 
+def _check_dtype(dtype: Any) -> None:
+  """Refuses a capture `dtype=` that is no numeric or boolean dtype, before anything runs."""
+  if dtype is None:
+    return
+  try:
+    numeric = jnp.issubdtype(jnp.dtype(dtype), jnp.number) or jnp.dtype(dtype) == jnp.bool_
+  except (TypeError, ValueError):
+    numeric = False
+  if not numeric:
+    raise ArgumentError(
+      f"fl.run/fl.capture: dtype={dtype!r} is not a dtype JAX computes with. Give the dtype"
+      " to cast every captured array to (jnp.float16, 'bfloat16'), or leave dtype= out."
+    )
+
+
 def _shaper(index: Any, dtype: Any) -> Callable[[str, Any], Any] | None:
   """Slicing and casting of a site's captured arrays, `shape(site name, array)`; `index`
   as `_split_index` returns it, checked against each array (index rules)."""
@@ -1265,6 +1343,7 @@ def run(
   random_streams = resolve_random_streams(random_streams, tree.where())
   if index is not None:
     index = _split_index(index if isinstance(index, tuple) else (index,))
+  _check_dtype(dtype)
   budget = _budget.checked_budget(budget, "fl.run")
   if budget is not None:
     if capture is None or capture is False or not jit:

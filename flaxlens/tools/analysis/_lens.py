@@ -8,8 +8,10 @@ after the last block, on the way to the output) or named by the user; whatever t
 model does between those calls (a tied unembedding through `Embed.attend`, a soft cap)
 runs as the model runs it, so the last block's lens is the model's own logits. All
 projections and the capture are one compiled program: the patched runs differ from
-the model's only after the head's input, so XLA drops every block before it. No Flax
-internals here.
+the model's only after the head's input, so XLA drops every block before it. Every run
+starts from a copy of the tree's variables, so state a run would update (batch
+statistics, NNX random counts) is left as it was, as sweeps leave it. No Flax internals
+here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._runtime import resolve_random_streams
+from flaxlens.core._variables import bind_variables, unbind_variables
 from flaxlens.errors import ArgumentError, SelectionError
 from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.analysis._index import checked, is_array
@@ -172,7 +175,8 @@ def lens(
   unembedding: a `Dense`/`Linear`, or a tied `Embed.attend`) gives the logits.
   Everything the model does in between runs as the model runs it, so the last block's
   lens equals the model's logits bit for bit. The capture and every projection are one
-  compiled program.
+  compiled program. Every run starts from the tree's state (batch statistics, NNX
+  random counts), which the lens leaves unchanged, as `fl.sweep` does.
 
   Args:
     tree: a converted tree.
@@ -265,9 +269,11 @@ def _lens_once(
   index: Any,
   random_streams: Any,
 ) -> tuple[Any, Any]:
-  """The model's output and the stacked logits at each of `names` (uncompiled)."""
+  """The model's output and the stacked logits at each of `names` (uncompiled); each run
+  is of a fresh copy of the tree, so every run starts from its state and none is kept."""
+  slots, values = unbind_variables(tree, freeze=True)
   output, cache = run(
-    tree,
+    bind_variables(slots, values),
     argument,
     capture=list(names),
     random_streams=random_streams,
@@ -279,7 +285,8 @@ def _lens_once(
     if ends is None:
       logits = fn(residual)
     else:
-      logits = _through_head(tree, argument, ends, residual, name, random_streams)
+      copy = bind_variables(slots, values)
+      logits = _through_head(copy, argument, ends, residual, name, random_streams)
     if index is not None:
       logits = logits[checked(*index, tuple(logits.shape), f"fl.lens: {name}: index=", "logits")]
     projected.append(logits)

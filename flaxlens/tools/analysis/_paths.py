@@ -41,7 +41,12 @@ from flaxlens.core._variables import bind_variables, unbind_variables
 from flaxlens.core._walk import Relation, calls
 from flaxlens.errors import ArgumentError, SelectionError, UnsupportedFlaxFeatureError
 from flaxlens.tools.analysis import _statistics
-from flaxlens.tools.analysis._calling import check_callable, model_arguments, takes_model_arguments
+from flaxlens.tools.analysis._calling import (
+  check_callable,
+  check_matching_runs,
+  model_arguments,
+  takes_model_arguments,
+)
 from flaxlens.tools.analysis._index import MASK, index_text
 from flaxlens.tools.analysis._interventions import (
   Intervention,
@@ -581,7 +586,8 @@ def path_patch(
     SelectionError: a site matches no call (closest names listed), a receiver is a
       sender's own call and side, a sender runs after every receiver (or, with
       `each_receiver`, a receiver before every sender).
-    ArgumentError: a part, slice or metric does not fit its value.
+    ArgumentError: a part, slice or metric does not fit its value, or the clean and
+      corrupted arguments differ in structure or shapes.
     UnsupportedFlaxFeatureError: a component runs inside an `nn.scan`/`nnx.scan` body.
 
   Example:
@@ -606,10 +612,16 @@ def path_patch(
   senders, receivers = _as_sites(senders, tree), _as_sites(receivers, tree)
   plan = _plan(tree, senders, receivers, freeze, each_receiver)
   streams = resolve_random_streams(random_streams, tree.where())
-  run = _path_patch_compiled if jit else _path_patch
-  values, (clean_metric, corrupted_metric) = run(
-    tree, model_arguments(clean), model_arguments(corrupted), plan, metric, streams
+  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
+  check_matching_runs(
+    clean,
+    corrupted,
+    f"fl.path_patch of {tree.where()}",
+    "fl.path_patch patches the senders' values from the corrupted run into the clean run,"
+    " so both runs' values must have the same shapes.",
   )
+  run = _path_patch_compiled if jit else _path_patch
+  values, (clean_metric, corrupted_metric) = run(tree, clean, corrupted, plan, metric, streams)
   result = SweepResult(
     values,
     tuple(u.name for u in plan.senders),

@@ -43,7 +43,12 @@ from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._variables import bind_variables, unbind_variables
 from flaxlens.errors import ArgumentError, BudgetError, UnsupportedFlaxFeatureError
 from flaxlens.tools.analysis import _budget, _plot, _shared_prefix, _statistics
-from flaxlens.tools.analysis._calling import check_callable, model_arguments, takes_model_arguments
+from flaxlens.tools.analysis._calling import (
+  check_callable,
+  check_matching_runs,
+  model_arguments,
+  takes_model_arguments,
+)
 from flaxlens.tools.analysis._interventions import (
   Intervention,
   Site,
@@ -386,7 +391,27 @@ def _metric_value(metric: Callable[[Any], Any], output: Any, scalar: bool) -> An
       f"Gradients need a scalar metric; this one returned shape {tuple(value.shape)}."
       " Reduce it (for example .mean() or .sum())."
     )
+  if scalar and not jnp.issubdtype(value.dtype, jnp.floating):
+    raise ArgumentError(
+      f"Gradients need a real floating-point metric; this one returned {value.dtype}."
+      " Return a float computed from the output (a logit difference, a loss): an integer"
+      " (an argmax, a count) has no gradient, and of a complex value take a real one"
+      " (jnp.real(...), jnp.abs(...))."
+    )
   return value
+
+
+def _check_differentiable(sites: list[Site], values: list[Any], part: Any, tool: str) -> None:
+  """Refuses sites whose value (its `part`) is not floating-point: no gradient reaches it."""
+  for site, value in zip(sites, values, strict=True):
+    if not jnp.issubdtype(value.dtype, jnp.inexact):
+      of = "output" if part is None else f"output's part {part!r}"
+      raise ArgumentError(
+        f"{site.name}: {tool} takes gradients at the site's {of}, which is"
+        f" {value.dtype}{list(value.shape)}: an integer or boolean value has no gradient."
+        " Choose sites with floating-point values (an embedding's output, not the token"
+        " ids it reads)."
+      )
 
 
 # --- sweep --------------------------------------------------------------------------------
@@ -642,7 +667,8 @@ def sweep(
   Raises:
     SelectionError: a site matches no call (the closest names are listed).
     ArgumentError: a site returns a structure and `part` is missing, a position or
-      `axis` does not fit a site's value, or `per_example` with a scalar metric.
+      `axis` does not fit a site's value, `per_example` with a scalar metric, or the
+      clean and corrupted arguments differ in structure or shapes.
     UnsupportedFlaxFeatureError: a site runs inside an `nn.vmap`/`nnx.vmap` body.
     BudgetError: one patched forward does not fit `budget` (two, with shared prefixes).
 
@@ -672,6 +698,13 @@ def sweep(
   chosen = None if sweeps_itself is not None else _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
   clean, corrupted = model_arguments(clean), model_arguments(corrupted)
+  check_matching_runs(
+    clean,
+    corrupted,
+    f"fl.sweep of {tree.where()}",
+    "fl.sweep patches each site's value from the clean run into the corrupted run, so both"
+    " runs' values must have the same shapes.",
+  )
   if share_prefix not in (None, False, True):
     raise ArgumentError(
       f"fl.sweep: share_prefix= is True, False or None (chosen for you), got {share_prefix!r}."
@@ -811,6 +844,7 @@ def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, st
   copies = _Copies(tree, chosen)
   clean_output, clean_values = _captured(copies, clean, part, streams)
   _, sites = copies.fresh()
+  _check_differentiable(sites, clean_values, part, "fl.attribute")
   leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
 
   def corrupted_metric(deltas: list) -> Any:
@@ -880,11 +914,19 @@ def attribute(
   positions = _checked_positions(positions)
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
+  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
+  check_matching_runs(
+    clean,
+    corrupted,
+    f"fl.attribute of {tree.where()}",
+    "fl.attribute multiplies the difference of each site's clean and corrupted values by"
+    " the gradient there, so both runs' values must have the same shapes.",
+  )
   run = _attribute_compiled if jit else _attribute
   values, rows, (clean_metric, corrupted_metric) = run(
     tree,
-    model_arguments(clean),
-    model_arguments(corrupted),
+    clean,
+    corrupted,
     chosen,
     metric,
     positions,
@@ -908,6 +950,7 @@ def _grad_at(tree, argument, chosen, loss, part, streams):
 
   shapes = jax.eval_shape(values)
   _, sites = copies.fresh()
+  _check_differentiable(sites, shapes, part, "fl.grad_at")
   leads = [_lead(s, v, part) for s, v in zip(sites, shapes, strict=True)]
 
   def loss_of(deltas: list) -> Any:

@@ -350,22 +350,33 @@ def load_interventions(
     arrays = load_arrays(directory, data["arrays"], max_bytes)
   resolved = resolve_references(policy, found.references)
   decoder = Decoder(arrays, resolved)
-  return [_decode(entry, decoder) for entry in data["interventions"]]
+  return [
+    _decode(entry, decoder, f"{source}: manifest.json's interventions[{n}]")
+    for n, entry in enumerate(data["interventions"])
+  ]
 
 
-def _decode(entry: dict, decoder: Decoder) -> Intervention:
+def _decode(entry: dict, decoder: Decoder, where: str) -> Intervention:
+  """The intervention `entry` describes; an entry that passes the schema but that
+  `Intervention` refuses (a `where=` slice of step 0, say) is an ArtifactError naming
+  `where` (the file and the entry)."""
   at = entry["at"]
   fn = entry["fn"]
-  return Intervention(
-    operands=tuple(decoder.decode(x) for x in entry["operands"]),
-    where_arrays=tuple(decoder.decode(x) for x in entry["where_arrays"]),
-    at=_decode_at(at, decoder),
-    kind=entry["kind"],
-    on=entry["on"],
-    part=entry["part"],
-    index=None if entry["where"] is None else tuple(map(_tuple, entry["where"])),
-    fn=None if fn is None else decoder.resolved[fn["ref"]],
-  )
+  try:
+    return Intervention(
+      operands=tuple(decoder.decode(x) for x in entry["operands"]),
+      where_arrays=tuple(decoder.decode(x) for x in entry["where_arrays"]),
+      at=_decode_at(at, decoder),
+      kind=entry["kind"],
+      on=entry["on"],
+      part=entry["part"],
+      index=None if entry["where"] is None else tuple(map(_tuple, entry["where"])),
+      fn=None if fn is None else decoder.resolved[fn["ref"]],
+    )
+  except ArgumentError as e:
+    raise ArtifactError(
+      f"{where} describes an intervention flaxlens refuses: {e} {fix_for(FORMAT)}"
+    ) from e
 
 
 def _decode_at(at: Any, decoder: Decoder) -> Any:
