@@ -33,9 +33,8 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   (docs/interventions.md, index rules). Also: clean and corrupted arguments of
   another structure or other shapes (`fl.sweep`, `fl.attribute`, `fl.path_patch`),
   gradients taken at an integer-valued site or of a metric that is not a real float
-  scalar, a capture `dtype=` that is no dtype, a number JAX's 32-bit dtypes cannot hold,
-  and an error raised by a function given to `fl.modify` (raised from it, naming the
-  site). Fix: as the message says; the model's arguments
+  scalar, a capture `dtype=` that is no dtype, and a number JAX's 32-bit dtypes cannot
+  hold. Fix: as the message says; the model's arguments
   are one value after the tree (one argument, a tuple, or
   `fl.ArgsAndKwargs.capture(*args, **kwargs)`).
 - `VariableError` (also `ValueError`): a variable, slot or label was used inconsistently
@@ -97,7 +96,8 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   arguments of new shapes that the model accepts run as before, at no cost. Errors
   flaxlens raises itself (every `FlaxlensError`) and errors raised by a replacement
   layer you wrote pass through unchanged; an error raised by a function given to
-  `fl.modify` is an `ArgumentError` naming it and the site. Fix: call the tree with
+  `fl.modify` is a `ModelCallError` of its class whose message names that function and
+  the site, not the model's code. Fix: call the tree with
   arguments like those at conversion, or that the native model accepts, or convert it
   with such arguments.
   `fl.unflaxify` raises it too when the model's own code fails on the example arguments

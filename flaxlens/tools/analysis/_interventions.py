@@ -34,7 +34,13 @@ from flaxlens.core._selectors import path_matches
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._variables import StateVariable, bind_variables, unbind_variables, variables_in
 from flaxlens.core._walk import Relation, calls
-from flaxlens.errors import ArgumentError, BudgetError, FlaxlensError, SelectionError
+from flaxlens.errors import (
+  ArgumentError,
+  BudgetError,
+  FlaxlensError,
+  SelectionError,
+  model_call_error,
+)
 from flaxlens.tools.analysis import _budget
 from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.analysis._index import MASK, bounded, checked, is_array
@@ -352,13 +358,16 @@ class Intervention(Struct):
       raise
     except Exception as e:
       said = " ".join(f"{type(e).__name__}: {e}".split())
-      raise ArgumentError(
+      # Also an instance of the original's class (`except ValueError` still catches it),
+      # as a model's own errors are; the message blames the function, not the model.
+      raise model_call_error(
+        type(e),
         f"{site}: the function given to fl.modify, {_function_name(self.fn)}, raised"
         f" {said if len(said) <= 400 else said[:400] + ' ...'} (the original error is this"
         f" one's cause). It was called as fn(argument, value, *operands) with the {on},"
         f" {target.dtype}{list(target.shape)}, and {len(ops)} operand(s), traced under"
         " jax.jit unless the run has jit=False. Fix the function (run with jit=False to"
-        " debug it eagerly)."
+        " debug it eagerly).",
       ) from e
     if getattr(out, "shape", None) != target.shape:
       raise ArgumentError(
