@@ -50,6 +50,7 @@ VARIABLE_DEF = Internal("flax.nnx.graphlib", "VariableDef")
 ARRAY_REF_DEF = Internal("flax.nnx.graphlib", "ArrayRefDef")
 TREE_NODE_DEF = Internal("flax.nnx.graphlib", "TreeNodeDef")
 NODE_ATTR = Internal("flax.nnx.graphlib", "NodeAttr")
+STATIC = Internal("flax.nnx.graphlib", "Static")
 GENERIC_PYTREE = Internal("flax.nnx.graphlib", "GenericPytree")
 PYTREE_STATE = Internal("flax.nnx.pytreelib", "PytreeState")
 HASHABLE_MAPPING = Internal("flax.typing", "HashableMapping")
@@ -225,6 +226,7 @@ def references(root: Any) -> tuple[dict[tuple[int, tuple[Any, ...]], Any], dict[
   bookkeeping and static values (neither variables nor graph nodes) are left out.
   """
   get_node_impl, is_node = GET_NODE_IMPL(), IS_NODE()
+  pytree, plain = nnx.Pytree, (int, float, bool, str, type(None))
   refs: dict[tuple[int, tuple[Any, ...]], Any] = {}
   owners: dict[int, Any] = {id(root): ()}
   pending: list[tuple[Any, tuple[Any, ...]]] = [(root, ())]
@@ -233,11 +235,15 @@ def references(root: Any) -> tuple[dict[tuple[int, tuple[Any, ...]], Any], dict[
     stack: list[tuple[tuple[Any, ...], Any]] = [((), owner)]
     while stack:
       rel, node = stack.pop()
-      impl = get_node_impl(node)
-      if impl is None:
-        continue
-      for key, child in impl.node_dict(node).items():
-        if is_bookkeeping(key):
+      if isinstance(node, pytree):  # its attributes as they are (keys as named, unsorted)
+        items = vars(node).items()
+      else:
+        impl = get_node_impl(node)
+        if impl is None:
+          continue
+        items = impl.node_dict(node).items()
+      for key, child in items:
+        if type(child) in plain or (type(key) is str and key.startswith(BOOKKEEPING_PREFIX)):
           continue
         where = (*rel, key)
         if isinstance(child, nnx.Variable | nnx.Pytree):
@@ -248,6 +254,17 @@ def references(root: Any) -> tuple[dict[tuple[int, tuple[Any, ...]], Any], dict[
         elif is_node(child):
           stack.append((where, child))
   return refs, owners
+
+
+def static_values(graphdef: Any) -> list[Any] | None:
+  """The values of the static attributes a graph-mode `GraphDef` holds (the very objects
+  of the modules it was split from), read from its attribute list without merging it;
+  None where it has no such list (a tree-mode `GraphDef`)."""
+  attributes = getattr(graphdef, "attributes", None)
+  if attributes is None:
+    return None
+  static = STATIC()
+  return [value.value for _, value in attributes if type(value) is static]
 
 
 def is_graph_container(value: Any) -> bool:

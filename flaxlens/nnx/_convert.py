@@ -66,9 +66,12 @@ def unflaxify_nnx(
   graphdef, variables = nnx_graph.flatten(model)
   # The definition gets its own copies of static lists, dicts and sets, so that no run
   # of the tree (nor the conversion's) changes the user's in place.
-  template = nnx.merge(graphdef, [None] * len(variables))
-  if own_containers(template):
-    graphdef = nnx_graph.flatten(template)[0]
+  statics = nnx_graph.static_values(graphdef)
+  containers_held = statics is None or any(private_container(v) is not v for v in statics)
+  if containers_held:
+    template = nnx.merge(graphdef, [None] * len(variables))
+    if own_containers(template):
+      graphdef = nnx_graph.flatten(template)[0]
   given = dict(variables)
   for path, variable in given.items():
     if not isinstance(variable, nnx.Variable):
@@ -97,9 +100,9 @@ def unflaxify_nnx(
     private = definition.private_copy(copy, made)
     interceptor.instrument(private.modules, ())
     attributes = {p: dict(vars(m)) for p, m in private.modules}
-    containers = [
+    containers = [  # copies of the static containers, to find changes made in place
       (p, m, name, private_container(value))
-      for p, m in private.modules
+      for p, m in (private.modules if containers_held else ())
       for name, value in nnx_graph.static_attributes(m).items()
       if private_container(value) is not value
     ]
