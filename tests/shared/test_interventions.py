@@ -8,6 +8,7 @@ and updated state must be equal bit for bit.
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -95,3 +96,41 @@ def test_a_position_restricted_scale_equals_the_native_edit(corpora, fw, name):
 
   native = fw.native(case, jit=True, wrap=Wrap(path, edit))
   _assert_same(fw, tree, ours, native)
+
+
+class _TwoLayers(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4, name="out")(nn.relu(nn.Dense(8, name="hidden")(x)))
+
+
+@pytest.mark.parametrize("batch", [2, 5], ids=["batch-2", "batch-equals-length"])
+@pytest.mark.parametrize("where", ["last", "positions"])
+def test_a_value_captured_with_an_index_patches_back_at_that_index(batch, where):
+  """A patched value or steering vector shaped like the region `where=` selects (as
+  `fl.capture(index=)` gives it) goes to that region, example by example, also where the
+  batch is as long as the sequence and the value would broadcast to the whole output."""
+  index = jnp.s_[:, -1] if where == "last" else jnp.s_[:, jnp.array([0, 2, 4])]
+  model, clean = _TwoLayers(), jax.random.normal(jax.random.key(1), (batch, 5, 3))
+  variables = model.init(jax.random.key(0), clean)
+  tree = fl.unflaxify(model, variables, clean)
+  _, cache = fl.capture(tree, clean, at="hidden", index=index)
+  vector = jax.random.normal(jax.random.key(2), cache["hidden"].shape)  # per example
+  patched = fl.run(tree, -clean, interventions=[fl.patch("hidden", cache["hidden"], where=index)])
+  steered = fl.run(tree, clean, interventions=[fl.steer("hidden", vector, 2.0, where=index)])
+
+  _, sown = model.apply(variables, clean, capture_intermediates=True, mutable=["intermediates"])
+  clean_hidden = sown["intermediates"]["hidden"]["__call__"][0]
+
+  def native(x, edit):
+    def intercept(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      return edit(out) if context.module.name == "hidden" else out
+
+    with nn.intercept_methods(intercept):
+      return model.apply(variables, x)
+
+  expected_patch = native(-clean, lambda out: out.at[index].set(clean_hidden[index]))
+  expected_steer = native(clean, lambda out: out.at[index].add(2.0 * vector))
+  assert_trees_equal(patched, expected_patch)
+  assert_trees_equal(steered, expected_steer)

@@ -309,14 +309,17 @@ class Intervention(Struct):
         f"{site}: the {self.on} is a {type(target).__name__}, not an array; pass part=..."
         " (an index or key) to choose the array to edit."
       )
-    new = self._compute(site, argument, target)
+    ops = self.operands
+    if self.index is not None and self.index != MASK and self.kind in _REGION_KINDS:
+      ops = (_into_region(self, site, target, ops[0]), *ops[1:])
+    new = self._compute(site, argument, target, ops)
     if self.index is not None:
       mask = where_mask(self, site, target)
       new = jnp.where(mask, new, target)
     return _set_part(value, self.part, new.astype(target.dtype))
 
-  def _compute(self, site: str, argument: ArgsAndKwargs, target: Any) -> Any:
-    kind, ops, on = self.kind, self.operands, self.on
+  def _compute(self, site: str, argument: ArgsAndKwargs, target: Any, ops: tuple) -> Any:
+    kind, on = self.kind, self.on
     if kind == "zero":
       return jnp.zeros_like(target)
     if kind in ("patch", "mean", "resample"):
@@ -439,6 +442,29 @@ def where_mask(intervention: Intervention, site: str, target: Any) -> Any:
     intervention.index, intervention.where_arrays, shape, f"{site}: where=", intervention.on
   )
   return jnp.zeros(shape, bool).at[index].set(True)
+
+
+# Kinds whose value (patched value, steering vector) may be given shaped like the region
+# an index `where=` selects, as `fl.capture(index=)` gives it.
+_REGION_KINDS = ("patch", "steer")
+
+
+def _into_region(intervention: Intervention, site: str, target: Any, operand: Any) -> Any:
+  """`operand` placed in the region of `target` that the intervention's index `where=`
+  selects, where it has that region's shape (a value captured with the same index, say);
+  otherwise `operand` as given, to broadcast to the whole `target`. A value of the
+  region's shape is read as the region's even where it would also broadcast to the whole
+  (a batch as long as the sequence): that is what the region's shape means."""
+  shape = tuple(target.shape)
+  if tuple(np.shape(operand)) == shape:
+    return operand
+  index = checked(
+    intervention.index, intervention.where_arrays, shape, f"{site}: where=", intervention.on
+  )
+  region = jax.eval_shape(lambda t: t[index], jax.ShapeDtypeStruct(shape, target.dtype)).shape
+  if tuple(np.shape(operand)) != tuple(region) or not is_array(operand):
+    return operand
+  return jnp.zeros(shape, operand.dtype).at[index].set(operand)
 
 
 def _check_fits(site: str, operand: Any, target: Any, what: str, on: str) -> None:
