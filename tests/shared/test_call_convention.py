@@ -270,3 +270,24 @@ def test_clean_and_corrupted_arguments_may_differ_in_python_numbers(tagger):
   # head's output patched from the clean run: the rest of the call is the same in both.
   np.testing.assert_allclose(result.values, [tagger.call(**KWARGS)[0, 0, 1]], rtol=1e-6)
   np.testing.assert_allclose(result.corrupted, tagger.call(**corrupted.kwargs)[0, 0, 1], rtol=1e-6)
+
+
+def test_one_clean_example_against_a_corrupted_batch_is_swept_as_native_patching():
+  """The clean run's values broadcast into the corrupted run (one clean prompt, several
+  corrupted ones): the sweep's cell is the native run with the clean value patched in."""
+  model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+  clean, corrupted = jnp.ones((1, 3)), -jnp.arange(6.0).reshape(2, 3)
+  variables = model.init(jax.random.key(0), clean)
+  tree = fl.unflaxify(model, variables, clean)
+  swept = fl.sweep(tree, clean, corrupted, "layers_0", lambda out: out.sum())
+
+  _, sown = model.apply(variables, clean, capture_intermediates=True, mutable=["intermediates"])
+  clean_value = sown["intermediates"]["layers_0"]["__call__"][0]
+
+  def patch(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    return jnp.broadcast_to(clean_value, out.shape) if context.module.name == "layers_0" else out
+
+  with nn.intercept_methods(patch):
+    native = model.apply(variables, corrupted)
+  np.testing.assert_allclose(np.asarray(swept.values).reshape(-1)[0], native.sum(), rtol=1e-6)

@@ -43,13 +43,20 @@ def model_arguments(value: Any) -> ArgsAndKwargs:
 
 
 def check_matching_runs(
-  clean: ArgsAndKwargs, corrupted: ArgsAndKwargs, where: str, why: str
+  clean: ArgsAndKwargs,
+  corrupted: ArgsAndKwargs,
+  where: str,
+  why: str,
+  *,
+  broadcast: bool = False,
 ) -> None:
   """Refuses clean and corrupted arguments that differ in structure or in an array's shape.
 
   `where` starts the message (`"fl.sweep of Net.__call__"`), `why` says what the tool
   does with the two runs' values. Python values other than numbers (`train=True`) are
-  not compared: they may differ between the runs.
+  not compared: they may differ between the runs. With `broadcast`, a clean array may
+  have a shape that broadcasts to the corrupted one's (one clean example against a batch
+  of corrupted ones), as a tool moving clean values into the corrupted run allows.
 
   Example:
     >>> import jax.numpy as jnp
@@ -79,12 +86,19 @@ def check_matching_runs(
     )
   for (path, a), (_, b) in zip(clean_leaves, corrupted_leaves, strict=True):
     shapes = _shape(a), _shape(b)
-    if None not in shapes and shapes[0] != shapes[1]:
+    if None not in shapes and shapes[0] != shapes[1] and not (broadcast and _fits(*shapes)):
       raise ArgumentError(
         f"{where}: the clean and the corrupted run's arguments differ in shape:"
         f" {_argument_name(path)} is {_show(a)} in the clean run and {_show(b)} in the"
         f" corrupted run. {why} {fix}"
       )
+
+
+def _fits(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+  try:
+    return np.broadcast_shapes(shape, target) == target
+  except ValueError:
+    return False
 
 
 def _shape(leaf: Any) -> tuple[int, ...] | None:

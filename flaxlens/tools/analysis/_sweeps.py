@@ -702,8 +702,9 @@ def sweep(
     clean,
     corrupted,
     f"fl.sweep of {tree.where()}",
-    "fl.sweep patches each site's value from the clean run into the corrupted run, so both"
-    " runs' values must have the same shapes.",
+    "fl.sweep patches each site's value from the clean run into the corrupted run, so the"
+    " clean run's values must have the corrupted run's shapes (or broadcast to them).",
+    broadcast=True,
   )
   if share_prefix not in (None, False, True):
     raise ArgumentError(
@@ -920,7 +921,9 @@ def attribute(
     corrupted,
     f"fl.attribute of {tree.where()}",
     "fl.attribute multiplies the difference of each site's clean and corrupted values by"
-    " the gradient there, so both runs' values must have the same shapes.",
+    " the gradient there, so the clean run's values must have the corrupted run's shapes"
+    " (or broadcast to them).",
+    broadcast=True,
   )
   run = _attribute_compiled if jit else _attribute
   values, rows, (clean_metric, corrupted_metric) = run(
