@@ -13,6 +13,7 @@ the native patch of each head at each position; a merged-heads call (a Hugging F
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +78,7 @@ class Setup:
   attn: Callable[[int], str]  # the site name of block i's attention
   native: Callable[..., Any]  # native(x, {block: fn of out's input}) -> output, jitted
   patterns: Callable[[Any], list]  # the weights Flax sows, per block, jitted
+  native_output: Callable[..., Any]  # (x, block, name, fn of name's output) -> output
 
 
 def _linen() -> Setup:
@@ -104,8 +106,22 @@ def _linen() -> Setup:
     inter = state["intermediates"]
     return [inter[f"block_{i}"]["attn"]["attention_weights"][0] for i in range(2)]
 
+  def native_output(x, block, name, fn):
+    def edit_output(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      path = context.module.path
+      if context.method_name == "__call__" and path == (f"block_{block}", "attn", name):
+        return fn(out)
+      return out
+
+    def run(x):
+      with nn.intercept_methods(edit_output):
+        return model.apply(variables, x)
+
+    return jax.jit(run)(x)
+
   tree = fl.unflaxify(model, variables, X)
-  return Setup(tree, lambda i: f"block_{i}/attn", native, patterns)
+  return Setup(tree, lambda i: f"block_{i}/attn", native, patterns, native_output)
 
 
 def _edited_class(cls: type, fn: Callable) -> type:
@@ -113,6 +129,13 @@ def _edited_class(cls: type, fn: Callable) -> type:
     return cls.__call__(self, fn(x), *args, **kwargs)
 
   return type(f"Edited{cls.__name__}", (cls,), {"__call__": __call__})
+
+
+def _output_edited_class(cls: type, fn: Callable) -> type:
+  def __call__(self, *args, **kwargs):
+    return fn(cls.__call__(self, *args, **kwargs))
+
+  return type(f"OutputEdited{cls.__name__}", (cls,), {"__call__": __call__})
 
 
 def _nnx() -> Setup:
@@ -137,7 +160,13 @@ def _nnx() -> Setup:
 
     return run(state, x)
 
-  return Setup(tree, lambda i: f"blocks/{i}/attn", native, patterns)
+  def native_output(x, block, name, fn):
+    copy = nnx.clone(model)
+    call = getattr(copy.blocks[block].attn, name)
+    object.__setattr__(call, "__class__", _output_edited_class(type(call), fn))
+    return nnx.jit(lambda m, x: m(x))(copy, x)
+
+  return Setup(tree, lambda i: f"blocks/{i}/attn", native, patterns, native_output)
 
 
 @pytest.fixture(scope="module", params=["linen", "nnx"])
@@ -339,6 +368,130 @@ def test_merged_heads_on_a_projection_output(merged):
   _bits_equal(cache["c_attn:heads"], cache["c_attn"].reshape(2, 5, 2, FEATURES // 2))
 
 
+# --- projections whose output holds the heads on their own axis ---------------------------
+
+
+@pytest.mark.parametrize("name", ["query", "key", "value"])
+def test_heads_of_a_projection_declaring_heads_and_head_dim_are_its_heads_axis(setup, name):
+  # Flax's query/key/value projections output (..., heads, head_dim): head 1 is [..., 1, :]
+  site = fl.heads(f"{setup.attn(1)}/{name}", 1)
+  out = fl.run(setup.tree, X, interventions=[fl.ablate(site)])
+  _bits_equal(out, setup.native_output(X, 1, name, lambda q: q.at[..., 1, :].set(0.0)))
+
+
+def test_captured_query_heads_are_the_native_query_heads_patched_back(setup):
+  site = fl.heads(f"{setup.attn(0)}/query", [2, 0])
+  _, cache = fl.capture(setup.tree, X2, at=site)
+  assert cache[f"{setup.attn(0)}/query:heads"].shape == (2, 5, 2, DIM)
+  out = fl.run(setup.tree, X, interventions=[fl.patch(site, cache[f"{setup.attn(0)}/query:heads"])])
+  _, other = fl.capture(setup.tree, X2, at=f"{setup.attn(0)}/query")
+  source = other[f"{setup.attn(0)}/query"]
+  expected = setup.native_output(
+    X, 0, "query", lambda q: q.at[..., jnp.array([2, 0]), :].set(source[..., jnp.array([2, 0]), :])
+  )
+  _bits_equal(out, expected)
+
+
+def test_heads_on_the_out_projection_input_are_its_heads_axis(setup):
+  site = fl.heads(f"{setup.attn(1)}/out", 3, on="input")
+  out = fl.run(setup.tree, X, interventions=[fl.ablate(site)])
+  _bits_equal(out, setup.native(X, {1: lambda v: v.at[..., 3, :].set(0.0)}))
+
+
+def test_a_head_count_that_disagrees_with_a_projections_declared_heads_is_refused(setup):
+  with pytest.raises(
+    fl.HeadsError, match=r"/query: .* \(heads, head_dim\) with 4 heads, but heads= says 2"
+  ):
+    fl.capture(setup.tree, X, at=fl.heads(f"{setup.attn(0)}/query", heads=2))
+
+
+def test_a_projection_declaring_more_than_two_feature_axes_is_refused():
+  class FusedQKV(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.DenseGeneral((3, 2, 4), name="qkv")(x)
+
+  model, x = FusedQKV(), jnp.ones((1, 3, 8))
+  tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+  with pytest.raises(fl.HeadsError, match=r"^qkv: .* last 3 axes \(3, 2, 4\) .* ambiguous"):
+    fl.capture(tree, x, at=fl.heads("qkv", heads=2))
+
+
+# --- attention modules whose own __call__ calls Flax's (nn.SelfAttention, subclasses) ---
+
+
+class LinenSuperAttention(nn.MultiHeadDotProductAttention):
+  def __call__(self, x, **kwargs):
+    return super().__call__(x, x, **kwargs) * 2.0
+
+
+class NNXSuperAttention(nnx.MultiHeadAttention):
+  def __call__(self, x, **kwargs):
+    return super().__call__(x, **kwargs) * 2.0
+
+
+def _nested_attention(kind: str):
+  """A tree of an attention module calling Flax's own `__call__` from its own, its
+  arguments, and native(fn of out's input) -> (output, sown weights (Linen)), jitted."""
+  x = X[..., :8]
+  mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+  if kind in ("SelfAttention", "subclass"):
+    cls = nn.SelfAttention if kind == "SelfAttention" else LinenSuperAttention
+    model = cls(num_heads=2, name="attn")
+    variables = model.init(jax.random.key(0), x, mask=mask)
+
+    def native(fn):
+      def icpt(next_fun, args, kwargs, context):
+        if context.module.name == "out" and context.method_name == "__call__":
+          return next_fun(fn(args[0]), *args[1:], **kwargs)
+        return next_fun(*args, **kwargs)
+
+      def run(x):
+        with nn.intercept_methods(icpt):
+          return model.apply(variables, x, mask=mask, sow_weights=True, mutable="intermediates")
+
+      out, state = jax.jit(run)(x)
+      return out, state["intermediates"]["attention_weights"][0]
+
+    tree = fl.unflaxify(model, variables, x, mask=mask)
+    return tree, x, mask, native
+  model = NNXSuperAttention(2, 8, decode=False, rngs=nnx.Rngs(0))
+  tree = fl.unflaxify(model, x, mask=mask)
+
+  def native(fn):
+    copy = nnx.clone(model)
+    object.__setattr__(copy.out, "__class__", _edited_class(type(copy.out), fn))
+    return nnx.jit(lambda m, x: m(x, mask=mask))(copy, x), None
+
+  return tree, x, mask, native
+
+
+@pytest.mark.parametrize("kind", ["SelfAttention", "subclass", "nnx subclass"])
+def test_heads_of_an_attention_module_calling_flaxs_own_call(kind):
+  tree, x, mask, native = _nested_attention(kind)
+  site = fl.heads("**", 1)
+  out = fl.run(tree, fl.ArgsAndKwargs.capture(x, mask=mask), interventions=[fl.ablate(site)])
+  expected, _ = native(lambda v: v.at[..., 1, :].set(0.0))
+  _bits_equal(out, expected)
+
+
+@pytest.mark.parametrize("kind", ["SelfAttention", "subclass"])
+def test_pattern_of_an_attention_module_calling_flaxs_own_call(kind):
+  tree, x, mask, native = _nested_attention(kind)
+  site = fl.attention_pattern("**")
+  _, cache = fl.capture(tree, fl.ArgsAndKwargs.capture(x, mask=mask), at=site)
+  (pattern,) = cache.values()
+  _, sown = native(lambda v: v)
+  _bits_equal(pattern, sown)
+
+
+def test_pattern_of_an_nnx_subclass_overriding_call_is_refused():
+  # NNX records no call of Flax's own __call__ inside the subclass's: its mask is unknown
+  tree, x, mask, _ = _nested_attention("nnx subclass")
+  with pytest.raises(fl.HeadsError, match=r"overrides __call__, .* mask .* not known"):
+    fl.capture(tree, fl.ArgsAndKwargs.capture(x, mask=mask), at=fl.attention_pattern("**"))
+
+
 # --- errors -------------------------------------------------------------------------------
 
 
@@ -382,7 +535,7 @@ def test_a_pattern_of_a_custom_attention_function_is_refused():
   model = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=attention)
   x = jnp.ones((1, 3, 4))
   tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
-  with pytest.raises(fl.HeadsError, match="its attention_fn is attention"):
+  with pytest.raises(fl.HeadsError, match=r"its attention_fn is \S*attention, so"):
     fl.capture(tree, x, at=fl.attention_pattern("**"))
 
 
@@ -409,3 +562,38 @@ def test_hugging_face_gpt2_heads_are_read_from_its_config():
 
   assert not np.array_equal(out.logits, fl.run(tree, inputs).logits)  # the edit acts
   _bits_equal(out.logits, jax.jit(native)(variables, *inputs).logits)
+
+
+@pytest.mark.parametrize("on", ["input", "output"])
+def test_on_is_refused_for_a_flax_attention_module(setup, on):
+  with pytest.raises(fl.HeadsError, match=rf"on='{on}' would name the module's own {on}"):
+    fl.capture(setup.tree, X, at=fl.heads(setup.attn(0), on=on))
+
+
+class HandWrittenAttention(nn.Module):  # fused qkv, einsum attention: not a Flax class
+  num_heads: int = 2
+
+  @nn.compact
+  def __call__(self, x):
+    b, s, f = x.shape
+    q, k, v = jnp.split(nn.Dense(3 * f, name="qkv")(x), 3, axis=-1)
+    q, k, v = (a.reshape(b, s, self.num_heads, -1) for a in (q, k, v))
+    w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1)
+    return nn.Dense(f, name="o")(jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, f))
+
+
+def test_a_hand_written_attention_module_is_refused_naming_its_out_projection():
+  model, x = HandWrittenAttention(), X[..., :8]
+  tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+  with pytest.raises(fl.HeadsError, match=r"num_heads setting .* fl.heads\('o', h, on='input'\)"):
+    fl.run(tree, x, interventions=[fl.ablate(fl.heads(HandWrittenAttention, 1))])
+
+
+def test_a_partial_attention_function_is_named_in_the_refusal():
+  attention = functools.partial(nn.dot_product_attention, broadcast_dropout=False)
+  model = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=attention)
+  x = jnp.ones((1, 3, 4))
+  tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+  says = r"attention_fn is functools.partial\(\S*dot_product_attention, broadcast_dropout=False\)"
+  with pytest.raises(fl.HeadsError, match=says):
+    fl.capture(tree, x, at=fl.attention_pattern("**"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,3 +172,71 @@ def test_a_lens_of_a_model_in_training_mode_projects_from_the_trees_state_and_ke
   # To float32 rounding: the lens is one program with its projections, fused otherwise.
   np.testing.assert_allclose(result.output, output, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(result.logits[0], projected, rtol=1e-6, atol=1e-6)
+
+
+# --- a head found from the tree must give the model's own logits --------------------------
+
+
+class AuxBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dense(16)(nn.relu(nn.Dense(32)(nn.LayerNorm()(x))))
+
+
+class AuxLM(nn.Module):
+  """Two blocks, then an auxiliary call (a value head) or a soft cap before the head."""
+
+  variant: str
+
+  @nn.compact
+  def __call__(self, ids):
+    x = nn.Embed(50, 16)(ids)
+    for _ in range(2):
+      x = AuxBlock()(x)
+    if self.variant == "value head":
+      self.sow("intermediates", "value", nn.Dense(1, name="value_head")(x))
+    if self.variant == "soft cap":
+      x = 3.0 * jnp.tanh(x / 3.0)
+    return nn.Dense(50, name="unembed")(nn.LayerNorm(name="ln_f")(x))
+
+
+IDS = jnp.arange(12).reshape(2, 6)
+
+
+def _aux(variant):
+  model = AuxLM(variant)
+  variables = {"params": model.init(jax.random.key(0), IDS)["params"]}
+  return model, variables, fl.unflaxify(model, variables, IDS)
+
+
+def test_a_found_head_starting_at_an_auxiliary_call_is_refused_naming_it():
+  _, _, tree = _aux("value head")
+  says = r"from value_head to unembed, does not read the residual.*head=\['ln_f', 'lm_head'\]"
+  with pytest.raises(fl.ArgumentError, match=says):
+    fl.lens(tree, IDS, "AuxBlock_*")
+
+
+def test_a_named_head_past_an_auxiliary_call_equals_the_native_head():
+  model, variables, tree = _aux("value head")
+  result = fl.lens(tree, IDS, "AuxBlock_*", head=["ln_f", "unembed"])
+  assert_trees_equal(result["AuxBlock_1"], jax.jit(model.apply)(variables, IDS))
+  _, state = model.apply(variables, IDS, capture_intermediates=True, mutable="intermediates")
+  residual = state["intermediates"]["AuxBlock_0"]["__call__"][0]
+  params = variables["params"]
+  normed = nn.LayerNorm().apply({"params": params["ln_f"]}, residual)
+  native = nn.Dense(50).apply({"params": params["unembed"]}, normed)
+  np.testing.assert_allclose(result["AuxBlock_0"], native, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_a_found_head_whose_input_is_not_the_last_blocks_output_is_refused(jit):
+  _, _, tree = _aux("soft cap")  # 3 tanh(x / 3) runs between the last block and ln_f
+  says = r"from ln_f to unembed, does not reproduce .* last block AuxBlock_1"
+  with pytest.raises(fl.ArgumentError, match=says):
+    fl.lens(tree, IDS, "AuxBlock_*", jit=jit)
+
+
+def test_a_lensed_site_that_is_not_a_block_is_refused():
+  _, _, tree = _aux("plain")  # the "head" after AuxBlock_0/Dense_0 is AuxBlock_1 on
+  with pytest.raises(fl.ArgumentError, match=r"from AuxBlock_1 to unembed, does not reproduce"):
+    fl.lens(tree, IDS, "AuxBlock_0/Dense_0")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -337,3 +338,41 @@ def test_fold_refuses_what_weights_cannot_express(make, message):
   tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
   with pytest.raises(fl.ExportError, match=message):
     fl.fold(tree, x, [make()])
+
+
+def test_an_interchange_on_a_head_site_trains_and_runs_as_it_reported():
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = x + nn.MultiHeadDotProductAttention(num_heads=4, name="attn")(x)
+      return nn.Dense(3, name="head")(x.mean(1))
+
+  model = Model()
+  base = jax.random.normal(jax.random.key(0), (16, 5, 8))
+  source = jax.random.normal(jax.random.key(5), (16, 5, 8))
+  variables = model.init(jax.random.key(1), base)
+  tree = fl.unflaxify(model, variables, base)
+  head = fl.heads("attn", 1)
+  _, seen = fl.capture(tree, source, at=head)  # (16, 5, 1, 2): head 1 of the source run
+
+  def swap_first_dim(next_fun, args, kwargs, context):  # the target: native interchange
+    if context.module.name == "out":
+      args = (args[0].at[..., 1, 0].set(seen["attn:heads"][..., 0, 0]), *args[1:])
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(swap_first_dim):
+    target = model.apply(variables, base)
+  loss = lambda out, target: jnp.mean((out - target) ** 2)  # noqa: E731
+  start = fl.interchange(head, jax.random.normal(jax.random.key(3), (2, 2)), jnp.zeros(2), 1)
+  (trained,), losses = fl.train_interventions(
+    tree, [start], [(base, target, source)] * 30, loss, optax.sgd(0.5)
+  )
+  assert losses[-1] < losses[0]
+  _, reported = fl.train_interventions(
+    tree, [trained], [(base, target, source)], loss, optax.sgd(0.0)
+  )
+  filled = dataclasses.replace(
+    trained, operands=(trained.operands[0], seen["attn:heads"], *trained.operands[2:])
+  )
+  out = fl.run(tree, base, interventions=[filled])
+  np.testing.assert_allclose(loss(out, target), reported[0], rtol=1e-5)

@@ -6,7 +6,9 @@ heads are the input of its `out` projection, `(..., heads, head_dim)`, which Fla
 computes as the per-head values before merging them; on any other call they are its
 output's (or input's) last axis read as `heads` groups of `head_dim` features, the head
 count given as `heads=n` or read from the settings of the call's module or the nearest
-enclosing one (`num_heads`, `n_head`, `num_attention_heads`, also under `config`).
+enclosing one (`num_heads`, `n_head`, `num_attention_heads`, also under `config`),
+unless the call's `DenseGeneral`/`LinearGeneral` module declares the value's last two
+axes as `(heads, head_dim)`: then head `h` is `[..., h, :]`.
 Every edit is the one edit concept (`core/_edit.py`): an intervention on a head site
 resolves to the call holding the heads, and runs there on the value viewed as
 `(..., heads, head_dim)`, keeping the heads it does not name; captures are edits that
@@ -102,12 +104,37 @@ def _value_spec(site: Site, on: str) -> Any:
   return value
 
 
-def _child(sites: list[Site], site: Site, name: str) -> Site | None:
-  """The site of the call `name.__call__` that `site`'s call makes, or None."""
-  for key, layer in site.node.submodule_calls.items():
-    if key[1] == f"{name}.__call__":
-      return next((s for s in sites if s.node is layer), None)
+def _own_calls(node: CallNode) -> list[CallNode]:
+  """`node` and the calls of its own module nested in it (a subclass's `__call__` calling
+  `super().__call__`, `nn.SelfAttention`), outermost first."""
+  found, frontier = [], [node]
+  while frontier:
+    current = frontier.pop(0)
+    found.append(current)
+    frontier.extend(
+      layer
+      for layer in current.submodule_calls.values()
+      if isinstance(layer, CallNode) and tuple(layer.path) == tuple(node.path)
+    )
+  return found
+
+
+def _holder(sites: list[Site], site: Site, name: str) -> tuple[Site, Site] | None:
+  """`(holder, child)`: the call of `site`'s module (`site` itself, or a call of the same
+  module nested in it) that makes the call `name.__call__`, and that call; or None."""
+  for node in _own_calls(site.node):
+    for key, layer in node.submodule_calls.items():
+      if key[1] == f"{name}.__call__":
+        holder = next((s for s in sites if s.node is node), None)
+        child = next((s for s in sites if s.node is layer), None)
+        return None if holder is None or child is None else (holder, child)
   return None
+
+
+def _child(sites: list[Site], site: Site, name: str) -> Site | None:
+  """The site of the call `name.__call__` that `site`'s module makes in this call, or None."""
+  found = _holder(sites, site, name)
+  return None if found is None else found[1]
 
 
 def _count_from_settings(sites: list[Site], site: Site) -> int | None:
@@ -148,7 +175,7 @@ def _resolve(spec: Heads | AttentionPattern, tree: CallNode, sites: list[Site]) 
     HeadsError: a head count that does not fit, a head out of range, no count known.
   """
   matched = select_sites(tree, spec.at, sites)
-  attention = [s for s in matched if issubclass(s.node.module_type, ATTENTION)]
+  attention = _outermost([s for s in matched if issubclass(s.node.module_type, ATTENTION)])
   inside = {tuple(s.node.path) for s in attention}
   found = []
   for site in matched:
@@ -157,6 +184,13 @@ def _resolve(spec: Heads | AttentionPattern, tree: CallNode, sites: list[Site]) 
       continue  # a call inside a named attention module: its heads are the module's
     found.append(_split(spec, site, sites, site in attention))
   return found
+
+
+def _outermost(attention: list[Site]) -> list[Site]:
+  """The attention calls not nested in another of them of the same module (the call a
+  subclass's `super().__call__` makes is its outer call's)."""
+  nested = {id(n) for s in attention for n in _own_calls(s.node)[1:]}
+  return [s for s in attention if id(s.node) not in nested]
 
 
 def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
@@ -169,11 +203,12 @@ def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
         " the tree can edit (it was replaced or placed). Name the heads on the call that"
         " holds them: fl.heads(path, heads=n, on='input')."
       )
-    if on not in (None, "input"):
+    if on is not None:
       raise HeadsError(
         f"{site.name}: the heads of a Flax attention module are the input of its out"
-        f" projection, (..., heads, head_dim); on={on!r} names another value. Leave on="
-        " out, or name a call: fl.heads(f'{path}/query', on='output')."
+        f" projection, (..., heads, head_dim), which fl.heads('{site.name}') names;"
+        f" on={on!r} would name the module's own {on}, which holds no heads. Leave on="
+        f" out, or name a projection: fl.heads('{site.name}/query')."
       )
     value = _value_spec(out, "input")
     if value is None or len(value.shape) < 2:
@@ -191,6 +226,7 @@ def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
     heads = _checked_heads(spec.which, count, site.name)
     return _Split(site.name, out, "input", count, False, heads, tuple(value.shape))
   on = on or "output"
+  _check_not_attention(sites, site, on)
   value = _value_spec(site, on)
   if not isinstance(value, jax.ShapeDtypeStruct) or not value.shape:
     shown = "nothing" if value is None else type(value).__name__
@@ -198,6 +234,9 @@ def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
       f"{site.name}: the {on} of this call is {shown}, not one array whose last axis holds"
       " heads. Name a call whose value is one array (a projection), or on='input'."
     )
+  declared = _declared_axes(site, on, len(value.shape))
+  if declared is not None and declared > 1:
+    return _split_axis(spec, site, sites, on, value, declared)
   features = value.shape[-1]
   count = given if given is not None else _count_from_settings(sites, site)
   if count is None:
@@ -214,6 +253,79 @@ def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
     )
   heads = _checked_heads(spec.which, count, site.name)
   return _Split(site.name, site, on, count, True, heads, tuple(value.shape))
+
+
+def _check_not_attention(sites: list[Site], site: Site, on: str) -> None:
+  """Refuses a hand-written attention module (one with a head-count setting that calls
+  other modules): its output comes after its heads are merged and projected, and its
+  input before they are computed, so neither holds them."""
+  settings = site.node.settings()
+  holders = (settings, settings.get("config"))
+  said = [
+    k
+    for holder in holders
+    for k in _COUNTS
+    if (holder.get(k) if isinstance(holder, dict) else getattr(holder, k, None)) is not None
+  ]
+  calls = [key[1].rsplit(".", 1)[0] for key in site.node.submodule_calls]
+  if not said or not calls:
+    return
+  last = list(site.node.submodule_calls.values())[-1]
+  out = next((s.name for s in sites if s.node is last), f"{site.name}/{calls[-1]}")
+  raise HeadsError(
+    f"{site.name}: this call's module has a {said[0]} setting and calls other modules"
+    f" ({calls[:6]}): it looks like an attention module, but not one of Flax's"
+    f" (nn.MultiHeadDotProductAttention, nnx.MultiHeadAttention), so flaxlens does not know"
+    f" where its heads are; its {on} is not split into heads. Name the call that holds"
+    f" them: the input of its output projection, fl.heads('{out}', h,"
+    " on='input'), or a query/key/value projection's output."
+  )
+
+
+def _declared_axes(site: Site, on: str, ndim: int) -> int | None:
+  """How many trailing axes of a `DenseGeneral`/`LinearGeneral` call's value its module
+  declares as features (`features`/`out_features` for its output, `axis` for its input),
+  or None for another module (or contracted axes that are not the trailing ones)."""
+  settings = site.node.settings()
+  if not issubclass(site.node.module_type, nn.DenseGeneral | nnx.LinearGeneral):
+    return None
+  if on == "output":
+    features = settings.get("features", settings.get("out_features"))
+    return len(features) if isinstance(features, tuple | list) else 1
+  axis = settings.get("axis")
+  axes = tuple(axis) if isinstance(axis, tuple | list) else (axis,)
+  if not all(isinstance(a, int) for a in axes):
+    return None
+  normal = tuple(a % ndim for a in axes) if ndim else ()
+  return len(axes) if normal == tuple(range(ndim - len(axes), ndim)) else None
+
+
+def _split_axis(
+  spec: Any, site: Site, sites: list[Site], on: str, value: Any, declared: int
+) -> _Split:
+  """The heads of a call whose module declares its value's trailing axes as
+  `(heads, head_dim)` (a Flax attention module's query, key, value projections, the out
+  projection's input): head `h` is `[..., h, :]`."""
+  shape = tuple(value.shape)
+  kind = "features" if on == "output" else "contracted axes (axis=)"
+  if declared != 2:
+    raise HeadsError(
+      f"{site.name}: its module declares the {on}'s last {declared} axes {shape[-declared:]}"
+      f" as its {kind}, so which of them holds the heads is ambiguous. Name a call whose"
+      " value ends in (heads, head_dim), or one whose last axis holds heads * head_dim."
+    )
+  count = shape[-2]
+  settings = _count_from_settings(sites, site)
+  for said, source in ((spec.count, "heads="), (settings, "the num_heads setting around it")):
+    if said is not None and said != count:
+      raise HeadsError(
+        f"{site.name}: its module declares the {on}'s last axes {shape[-2:]} as its {kind}:"
+        f" (heads, head_dim) with {count} heads, but {source} says {said}. Leave heads="
+        f" out, or give heads={count}; to split another axis, name a call whose last axis"
+        " holds heads * head_dim."
+      )
+  heads = _checked_heads(spec.which, count, site.name)
+  return _Split(site.name, site, on, count, False, heads, shape)
 
 
 # --- the headed view ----------------------------------------------------------------------
@@ -452,9 +564,13 @@ def heads(at: Any, which: Any = None, *, heads: int | None = None, on: str | Non
   On a Flax attention module (`nn.MultiHeadDotProductAttention`, `nn.SelfAttention`,
   `nnx.MultiHeadAttention`, subclasses too) the heads are the input of its `out`
   projection, `(..., heads, head_dim)`: the values each head computes, before they are
-  merged. On any other call they are the last axis of its output (or, `on="input"`, of
-  its first positional argument) read as `heads` groups of `head_dim` features: a
-  query/key/value projection's output, or a Hugging Face `c_proj`'s input. The head
+  merged. On a `DenseGeneral`/`LinearGeneral` whose module declares the value's last two
+  axes as `(heads, head_dim)` (Flax's query/key/value outputs; `on="input"`: the `out`
+  projection's input), head `h` is `[..., h, :]`. On any other call they are the last
+  axis of its output (or, `on="input"`, of its first positional argument) read as
+  `heads` groups of `head_dim` features: a merged projection's output, or a Hugging Face
+  `c_proj`'s input. A hand-written attention module (a head-count setting, calls of
+  its own) is refused: name the call holding its heads. The head
   count is `heads=`, else the setting `num_heads`, `n_head` or `num_attention_heads`
   (also under `config`) of the call's module or the nearest module around it.
 
@@ -553,7 +669,7 @@ class PatternCapture(Struct):
 def _weights(module_type, settings, query, key, argument, site) -> Any:
   """Flax's own attention weights of one call, from its query, key and arguments."""
   bound = inspect.signature(module_type.__call__).bind(None, *argument.args, **argument.kwargs)
-  given = bound.arguments
+  given = dict(bound.arguments)
   mask = given.get("mask")
   if given.get("decode"):
     raise HeadsError(
@@ -604,14 +720,14 @@ class AttentionPattern:
     self, tree: CallNode, sites: list[Site], shape: Callable[[str, Any], Any] | None
   ) -> list[tuple[Site, Any]]:
     out = []
-    for site in select_sites(tree, self.at, sites):
-      if not issubclass(site.node.module_type, ATTENTION):
-        continue
+    named = select_sites(tree, self.at, sites)
+    for site in _outermost([s for s in named if issubclass(s.node.module_type, ATTENTION)]):
       settings = site.node.settings()
       _check_pattern(site, settings)
       ln = "_ln" if settings.get("normalize_qk") else ""
+      found = _holder(sites, site, f"query{ln}")
       query, key = _child(sites, site, f"query{ln}"), _child(sites, site, f"key{ln}")
-      if query is None or key is None:
+      if found is None or query is None or key is None:
         raise HeadsError(
           f"{site.name}: this attention module made no query{ln}/key{ln} calls the tree can"
           " read (they were replaced or placed), so its pattern cannot be recomputed."
@@ -624,10 +740,21 @@ class AttentionPattern:
       shaped = None if shape is None else functools.partial(shape, f"{site.name}:pattern")
       out.append((query, _Stash(q_key)))
       out.append((key, _Stash(k_key)))
-      edit = PatternCapture(
-        q_key, k_key, site.name, heads, count, site.node.module_type, kept, shaped
-      )
-      out.append((site, edit))
+      holder = found[0]
+      module_type = site.node.module_type
+      flax_class = next(c for c in ATTENTION if issubclass(module_type, c))
+      if holder is not site:  # a subclass's super().__call__: Flax's own signature
+        module_type = flax_class
+      elif module_type.__call__ is not flax_class.__call__:
+        raise HeadsError(
+          f"{site.name}: its class {module_type.__name__} overrides __call__, and the tree"
+          f" holds no call of {flax_class.__name__}.__call__ inside it, so the mask (and"
+          " is_causal) Flax's attention received are not known, nor that it ran. Capture"
+          " its weights natively (sow_weights=True), or call the module through Flax's own"
+          " __call__."
+        )
+      edit = PatternCapture(q_key, k_key, site.name, heads, count, module_type, kept, shaped)
+      out.append((holder, edit))
     if not out:
       raise HeadsError(
         f"{self!r}: no call it names is a Flax attention module (nn.MultiHeadDotProductAttention,"
@@ -640,12 +767,23 @@ class AttentionPattern:
 _PATTERN_SETTINGS = ("dtype", "precision", "force_fp32_for_softmax")
 
 
+def _function_name(fn: Any) -> str:
+  """A function's name as a message shows it: `module.name`, a partial's function and
+  arguments, or its repr."""
+  if isinstance(fn, functools.partial):
+    given = [*map(repr, fn.args), *(f"{k}={v!r}" for k, v in fn.keywords.items())]
+    return f"functools.partial({', '.join([_function_name(fn.func), *given])})"
+  name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+  module = getattr(fn, "__module__", None)
+  return f"{module}.{name}" if name and module else name or repr(fn)
+
+
 def _check_pattern(site: Site, settings: dict[str, Any]) -> None:
   """Refuses a module whose weights are not Flax's `dot_product_attention_weights`."""
   own = (nn.dot_product_attention, nnx.dot_product_attention)
   problem = None
   if settings.get("attention_fn") not in own:
-    problem = f"its attention_fn is {getattr(settings.get('attention_fn'), '__name__', '?')}"
+    problem = f"its attention_fn is {_function_name(settings.get('attention_fn'))}"
   elif settings.get("decode"):
     problem = "it decodes (decode=True), reading keys from its cache"
   elif settings.get("qk_attn_weights_einsum_cls") is not None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree
@@ -86,6 +87,20 @@ def _inside(site: Site, outer: Site) -> bool:
   return len(path) > len(outer_path) and path[: len(outer_path)] == outer_path
 
 
+def last_block(tree: CallNode, lensed: list[Site], sites: list[Site]) -> Site:
+  """The last call like the last lensed one (same class, method and parent module)."""
+  last = lensed[-1]
+  like = [
+    s
+    for s in sites
+    if s.node is not tree
+    and s.node.module_type is last.node.module_type
+    and s.node.method_name == last.node.method_name
+    and tuple(s.node.path[:-1]) == tuple(last.node.path[:-1])
+  ]
+  return like[-1] if like else last
+
+
 def found_head(tree: CallNode, lensed: list[Site], sites: list[Site]) -> tuple[Site, Site]:
   """The head's first and last calls: of the calls made after the last call like the last
   lensed one (same class, method and parent module: the last block) and outside it, the
@@ -94,16 +109,7 @@ def found_head(tree: CallNode, lensed: list[Site], sites: list[Site]) -> tuple[S
   Raises:
     SelectionError: no call runs after the last block.
   """
-  last = lensed[-1]
-  like = [
-    i
-    for i, s in enumerate(sites)
-    if s.node is not tree
-    and s.node.module_type is last.node.module_type
-    and s.node.method_name == last.node.method_name
-    and tuple(s.node.path[:-1]) == tuple(last.node.path[:-1])
-  ]
-  anchor = sites[like[-1]] if like else last
+  anchor = last_block(tree, lensed, sites)
   start = sites.index(anchor) + 1
   after = [s for s in sites[start:] if not _inside(s, anchor)]
   if not after:
@@ -199,6 +205,8 @@ def lens(
   Raises:
     SelectionError: a site matches no call, or no call runs after the last block (name
       the head with `head=`).
+    ArgumentError: (a head found from the tree) the last block's lens is not the head's
+      own output in the model's run, or does not depend on the residual: name the head.
     ArgumentError: a residual's shape is not the head's input shape, or `head=` names
       calls that are not one call each, in order.
 
@@ -250,10 +258,21 @@ def lens(
   names = tuple(s.name for s in lensed)
   if index is not None:
     index = _split_index(index if isinstance(index, tuple) else (index,))
+  check = last_block(tree, lensed, sites).name if head is None else None
   runner = _lens_compiled if jit else _lens_once
-  output, logits = runner(
-    tree, argument, names, ends, head if ends is None else None, part, index, random_streams
+  output, logits, checked_head = runner(
+    tree,
+    argument,
+    names,
+    ends,
+    head if ends is None else None,
+    part,
+    index,
+    random_streams,
+    check,
   )
+  if check is not None:
+    _check_found_head(ends, check, *checked_head)
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   top_probs, top_tokens = jax.lax.top_k(probs, min(top, logits.shape[-1]))
   return LensResult(names, logits, top_tokens, top_probs, output, ends)
@@ -268,29 +287,76 @@ def _lens_once(
   part: Any,
   index: Any,
   random_streams: Any,
-) -> tuple[Any, Any]:
-  """The model's output and the stacked logits at each of `names` (uncompiled); each run
-  is of a fresh copy of the tree, so every run starts from its state and none is kept."""
+  check: str | None = None,
+) -> tuple[Any, Any, Any]:
+  """The model's output, the stacked logits at each of `names` (uncompiled) and, with
+  `check` (the last block's name), what `_check_found_head` compares; each run is of a
+  fresh copy of the tree, so every run starts from its state and none is kept."""
   slots, values = unbind_variables(tree, freeze=True)
+  captured = list(dict.fromkeys([*names, *((check, ends[1]) if check else ())]))
   output, cache = run(
     bind_variables(slots, values),
     argument,
-    capture=list(names),
+    capture=captured,
     random_streams=random_streams,
     jit=False,
   )
-  projected = []
-  for name in names:
-    residual = _residual(cache[name], part, name)
+
+  def project(residual: Any, name: str) -> Any:
     if ends is None:
-      logits = fn(residual)
-    else:
-      copy = bind_variables(slots, values)
-      logits = _through_head(copy, argument, ends, residual, name, random_streams)
+      return fn(residual)
+    copy = bind_variables(slots, values)
+    return _through_head(copy, argument, ends, residual, name, random_streams)
+
+  projected, full = [], {}
+  for name in names:
+    logits = full[name] = project(_residual(cache[name], part, name), name)
     if index is not None:
       logits = logits[checked(*index, tuple(logits.shape), f"fl.lens: {name}: index=", "logits")]
     projected.append(logits)
-  return output, jnp.stack(projected)
+  checks = None
+  if check is not None:
+    residual = _residual(cache[check], part, check)
+    own = full[check] if check in full else project(residual, check)
+    # a change of every element alike in no row or channel: no norm removes it
+    pattern = jnp.cos(1.7 * jnp.arange(residual.size)).reshape(residual.shape)
+    shifted = residual + (jnp.abs(residual).max() + 1) * pattern
+    checks = (cache[ends[1]], own, project(shifted.astype(residual.dtype), check))
+  return output, jnp.stack(projected), checks
+
+
+def _check_found_head(ends: tuple[str, str], block: str, model: Any, own: Any, other: Any) -> None:
+  """Refuses a head found from the tree that does not give the model's own logits for
+  its last block, or that does not read the residual at all.
+
+  Raises:
+    ArgumentError: the last block's lens is not (to rounding) the head's last call's
+      output in the model's own run, or a different residual gives the same logits.
+  """
+  first, last = ends
+  eps = float(jnp.finfo(own.dtype).eps) if jnp.issubdtype(own.dtype, jnp.inexact) else 0.0
+  model, own, other = (np.asarray(jax.device_get(a), np.float64) for a in (model, own, other))
+  rounding = 16 * eps * (float(np.abs(model).max(initial=0.0)) + 1.0)
+  fix = (
+    " Name the head's first and last calls yourself, head=['ln_f', 'lm_head'] (the call"
+    " the residual enters and the call returning the logits), or pass a function of the"
+    " residual: head=lambda h: ..."
+  )
+  if model.shape != own.shape or np.abs(own - model).max(initial=0.0) > rounding:
+    raise ArgumentError(
+      f"fl.lens: the head found from the tree, from {first} to {last}, does not reproduce"
+      f" the model's own {last} output for the last block {block}: patching {block}'s"
+      f" output in as {first}'s input changes the logits, so {first}'s input is not"
+      f" {block}'s output (something runs between them, or {block} is not a block whose"
+      " output is the residual stream). Lens the blocks (at='Block_*')." + fix
+    )
+  if (other == own).all():
+    raise ArgumentError(
+      f"fl.lens: the head found from the tree, from {first} to {last}, does not read the"
+      f" residual: a different value at {first}'s input gives the same {last} output, so"
+      f" {first} is not where the residual enters the head (an auxiliary call, such as a"
+      " value head, runs after the last block)." + fix
+    )
 
 
 def _through_head(

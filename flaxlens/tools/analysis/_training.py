@@ -38,6 +38,7 @@ from flaxlens.tools.analysis._interventions import (
   nodes_by_name,
   run,
   select_sites,
+  sites_of,
 )
 
 
@@ -200,11 +201,16 @@ def train_interventions(
   swaps = [n for n, i in enumerate(named) if i.kind == "interchange"]
   sites = {}
   for n in swaps:
-    chosen = select_sites(tree, named[n].at)
+    at = named[n].at
+    if hasattr(at, "capture_edits"):  # a site object (fl.heads): captured under its keys
+      keys = [edit.key for _, edit in at.capture_edits(tree, sites_of(tree), None)]
+      sites[n] = (at, keys[0]) if len(keys) == 1 else keys
+      continue
+    chosen = select_sites(tree, at)
     if len(chosen) != 1:
       sites[n] = [s.name for s in chosen]
     else:
-      sites[n] = chosen[0].name
+      sites[n] = (chosen[0].name, chosen[0].name)
 
   def objective(learned: tuple, tree: CallNode, args: Any, data: Any, source: Any) -> Any:
     slots, held = unbind_variables(tree, freeze=True)
@@ -250,13 +256,13 @@ def train_interventions(
     _, captured = run(
       tree,
       source,
-      capture=[sites[n] for n in swaps],
+      capture=[sites[n][0] for n in swaps],
       random_streams=streams,
       jit=False,
     )
     filled = list(edits)
     for n in swaps:
-      value = jax.lax.stop_gradient(captured[sites[n]])
+      value = jax.lax.stop_gradient(captured[sites[n][1]])
       ops = filled[n].operands
       filled[n] = dataclasses.replace(filled[n], operands=(ops[0], value, *ops[2:]))
     return tuple(filled)
