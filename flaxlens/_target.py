@@ -14,7 +14,10 @@ for Linen `rngs=`, `mutable=`, `capture_intermediates=`). Loading a file runs it
 neighbours): name only files you trust. A module is imported from the folders given
 with `--import-path`, the current folder, then the installed packages: the one rule
 `flaxlens replay` follows too (`tools.files._policy.import_folders`). Every way a TARGET can be
-wrong raises a `FlaxlensError` whose message says what to change. No Flax internals here.
+wrong raises a `FlaxlensError` whose message says what to change, and names the TARGET
+when its own code fails: any exception but `KeyboardInterrupt` (a `sys.exit()` in the
+file, the factory or the model included) is such a failure. `made` reads the factory's
+result for every command (`inspect`, `check`); `load` converts it. No Flax internals here.
 """
 
 from __future__ import annotations
@@ -47,6 +50,34 @@ PROTOCOL = (
 
 
 @dataclasses.dataclass(frozen=True)
+class Made:
+  """What a TARGET's factory returned, read as `PROTOCOL` says.
+
+  Attributes:
+    framework: `"NNX"` or `"Linen"`.
+    model: the NNX module or the unbound Linen module.
+    variables: `(variables,)` for Linen, `()` for NNX.
+    args: the example positional arguments.
+    kwargs: the example keyword arguments, `fl.unflaxify`'s options included.
+  """
+
+  framework: str
+  model: Any
+  variables: tuple[Any, ...]
+  args: tuple
+  kwargs: dict[str, Any]
+
+  def options(self) -> set[str]:
+    """The names among `kwargs` that are conversion options, not the call's arguments."""
+    return _options(unflaxify_linen if self.framework == "Linen" else unflaxify_nnx)
+
+  def call_kwargs(self) -> dict[str, Any]:
+    """`kwargs` without the conversion options: what the model's call takes."""
+    options = self.options()
+    return {k: v for k, v in self.kwargs.items() if k not in options}
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
   """A converted TARGET: the tree, and the argument and side inputs of its root call."""
 
@@ -56,18 +87,24 @@ class Target:
   framework: str
 
 
+def is_target(text: str) -> bool:
+  """Whether `text` is written as a TARGET: `where:factory`, the factory an identifier."""
+  where, colon, name = text.rpartition(":")
+  return bool(colon and where and name.isidentifier())
+
+
 def load_factory(target: str, import_path: Any = None) -> Callable[[], Any]:
   """The factory `target` names (`file.py:factory` or `package.module:factory`).
 
   A module is imported as `_policy.import_folders` says (the `import_path` folders, the
   current folder, then `sys.path`); a file is run with its folder first on `sys.path`.
   """
-  where, colon, name = target.rpartition(":")
-  if not colon or not where or not name.isidentifier():
+  if not is_target(target):
     raise FlaxlensError(
       f"{target!r} is not a TARGET. Write path/to/file.py:factory or"
       " package.module:factory, naming a function that returns a model and example inputs."
     )
+  where, _, name = target.rpartition(":")
   folders = import_folders(import_path, "flaxlens")
   module = _load_file(where) if _is_file(where) else _import(where, folders)
   factory = getattr(module, name, None)
@@ -104,10 +141,12 @@ def _load_file(path: str) -> Any:
   sys.modules[name] = module  # Dataclasses (Linen modules) look their module up here.
   try:
     spec.loader.exec_module(module)
-  except Exception as e:
+  except KeyboardInterrupt:
+    raise
+  except BaseException as e:  # A `sys.exit()` in the file is no model either.
     del sys.modules[name]
     raise FlaxlensError(
-      f"Running {path} raised {_said(e)}. Fix the file so that"
+      f"Running {path} raised {said(e)}. Fix the file so that"
       f" `python {path}` runs (add --debug for the traceback)."
     ) from e
   return module
@@ -128,50 +167,68 @@ def _import(name: str, folders: tuple[str, ...]) -> Any:
       f"Cannot import {name!r} ({e}). Install the package, run from the folder that holds"
       " it, or name a file instead: path/to/file.py:factory."
     ) from e
-  except Exception as e:
+  except KeyboardInterrupt:
+    raise
+  except BaseException as e:
     raise FlaxlensError(
-      f"Importing {name} raised {_said(e)}. Fix the module so that"
+      f"Importing {name} raised {said(e)}. Fix the module so that"
       f" `python -c 'import {name}'` runs (add --debug for the traceback)."
     ) from e
 
 
-def load(target: str, import_path: Any = None) -> Target:
-  """Calls the factory `target` names, checks what it returns and converts the model."""
+def made(target: str, import_path: Any = None) -> Made:
+  """Calls the factory `target` names and reads what it returns (`PROTOCOL`)."""
   factory = load_factory(target, import_path)
   try:
-    made = factory()
-  except Exception as e:
+    result = factory()
+  except KeyboardInterrupt:
+    raise
+  except BaseException as e:  # A factory's `sys.exit()` is a failure, not a success.
     raise FlaxlensError(
-      f"{target}() raised {_said(e)}. Fix the factory (add --debug for the traceback). {PROTOCOL}"
+      f"{target}() raised {said(e)}. Fix the factory (add --debug for the traceback). {PROTOCOL}"
     ) from e
-  framework, model, variables, args, kwargs = _unpack(target, made)
-  options = _options(unflaxify_linen if framework == "Linen" else unflaxify_nnx)
-  call_kwargs = {k: v for k, v in kwargs.items() if k not in options}
+  return Made(*_unpack(target, result))
+
+
+def load(target: str, import_path: Any = None) -> Target:
+  """Calls the factory `target` names, checks what it returns and converts the model."""
+  given = made(target, import_path)
+  framework, model, kwargs = given.framework, given.model, given.kwargs
   side_inputs = {"random_streams": kwargs["rngs"]} if kwargs.get("rngs") is not None else {}
   try:
-    tree = unflaxify(model, *variables, *args, **kwargs)
+    tree = unflaxify(model, *given.variables, *given.args, **kwargs)
   except ModelCallError as e:  # The model's own code failed on the factory's inputs.
     raise FlaxlensError(
-      f"{target}: {_said(e, name=False)} Return example inputs the model accepts: the"
+      f"{target}: {said(e, name=False)} Return example inputs the model accepts: the"
       f" factory's args and kwargs must be what {_call_form(framework)} takes (add"
       " --debug for the traceback)."
     ) from e
   except FlaxlensError as e:  # Its message names the call and the fix.
-    raise FlaxlensError(f"{target}: {_said(e, name=False)}") from e
-  except Exception as e:
+    raise FlaxlensError(f"{target}: {said(e, name=False)}") from e
+  except KeyboardInterrupt:
+    raise
+  except BaseException as e:  # Also the model's own `sys.exit()`.
     raise FlaxlensError(
       f"{target}: converting the {framework} model {type(model).__name__} with the"
-      f" example inputs failed with {_said(e)} Return example inputs the"
+      f" example inputs failed with {sentence(said(e))} Return example inputs the"
       f" model accepts: the factory's args and kwargs must be what"
       f" {_call_form(framework)} takes (add --debug for the traceback)."
     ) from e
-  return Target(tree, ArgsAndKwargs.capture(*args, **call_kwargs), side_inputs, framework)
+  argument = ArgsAndKwargs.capture(*given.args, **given.call_kwargs())
+  return Target(tree, argument, side_inputs, framework)
 
 
-def _said(error: Exception, name: bool = True) -> str:
+def said(error: BaseException, name: bool = True) -> str:
   """`"TypeError: what it said"` in one line, for a one-paragraph message."""
-  said = " ".join(str(error).split())
-  return f"{type(error).__name__}: {said}" if name else said
+  text = " ".join(str(error).split())
+  if isinstance(error, SystemExit):
+    text = f"{text or None} (the code called sys.exit())"
+  return f"{type(error).__name__}: {text}" if name else text
+
+
+def sentence(text: str) -> str:
+  """`text` ending with a full stop."""
+  return text if text.endswith(".") else f"{text}."
 
 
 def _options(convert: Callable[..., Any]) -> set[str]:

@@ -7,9 +7,11 @@ function returns (`--json`, `--html`; exit status 2 if the TARGET is wrong);
 what was saved (exit status 0 on an exact match, 1 if it differs, 2 if the artifact is
 refused); `flaxlens check A B` runs two models on A's example inputs and compares their
 outputs and states leaf by leaf (exit status 0 when bitwise equal, 1 if they differ, 2 if
-a model could not be loaded).
+a model could not be loaded or run). Whatever a TARGET's or an artifact's code raises
+(`sys.exit()` included; `KeyboardInterrupt` aside) is a failure with exit status 2 and a
+message naming it, never a success.
 
-`flaxlens inspect` TARGETs are `path/to/file.py:factory` or `package.module:factory`;
+TARGETs (`inspect`, `check`) are `path/to/file.py:factory` or `package.module:factory`;
 the factory takes no arguments and returns `(nnx_model, args[, kwargs])` or
 `(linen_module, variables, args[, kwargs])`, example inputs included. Modules named by a
 TARGET or an artifact are imported from the `--import-path DIR` folders, then the current
@@ -47,14 +49,26 @@ def inspect(
 ) -> int:
   """Prints the call table of the model TARGET names (or its JSON); writes the web page.
 
-  Exit status: 0 on success, 2 if the TARGET cannot be loaded or converted, or the path
-  pattern matches no call (the message says what to change; `debug` re-raises instead).
+  The page goes to `html_path`, whose missing parent folders are made (as
+  `fl.save_exported` makes them).
+
+  Exit status: 0 on success, 2 if the TARGET cannot be loaded or converted (anything its
+  code raises, a `sys.exit()` included), the path pattern matches no call, or the page
+  cannot be written (the message says what to change; `debug` re-raises instead).
   """
   import json
+  import os
 
   import flaxlens as fl
-  from flaxlens._target import load
+  from flaxlens._target import load, said, sentence
 
+  if html_path is not None and os.path.isdir(html_path):
+    print(
+      f"flaxlens inspect: --html {html_path!r} is a directory. Give the path of the file"
+      f" to write the page to, such as {os.path.join(html_path, 'tree.html')!r}.",
+      file=sys.stderr,
+    )
+    return 2
   try:
     loaded = load(target, import_path)
     options = dict(argument=loaded.argument, **loaded.side_inputs)
@@ -65,11 +79,35 @@ def inspect(
         f"No call matches the path pattern {path!r} (calls include {known[:12]}). Use a"
         " pattern as tree.select().at_path takes: `*` within a path segment, `**` across."
       )
+    page = None if html_path is None else fl.to_html(loaded.tree, **options)
   except fl.FlaxlensError as e:
     if debug:
       raise
     print(f"flaxlens inspect: {e}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    raise
+  except BaseException as e:  # The model's code, run again for the root call's row.
+    if debug:
+      raise
+    print(
+      f"flaxlens inspect: {target}: running the converted model raised {sentence(said(e))}"
+      " Fix the model (add --debug for the traceback).",
+      file=sys.stderr,
+    )
+    return 2
+  if page is not None:
+    try:
+      os.makedirs(os.path.dirname(os.path.abspath(html_path)), exist_ok=True)
+      with open(html_path, "w", encoding="utf-8") as f:
+        f.write(page)
+    except OSError as e:
+      print(
+        f"flaxlens inspect: cannot write the page to {html_path!r} ({e.strerror or e})."
+        " Give --html a file path in a folder you can write to.",
+        file=sys.stderr,
+      )
+      return 2
   if as_json:
     data = {"target": target, "framework": loaded.framework, **table.as_dict()}
     print(json.dumps(data, indent=1))
@@ -77,7 +115,6 @@ def inspect(
     print(f"{target}: {loaded.framework} model, {len(table.rows)} calls\n")
     print(table)
   if html_path is not None:
-    fl.to_html(loaded.tree, html_path, **options)
     print(f"\nwrote {html_path}", file=sys.stderr if as_json else sys.stdout)
   return 0
 
@@ -125,56 +162,64 @@ def replay(
   return 0 if report else 1
 
 
-def check(first: str, second: str) -> int:
+def check(first: str, second: str, import_path: list[str] | None = None) -> int:
   """Compares two models on the first one's example inputs; prints the report.
 
   `first` is a TARGET, `path/to/file.py:factory` or `package.module:factory`: the
-  factory takes no arguments and returns `(nnx_model, inputs)` or `(linen_module,
-  variables, inputs)`, `inputs` being the tuple of positional arguments of the call.
-  `second` is another TARGET (its inputs are not used), or a model saved by
-  `fl.save_exported` (an Orbax directory or a safetensors file), restored into the
-  first model's structure.
+  factory takes no arguments and returns `(nnx_model, args[, kwargs])` or
+  `(linen_module, variables, args[, kwargs])`, as for `flaxlens inspect`. `second` is
+  another TARGET (its inputs are not used), or a model saved by `fl.save_exported` (an
+  Orbax directory or a safetensors file), restored into the first model's structure.
 
-  Exit status: 0 bitwise equal, 1 they differ, 2 a model could not be loaded or run.
+  Exit status: 0 bitwise equal, 1 they differ, 2 a model could not be loaded or run
+  (anything the TARGETs' code raises, a `sys.exit()` included).
   """
   import os
 
   import flaxlens as fl
+  from flaxlens._target import is_target, made, said, sentence
 
   try:
-    model, inputs = _load_target(first)
-    if os.path.exists(second):
-      like = model[1] if isinstance(model, tuple) else model
-      restored = fl.load_exported(second, like=like)
-      other = (model[0], restored) if isinstance(model, tuple) else restored
+    given = made(first, import_path)
+    model = (given.model, *given.variables) if given.variables else given.model
+    if not os.path.lexists(second) and not is_target(second):
+      raise fl.ExportError(
+        f"{second}: there is no such file or directory, and it is not a TARGET"
+        " (path/to/file.py:factory or package.module:factory). Give the path"
+        " fl.save_exported wrote, or a TARGET."
+      )
+    if os.path.lexists(second):
+      restored = fl.load_exported(second, like=given.variables[0] if given.variables else model)
+      other = (given.model, restored) if given.variables else restored
     else:
-      other, _ = _load_target(second)
-    report = fl.check_equivalence(model, other, tuple(inputs))
-  except Exception as e:
-    print(f"flaxlens check: {type(e).__name__}: {e}", file=sys.stderr)
+      made_other = made(second, import_path)
+      other = (
+        (made_other.model, *made_other.variables) if made_other.variables else made_other.model
+      )
+  except fl.FlaxlensError as e:
+    print(f"flaxlens check: {e}", file=sys.stderr)
+    return 2
+  kwargs = given.kwargs
+  options = {
+    "method": kwargs.get("method"),
+    "random_streams": kwargs.get("rngs"),
+    "mutable": kwargs.get("mutable", False),
+  }
+  argument = fl.ArgsAndKwargs.capture(*given.args, **given.call_kwargs())
+  try:
+    report = fl.check_equivalence(model, other, argument, **options)
+  except KeyboardInterrupt:
+    raise
+  except BaseException as e:  # A model's own failure, its `sys.exit()` included.
+    print(
+      f"flaxlens check: running {first} and {second} on the example inputs of {first}"
+      f" raised {sentence(said(e))} Fix the model, or return example inputs both models"
+      " accept.",
+      file=sys.stderr,
+    )
     return 2
   print(report)
   return 0 if report else 1
-
-
-def _load_target(target: str) -> tuple[object, tuple]:
-  """`(model, inputs)` from a TARGET; a Linen model is the pair `(module, variables)`.
-
-  The file or module is loaded as `inspect` loads it (`_target.load_factory`: the
-  file's folder on `sys.path`, errors that name the fix); the factory's result follows
-  `check`'s own protocol, where `inputs` may also be a single argument.
-  """
-  from flaxlens._target import load_factory
-
-  made = load_factory(target)()
-  if not isinstance(made, tuple) or len(made) not in (2, 3):
-    raise ValueError(
-      f"{target}: the factory must return (nnx_model, inputs) or (linen_module,"
-      f" variables, inputs), got {type(made).__name__}."
-    )
-  *model, inputs = made
-  inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-  return (tuple(model) if len(model) == 2 else model[0]), inputs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "replay":
       return replay(args.path, args.jit, args.allow, args.import_path)
     if args.command == "check":
-      return check(args.first, args.second)
+      return check(args.first, args.second, args.import_path)
   return 2
 
 

@@ -168,11 +168,46 @@ def linen_other():
 
 
 def nnx_model():
-  return nnx.Linear(4, 3, rngs=nnx.Rngs(0)), X
+  return nnx.Linear(4, 3, rngs=nnx.Rngs(0)), (X,)
+
+
+def nnx_with_kwargs():
+  class Keyword(nnx.Module):
+    def __init__(self):
+      self.linear = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+
+    def __call__(self, *, x):
+      return self.linear(x)
+
+  return Keyword(), (), {"x": X}
 
 
 def not_a_model():
   return 3
+
+
+def raises():
+  raise ValueError("boom in factory")
+
+
+def exits():
+  import sys
+
+  sys.exit(0)
+
+
+class Quitter(nnx.Module):
+  def __init__(self):
+    self.linear = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+
+  def __call__(self, x):
+    import sys
+
+    sys.exit(0)
+
+
+def model_exits():
+  return Quitter(), (X,)
 """
 
 
@@ -206,10 +241,10 @@ def test_check_of_models_that_differ_prints_the_differences_and_exits_1(
 def test_check_of_a_model_against_its_saved_export(target, tmp_path, capsys):
   import jax.numpy as jnp
 
-  import flaxlens as fl
+  from flaxlens._target import made
 
-  model, x = cli._load_target(target("nnx_model"))
-  tree = fl.unflaxify(model, *x)
+  given = made(target("nnx_model"))
+  tree = fl.unflaxify(given.model, *given.args)
   fl.save_exported(tree.export(), tmp_path / "same.safetensors", format="safetensors")
   tree.scope_data.parameters["bias"].value = jnp.ones(3)
   fl.save_exported(tree.export(), tmp_path / "edited", format="orbax")
@@ -223,13 +258,69 @@ def test_check_of_a_model_against_its_saved_export(target, tmp_path, capsys):
   [
     ("nowhere.py:f", "There is no file 'nowhere.py'"),
     ("linen", "is not a TARGET"),
-    (":not_a_model", "must return (nnx_model, inputs)"),
+    (":not_a_model", "not_a_model() returned a int, not a tuple. The factory takes"),
+    (":raises", "raises() raised ValueError: boom in factory. Fix the factory"),
   ],
 )
 def test_check_of_a_bad_target_exits_2_with_the_fix(target, capsys, first, message):
-  first = target("not_a_model") if first == ":not_a_model" else first
+  first = target(first[1:]) if first.startswith(":") else first
   assert cli.main(["check", first, first]) == 2
-  assert message in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert err.startswith("flaxlens check: ") and err.count("\n") == 1
+  assert message in err and (not first.endswith("raises") or first in err)
+
+
+def test_check_reads_a_factory_returning_kwargs_as_inspect_does(target, tmp_path, capsys):
+  from flaxlens._target import made
+
+  given = made(target("nnx_with_kwargs"))
+  tree = fl.unflaxify(given.model, **given.kwargs)
+  bias = tree.select().at_path("linear").get().scope_data.parameters["bias"]
+  bias.value = bias.value + 1.0
+  fl.save_exported(tree.export(), tmp_path / "edited.safetensors", format="safetensors")
+  restored = fl.load_exported(tmp_path / "edited.safetensors", like=given.model)
+  np.testing.assert_array_equal(restored(**given.kwargs), given.model(**given.kwargs) + 1.0)
+  assert cli.main(["check", target("nnx_with_kwargs"), target("nnx_with_kwargs")]) == 0
+  assert capsys.readouterr().out.splitlines()[-1].startswith("equivalent")
+  assert cli.main(["check", target("nnx_with_kwargs"), str(tmp_path / "edited.safetensors")]) == 1
+  assert "Param:linear/bias" in capsys.readouterr().out
+
+
+def test_check_of_a_missing_export_says_the_file_does_not_exist(target, tmp_path, capsys):
+  missing = str(tmp_path / "missing export.safetensors")
+  assert cli.main(["check", target("nnx_model"), missing]) == 2
+  err = capsys.readouterr().err
+  assert (
+    f"{missing}: there is no such file or directory" in err and "TARGET" not in err.split(".")[0]
+  )
+
+
+@pytest.mark.parametrize("command", ["check", "inspect"])
+@pytest.mark.parametrize(
+  "name, said",
+  [
+    ("exits", "exits() raised SystemExit: 0 (the code called sys.exit())"),
+    ("model_exits", "SystemExit: 0 (the code called sys.exit())"),
+  ],
+)
+def test_a_target_calling_sys_exit_fails_with_status_2_naming_it(
+  target, capsys, command, name, said
+):
+  argv = [command, target(name)] + ([target("nnx_model")] if command == "check" else [])
+  assert cli.main(argv) == 2
+  captured = capsys.readouterr()
+  assert captured.err.startswith(f"flaxlens {command}: ") and captured.err.count("\n") == 1
+  assert target(name) in captured.err and said in captured.err
+
+
+def test_a_file_calling_sys_exit_on_import_fails_with_status_2(tmp_path, capsys):
+  (tmp_path / "quits.py").write_text("import sys\nsys.exit(3)\n")
+  for argv in (
+    ["inspect", f"{tmp_path}/quits.py:f"],
+    ["check", f"{tmp_path}/quits.py:f", "x.py:f"],
+  ):
+    assert cli.main(argv) == 2
+    assert "raised SystemExit: 3 (the code called sys.exit())" in capsys.readouterr().err
 
 
 def test_inspect_prints_a_linen_models_calls_in_the_order_flax_makes_them():
@@ -291,6 +382,23 @@ def test_inspect_html_writes_the_web_page(tmp_path, capsys):
   assert cli.main(["inspect", f"{EXAMPLES}:nnx_mlp", "--html", str(page)]) == 0
   assert f"wrote {page}" in capsys.readouterr().out
   assert page.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+
+
+def test_inspect_html_makes_the_missing_folders_of_the_page(tmp_path, capsys):
+  page = tmp_path / "no such folder" / "deeper" / "page.html"
+  assert cli.main(["inspect", f"{EXAMPLES}:nnx_mlp", "--html", str(page)]) == 0
+  assert page.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_inspect_html_to_a_path_it_cannot_write_exits_2_with_one_paragraph(tmp_path, capsys, where):
+  (tmp_path / "file").write_text("")
+  page = tmp_path if where == "a directory" else tmp_path / "file" / "page.html"
+  assert cli.main(["inspect", f"{EXAMPLES}:nnx_mlp", "--html", str(page)]) == 2
+  captured = capsys.readouterr()
+  assert captured.out == "" and captured.err.count("\n") == 1
+  fix = "is a directory. Give the path of the file" if where == "a directory" else "cannot write"
+  assert captured.err.startswith("flaxlens inspect: ") and fix in captured.err
 
 
 _BAD_FILES = {

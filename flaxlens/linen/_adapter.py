@@ -25,7 +25,7 @@ from flaxlens.core._runtime import Gathered, private_value, resolve_random_strea
 from flaxlens.core._variables import StateVariable, Uninitialized
 from flaxlens.core._walk import own_call_nodes
 from flaxlens.errors import ArgumentError, ExportError, UnsupportedFlaxFeatureError
-from flaxlens.linen._collections import flatten_collections, nest_collections
+from flaxlens.linen._collections import flatten_collections, nest_collections, refreeze
 from flaxlens.linen._convert import unflaxify_linen
 from flaxlens.linen._interceptor import LinenInterceptor, changed_fields
 from flaxlens.linen._node import AdoptedModule, InterceptedFlaxModuleMethod, RngSnapshot
@@ -257,7 +257,13 @@ class LinenAdapter(FrameworkAdapter):
         " would run without the edit. Build the model with the new settings and convert"
         " it, or export before editing."
       )
-    return _variables(Gathered(node))
+    inside = len(node.path)
+    levels = tuple(
+      level[:1] + level[1 + inside :]
+      for level in node.frozen_levels
+      if len(level) <= 1 or tuple(level[1 : 1 + inside]) == tuple(node.path)
+    )
+    return refreeze(_variables(Gathered(node)), levels)
 
   def exported_variables(self, exported: Any) -> Any:
     return exported if isinstance(exported, Mapping) else None

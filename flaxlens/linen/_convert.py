@@ -34,7 +34,7 @@ from flaxlens.errors import (
   ModelCallError,
   UnsupportedFlaxFeatureError,
 )
-from flaxlens.linen._collections import flatten_collections
+from flaxlens.linen._collections import flatten_collections, frozen_levels
 from flaxlens.linen._interceptor import LinenInterceptor
 from flaxlens.linen._node import InterceptedFlaxModuleMethod, RngSnapshot
 
@@ -174,6 +174,7 @@ def _build_tree(
   mutable_collections.update(named_mutable)
   mutable_collections.discard("params")
 
+  frozen = frozen_levels(variables)
   scopes = ScopeBuilder({r.path for r in root.walk()})
   for (collection, vpath), value in {**{k: None for k in created}, **given}.items():
     label = f"{collection}:{join_name(vpath)}"
@@ -200,6 +201,7 @@ def _build_tree(
       call_specs=record.call_specs(),
       own_spec=record.spec,
       origin=origin,
+      frozen_levels=frozen,
     )
 
   return build_nodes(root, make)

@@ -100,6 +100,8 @@ class InterceptedFlaxModuleMethod(CallNode):
       not make); a failing call names the shapes it had then.
     origin: the id of the conversion that made the node; a replacement continues a
       call natively only through a node of the same conversion.
+    frozen_levels: where the converted variables were `FrozenDict`s (`()` the whole
+      dict, `(collection, *path)` below), so that `export()` has their structure.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
@@ -125,7 +127,14 @@ class InterceptedFlaxModuleMethod(CallNode):
   call_specs: tuple[CallSpec, ...] = static_field(default=())
   own_spec: CallSpec | None = static_field(default=None)
   origin: int = static_field(default=0)
-  treescope_hidden_fields = ("converted_module", "call_specs", "own_spec", "origin")
+  frozen_levels: tuple[Path, ...] = static_field(default=())
+  treescope_hidden_fields = (
+    "converted_module",
+    "call_specs",
+    "own_spec",
+    "origin",
+    "frozen_levels",
+  )
   treescope_short_fields = ("module",)
 
   @property
@@ -148,7 +157,9 @@ class InterceptedFlaxModuleMethod(CallNode):
     current parameters and state (variables not created yet are left out). The dicts
     are new; the leaves are the tree's own: the same arrays (so shardings are kept),
     boxed as they were given (`nn.Partitioned`, `nn.LogicallyPartitioned`); NumPy
-    arrays are copies. Nothing is written into the variables the tree was converted from.
+    arrays are copies. The dicts are `FrozenDict`s where the converted variables were
+    (below this call's module path for a call inside the tree). Nothing is written into
+    the variables the tree was converted from.
 
     Raises:
       ExportError: if a call under this one was replaced or wrapped by a layer (the

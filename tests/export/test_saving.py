@@ -8,7 +8,9 @@ restores the saved arrays into it and must compute that output bit for bit.
 from __future__ import annotations
 
 import gc
+import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from comparisons import assert_trees_equal
+from flax import nnx
 from frameworks import LINEN, NNX
 
 import flaxlens as fl
@@ -206,3 +209,80 @@ def test_restoring_arrays_of_other_shapes_names_the_variable(tmp_path, format):
 def test_a_missing_path_is_refused(tmp_path):
   with pytest.raises(fl.ExportError, match="no such file or directory"):
     fl.load_exported(tmp_path / "nothing", like=DENSE_VARIABLES)
+
+
+# --- what each format can save ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int4"])
+def test_safetensors_refuses_dtypes_it_cannot_read_back_and_orbax_restores_them(tmp_path, dtype):
+  variables = jax.tree_util.tree_map(lambda a: a.astype(dtype), DENSE_VARIABLES)
+  with pytest.raises(fl.ExportError, match=rf"'params/bias' is {dtype}\[3\].*format='orbax'"):
+    fl.save_exported(variables, tmp_path / "model.safetensors", format="safetensors")
+  assert not (tmp_path / "model.safetensors").exists()
+  fl.save_exported(variables, tmp_path / "checkpoint", format="orbax")
+  restored = fl.load_exported(tmp_path / "checkpoint", like=variables)
+  assert_trees_equal(restored, variables)
+  if dtype != "int4":  # nn.Dense computes in float32 from float8 parameters.
+    model = nn.Dense(3, dtype=jnp.float32)
+    np.testing.assert_array_equal(model.apply(restored, DENSE_X), model.apply(variables, DENSE_X))
+
+
+@pytest.mark.parametrize("fw", [LINEN, NNX])
+def test_a_model_without_arrays_is_refused_by_orbax_and_restored_from_safetensors(tmp_path, fw):
+  x = jnp.ones((2, 3))
+  if fw is LINEN:
+    model = nn.Sequential([nn.relu])
+    like = model.init(jax.random.key(0), x)
+    exported = fl.unflaxify(model, like, x).export()
+  else:
+    model = like = nnx.Sequential(nnx.relu)
+    exported = fl.unflaxify(model, x).export()
+  with pytest.raises(fl.ExportError, match="holds no arrays.*format='safetensors'"):
+    fl.save_exported(exported, tmp_path / "free", format="orbax")
+  assert list(tmp_path.iterdir()) == []
+  fl.save_exported(exported, tmp_path / "free.safetensors", format="safetensors")
+  restored = fl.load_exported(tmp_path / "free.safetensors", like=like)
+  if fw is LINEN:
+    assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(like)
+    np.testing.assert_array_equal(model.apply(restored, x), model.apply(like, x))
+  else:
+    np.testing.assert_array_equal(restored(x), model(x))
+
+
+def test_a_zero_size_array_is_refused_by_orbax_and_restored_from_safetensors(tmp_path):
+  variables = {"params": {**DENSE_VARIABLES["params"], "unused": jnp.zeros((0, 4))}}
+  with pytest.raises(fl.ExportError, match=r"'params/unused' is float32\[0, 4\].*safetensors"):
+    fl.save_exported(variables, tmp_path / "checkpoint", format="orbax")
+  assert list(tmp_path.iterdir()) == []
+  fl.save_exported(variables, tmp_path / "model.safetensors", format="safetensors")
+  assert_trees_equal(fl.load_exported(tmp_path / "model.safetensors", like=variables), variables)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_saving_makes_missing_parent_folders(tmp_path, format):
+  saved = tmp_path / "no" / "such" / _saved_path(tmp_path, format).name
+  fl.save_exported(DENSE_VARIABLES, saved, format=format)
+  restored = fl.load_exported(saved, like=DENSE_VARIABLES)
+  np.testing.assert_array_equal(
+    DENSE.apply(restored, DENSE_X), DENSE.apply(DENSE_VARIABLES, DENSE_X)
+  )
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_saving_under_a_file_is_an_export_error_leaving_nothing_behind(tmp_path, format):
+  (tmp_path / "file").write_text("")
+  with pytest.raises(fl.ExportError, match="cannot write there.*folder you can write to"):
+    fl.save_exported(DENSE_VARIABLES, tmp_path / "file" / "x", format=format)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize("kind", ["symbolic link to a character device", "named pipe (FIFO)"])
+def test_a_special_file_is_refused_as_not_a_regular_file(tmp_path, kind):
+  path = tmp_path / "model.safetensors"
+  if kind.startswith("symbolic"):
+    path.symlink_to("/dev/zero")
+  else:
+    os.mkfifo(path)
+  with pytest.raises(fl.ExportError, match=f"a {re.escape(kind)}, not a regular file"):
+    fl.load_exported(path, like=DENSE_VARIABLES)

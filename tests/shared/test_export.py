@@ -115,3 +115,20 @@ def test_a_subtree_exports_its_own_module(corpora, fw):
     assert_trees_equal(node.module.apply(exported, x), expected)
   else:
     assert_trees_equal(exported(x), expected)
+
+
+@pytest.mark.parametrize("frozen", ["whole", "params"])
+def test_export_keeps_frozen_dicts_where_the_converted_variables_had_them(corpora, frozen):
+  from flax.core import freeze
+
+  case = corpora[LINEN]["mlp"]
+  variables = case.variables
+  given = (
+    freeze(variables) if frozen == "whole" else {**variables, "params": freeze(variables["params"])}
+  )
+  tree = fl.unflaxify(case.module, given, *case.args)
+  exported = tree.export()
+  assert jax.tree_util.tree_structure(exported) == jax.tree_util.tree_structure(given)
+  np.testing.assert_array_equal(
+    case.module.apply(exported, *case.args), case.module.apply(given, *case.args)
+  )

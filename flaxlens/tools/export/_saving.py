@@ -14,8 +14,11 @@ extra. No Flax internals here.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
+import shutil
+import stat
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +37,12 @@ _ORBAX_FILES = ("_METADATA", "manifest.ocdbt")
 # The safetensors metadata entry holding the SHA-256 of the saved arrays (`_digest`).
 _CHECKSUM = "flaxlens_sha256"
 _KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+# The dtypes the safetensors library writes and reads back into NumPy exactly. It writes
+# float8 too but cannot read it into NumPy (safetensors 0.8), and knows no int4/uint4.
+_SAFETENSORS_DTYPES = frozenset(
+  ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"]
+  + ["float16", "bfloat16", "float32", "float64", "complex64"]
+)
 
 
 def save_exported(exported: Any, path: str | os.PathLike, *, format: str = "orbax") -> None:
@@ -43,13 +52,17 @@ def save_exported(exported: Any, path: str | os.PathLike, *, format: str = "orba
     exported: what `tree.export()` returns: a Linen variables dict or an NNX module
       (any such dict or module works, exported or not).
     path: the directory (Orbax) or file (safetensors) to write; it must not exist.
-    format: `"orbax"` or `"safetensors"`.
+      Missing parent folders are made.
+    format: `"orbax"` or `"safetensors"`. Orbax saves every dtype JAX has, but no
+      model without arrays and no array of size zero; safetensors saves those, but not
+      float8 or int4/uint4 arrays.
 
   Raises:
     ArgumentError: `exported` is not an exported model, `path` not a path, or `format`
       not one of the two.
-    ExportError: for an existing path, a value that is not an array, or a missing
-      `orbax-checkpoint`/`safetensors` package.
+    ExportError: for an existing path, a value that is not an array, an array the
+      format cannot save (the message names it and the format that can), a path that
+      cannot be written, or a missing `orbax-checkpoint`/`safetensors` package.
 
   Example:
     >>> import flaxlens as fl, jax.numpy as jnp, tempfile
@@ -71,15 +84,86 @@ def save_exported(exported: Any, path: str | os.PathLike, *, format: str = "orba
   leaves, _ = _named_leaves(state, "save_exported")
   arrays = {name: _storable(leaf) for name, leaf in leaves.items()}
   if format == "orbax":
-    checkpointer = _orbax("save_exported").StandardCheckpointer()
-    checkpointer.save(os.path.abspath(path), arrays)
-    checkpointer.wait_until_finished()
+    _check_orbax_arrays(path, arrays)
   else:
-    _safetensors("save_exported")
-    from safetensors.numpy import save_file
+    _check_safetensors_arrays(path, arrays)
+  try:  # Orbax would make them too, but it reports failures from a background thread.
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  except OSError as e:
+    raise _unwritable(path, e) from e
+  if format == "orbax":
+    _save_orbax(path, arrays)
+  else:
+    _save_safetensors(path, arrays)
 
-    tensors = {n: np.asarray(a) for n, a in arrays.items()}
+
+def _unwritable(path: str, error: Exception) -> ExportError:
+  return ExportError(
+    f"fl.save_exported({path!r}): cannot write there ({' '.join(str(error).split())[:300]})."
+    " Give a path in a folder you can write to."
+  )
+
+
+def _check_orbax_arrays(path: str, arrays: Mapping[str, Any]) -> None:
+  """Refuses what Orbax cannot save: no arrays at all, or an array of size zero."""
+  if not arrays:
+    raise ExportError(
+      f"fl.save_exported({path!r}): the model holds no arrays (no parameters or state),"
+      " and an Orbax checkpoint cannot be empty. Save it with format='safetensors', which"
+      " writes a file of no arrays that load_exported restores, or skip saving it."
+    )
+  for name, array in arrays.items():
+    if 0 in array.shape:
+      raise ExportError(
+        f"fl.save_exported({path!r}): {name!r} is {_described(array)}, an array of size"
+        " zero, which Orbax cannot save. Save the model with format='safetensors', which"
+        " saves it."
+      )
+
+
+def _save_orbax(path: str, arrays: Mapping[str, Any]) -> None:
+  """Writes the checkpoint; on failure, removes the temporary folder Orbax leaves."""
+  ocp = _orbax("save_exported")
+  where = os.path.abspath(path)
+  leftovers = f"{glob.escape(where)}.orbax-checkpoint-tmp*"
+  before = set(glob.glob(leftovers))
+  try:
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(where, dict(arrays))
+    checkpointer.wait_until_finished()
+  except Exception as e:
+    for folder in set(glob.glob(leftovers)) - before:
+      shutil.rmtree(folder, ignore_errors=True)
+    raise _unwritable(path, e) from e
+
+
+def _check_safetensors_arrays(path: str, arrays: Mapping[str, Any]) -> None:
+  """Refuses the dtypes safetensors cannot save and read back exactly."""
+  for name, array in arrays.items():
+    if np.dtype(array.dtype).name not in _SAFETENSORS_DTYPES:
+      raise ExportError(
+        f"fl.save_exported({path!r}): {name!r} is {_described(array)}, and safetensors"
+        f" cannot store {array.dtype.name} so that it reads back exactly (it stores"
+        f" {sorted(_SAFETENSORS_DTYPES)}). Save the model with format='orbax', which"
+        " restores it exactly."
+      )
+
+
+def _save_safetensors(path: str, arrays: Mapping[str, Any]) -> None:
+  _safetensors("save_exported")
+  from safetensors import SafetensorError
+  from safetensors.numpy import save_file
+
+  tensors = {n: np.asarray(a) for n, a in arrays.items()}
+  try:
     save_file(tensors, path, metadata={"by": "flaxlens", _CHECKSUM: _digest(tensors)})
+  except (OSError, SafetensorError) as e:
+    raise _unwritable(path, e) from e
+
+
+def _described(array: Any) -> str:
+  """`float32[0, 4]`, as messages write an array."""
+  return f"{np.dtype(array.dtype).name}{list(array.shape)}"
 
 
 def load_exported(path: str | os.PathLike, like: Any) -> Any:
@@ -118,6 +202,11 @@ def load_exported(path: str | os.PathLike, like: Any) -> Any:
     loaded = _load_orbax(path, template)
   elif os.path.isfile(path):
     loaded = _load_safetensors(path)
+  elif os.path.lexists(path):
+    raise ExportError(
+      f"{path}: {_kind(path)}, not a regular file or a directory. Pass the file or"
+      " directory fl.save_exported wrote."
+    )
   else:
     raise ExportError(f"{path}: no such file or directory. Pass what save_exported wrote.")
   missing = sorted(set(template) - set(loaded))
@@ -131,6 +220,17 @@ def load_exported(path: str | os.PathLike, like: Any) -> Any:
   leaves = [_restored(path, name, loaded[name], leaf) for name, leaf in template.items()]
   restored = jax.tree_util.tree_unflatten(treedef, leaves)
   return _with_state(like, restored)
+
+
+def _kind(path: str) -> str:
+  """What `path` is when it is neither a file nor a directory: a device, a FIFO, ..."""
+  if not os.path.exists(path):
+    return f"a symbolic link to {os.readlink(path)!r}, which does not exist"
+  mode = os.stat(path).st_mode
+  kinds = {stat.S_ISFIFO: "a named pipe (FIFO)", stat.S_ISSOCK: "a socket"}
+  kinds.update({stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"})
+  kind = next((said for test, said in kinds.items() if test(mode)), "a special file")
+  return f"a symbolic link to {kind}" if os.path.islink(path) else kind
 
 
 def _state_of(model: Any, where: str, name: str) -> Any:
@@ -249,7 +349,8 @@ def _load_safetensors(path: str) -> dict[str, Any]:
     with safe_open(path, framework="numpy") as f:
       metadata = f.metadata() or {}
       arrays = {name: f.get_tensor(name) for name in f.keys()}
-  except (SafetensorError, OSError, ValueError, TypeError, KeyError) as e:
+  # AttributeError: an array of a dtype NumPy lacks (float8), in a file of another tool.
+  except (SafetensorError, OSError, ValueError, TypeError, KeyError, AttributeError) as e:
     raise ExportError(
       f"{path}: not a readable safetensors file ({' '.join(str(e).split())[:300]}). Pass"
       " the file fl.save_exported(..., format='safetensors') wrote; if it was damaged or"
