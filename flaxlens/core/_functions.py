@@ -134,21 +134,21 @@ def _describe_function(fn: types.FunctionType, leaves: list[Any] | None, depth: 
   # The globals it reads, by value: a lambda in a loop at a module's top level reads the
   # loop variable as a global, and the program bakes in what it read when traced.
   namespace = fn.__globals__
-  for name in _global_names(code):
+  for name in global_names(code):
     if name in namespace:
       parts.append((f"global {name!r}", _describe_global(namespace[name], depth + 1)))
   return ("function", code, _Same(namespace), tuple(parts))
 
 
 @functools.lru_cache(maxsize=1024)
-def _global_names(code: types.CodeType) -> tuple[str, ...]:
+def global_names(code: types.CodeType) -> tuple[str, ...]:
   """The names `code` (or code nested in it) may read as globals, sorted. `co_names`
   holds attribute names too: a global that shares an attribute's name is keyed as well,
   which costs a retrace at most, never a wrong result."""
   names = set(code.co_names)
   for constant in code.co_consts:
     if isinstance(constant, types.CodeType):
-      names.update(_global_names(constant))
+      names.update(global_names(constant))
   return tuple(sorted(names))
 
 

@@ -9,6 +9,7 @@ builds the same model (same weights, same fingerprint).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -122,3 +123,14 @@ def not_padding(tokens):
 def token_ids(tokens):
   """Each position's token id."""
   return tokens
+
+
+def store_files(path) -> dict[str, bytes]:
+  """Every file under `path` by its relative path, with its bytes: to check a store was
+  left byte for byte as it was."""
+  found = {}
+  for folder, _, names in os.walk(path):
+    for name in names:
+      with open(os.path.join(folder, name), "rb") as file:
+        found[os.path.relpath(os.path.join(folder, name), path)] = file.read()
+  return found

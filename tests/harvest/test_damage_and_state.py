@@ -23,23 +23,14 @@ from . import models
 BATCHES = models.token_batches(3)
 
 
-def _files(path) -> dict[str, bytes]:
-  found = {}
-  for folder, _, names in os.walk(path):
-    for name in names:
-      with open(os.path.join(folder, name), "rb") as file:
-        found[os.path.relpath(os.path.join(folder, name), path)] = file.read()
-  return found
-
-
 def test_the_same_call_on_a_complete_store_changes_no_byte_of_it(linen_model, tmp_path):
   path = tmp_path / "s"
   fl.harvest(linen_model.tree, BATCHES, "Block_0", path)
-  before = _files(path)
+  before = models.store_files(path)
   shape = json.loads(before["s0/values/zarr.json"])["shape"]
   assert shape[0] == len(fl.open_harvest(path)["Block_0"])  # other zarr readers: exact rows
   again = fl.harvest(linen_model.tree, BATCHES, "Block_0", path)
-  assert again.complete and _files(path) == before
+  assert again.complete and models.store_files(path) == before
 
 
 def test_the_same_call_on_a_complete_store_that_cannot_be_written_returns_it(
@@ -70,10 +61,10 @@ def test_a_python_number_in_the_batch_is_part_of_the_call(tmp_path):
   tree = fl.unflaxify(_Scaled(), x, 2.0)
   path = tmp_path / "s"
   fl.harvest(tree, [(x, 2.0)], "linear", path)
-  before = _files(path)
+  before = models.store_files(path)
   with pytest.raises(fl.HarvestError, match="What differs: inputs"):
     fl.harvest(tree, [(x, 5.0)], "linear", path)
-  assert _files(path) == before
+  assert models.store_files(path) == before
 
 
 PAD_GLOBAL = models.PAD
@@ -114,14 +105,14 @@ def test_a_mask_computing_something_else_is_another_call(
 ):
   path = tmp_path / "s"
   fl.harvest(linen_model.tree, BATCHES, "Block_0", path, positions=first)
-  before = _files(path)
+  before = models.store_files(path)
   try:
     change()
     with pytest.raises(fl.HarvestError, match="What differs: sites"):
       fl.harvest(linen_model.tree, BATCHES, "Block_0", path, positions=second)
   finally:
     _change_global(models.PAD)
-  assert _files(path) == before
+  assert models.store_files(path) == before
 
 
 class _Noisy(nnx.Module):

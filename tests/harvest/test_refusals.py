@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import builtins
-import os
 
 import numpy as np
 import pytest
@@ -13,15 +12,6 @@ import flaxlens as fl
 from . import models
 
 BATCHES = models.token_batches(2)
-
-
-def _files(path) -> dict[str, bytes]:
-  found = {}
-  for folder, _, names in os.walk(path):
-    for name in names:
-      with open(os.path.join(folder, name), "rb") as file:
-        found[os.path.relpath(os.path.join(folder, name), path)] = file.read()
-  return found
 
 
 def test_an_unknown_site_is_refused_before_the_store_is_made(model, tmp_path):
@@ -46,11 +36,11 @@ def test_a_store_of_another_call_is_refused_and_left_as_it_was(
 ):
   path = tmp_path / "s"
   fl.harvest(linen_model.tree, BATCHES, "Block_0", path)
-  before = _files(path)
+  before = models.store_files(path)
   call = {"batches": BATCHES, "at": "Block_0", **change}
   with pytest.raises(fl.HarvestError, match=f"nothing was overwritten. What differs: {differs}"):
     fl.harvest(linen_model.tree, call.pop("batches"), call.pop("at"), path, **call)
-  assert _files(path) == before
+  assert models.store_files(path) == before
 
 
 def _padding_mask(pad):
@@ -60,10 +50,10 @@ def _padding_mask(pad):
 def test_a_mask_closing_over_another_value_is_another_call(linen_model, tmp_path):
   path = tmp_path / "s"
   fl.harvest(linen_model.tree, BATCHES, "Block_0", path, positions=_padding_mask(models.PAD))
-  before = _files(path)
+  before = models.store_files(path)
   with pytest.raises(fl.HarvestError, match="What differs: sites"):
     fl.harvest(linen_model.tree, BATCHES, "Block_0", path, positions=_padding_mask(1))
-  assert _files(path) == before
+  assert models.store_files(path) == before
   again = fl.harvest(linen_model.tree, BATCHES, "Block_0", path, positions=_padding_mask(0))
   assert again.complete  # the same values: the same call, resumed (complete already)
 

@@ -38,6 +38,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from flaxlens.core._checks import check_path
+from flaxlens.core._functions import global_names
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._runtime import resolve_random_streams
@@ -674,7 +675,7 @@ def _function_id(fn: Any, depth: int = 0) -> str:
   values += list(getattr(fn, "__defaults__", None) or ())
   values += sorted((getattr(fn, "__kwdefaults__", None) or {}).items())
   namespace = getattr(fn, "__globals__", {})
-  values += [(n, namespace[n]) for n in _global_names(code) if n in namespace]
+  values += [(n, namespace[n]) for n in global_names(code) if n in namespace]
   text = f"{_code_text(code)}|{_values_text(values, depth)}"
   return f"{name}:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
@@ -687,16 +688,6 @@ def _code_text(code: types.CodeType) -> str:
 
 
 _MAX_DEPTH = 6  # Functions read through functions: deeper ones by their type alone.
-
-
-@functools.lru_cache(maxsize=1024)
-def _global_names(code: types.CodeType) -> tuple[str, ...]:
-  """The names `code` (or code nested in it) may read as globals, sorted."""
-  names = set(code.co_names)
-  for constant in code.co_consts:
-    if isinstance(constant, types.CodeType):
-      names.update(_global_names(constant))
-  return tuple(sorted(names))
 
 
 def _object_text(owner: Any, depth: int) -> str:
