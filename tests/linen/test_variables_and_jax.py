@@ -70,3 +70,28 @@ def test_replacing_an_immutable_value_in_one_of_two_calls_is_an_error():
   )
   with pytest.raises(fl.FlaxlensError, match="constants:scaler/scale"):
     edited(fl.ArgsAndKwargs.capture(x))
+
+
+class _Sowing(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    y = nn.Dense(3)(x)
+    self.sow("intermediates", "y", y)
+    return nn.relu(y)
+
+
+def test_sown_values_pile_up_over_tree_calls_as_apply_given_back_its_variables():
+  """The tree's state is what the call before left (README, "What a tree is"): three tree
+  calls sow what three `apply` calls chained on their returned variables sow."""
+  model, x = _Sowing(), jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+  params = model.init(jax.random.key(0), x)["params"]
+  tree = fl.unflaxify(model, {"params": params}, x, mutable=["intermediates"])
+  variables = {"params": params}
+  for call in range(3):
+    ours = fl.run(tree, x)
+    out, updated = model.apply(variables, x, mutable=["intermediates"])
+    variables = {"params": params, **updated}
+    assert_trees_equal(ours, out)
+    sown = tree.scope_data.variables["intermediates"]["y"].value
+    assert len(sown) == call + 1
+    assert_trees_equal(sown, updated["intermediates"]["y"])

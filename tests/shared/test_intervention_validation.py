@@ -115,6 +115,22 @@ def test_a_capture_dtype_that_jax_does_not_compute_with_is_refused_before_runnin
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("empty", [[], ()], ids=["list", "tuple"])
+def test_an_empty_list_of_sites_is_refused_by_capture_as_by_a_patch(fw, corpora, empty):
+  """No site is a mistake (a glob list built by a program that found nothing): refused
+  alike whether it is captured or patched, not answered with an empty cache."""
+  _, tree, args, *_ = _model(fw, corpora)
+  for capture in (
+    lambda: fl.capture(tree, args, at=empty),
+    lambda: fl.run(tree, args, capture=empty),
+  ):
+    with pytest.raises(fl.SelectionError, match="An empty list of sites selects no call"):
+      capture()
+  with pytest.raises(fl.SelectionError, match="An empty list of sites selects no call"):
+    fl.run(tree, args, interventions=[fl.ablate(empty)])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_a_module_class_the_model_never_calls_is_refused_with_the_classes_it_calls(fw, corpora):
   _, tree, args, first, _, absent, _ = _model(fw, corpora)
   called = tree.select().at_path(first).get().module_type.__name__

@@ -960,7 +960,14 @@ def _probes_for(
     # A site that captures through edits of its own (`fl.heads`) says where they go.
     recording = [o for o in options if hasattr(o, "capture_edits")]
     plain = tuple(o for o in options if not hasattr(o, "capture_edits"))
-    chosen = sites if capture is True else select_sites(tree, plain, sites) if plain else []
+    # An empty list names no site: refused (`select_sites`), as a patch at no site is.
+    chosen = (
+      sites
+      if capture is True
+      else select_sites(tree, plain, sites)
+      if plain or not recording
+      else []
+    )
     required = unreached == "raise" and not _every_call(capture)
     for site in chosen:
       fields = probe(site)
