@@ -226,12 +226,25 @@ def references(root: Any) -> tuple[dict[tuple[int, tuple[Any, ...]], Any], dict[
   bookkeeping and static values (neither variables nor graph nodes) are left out.
   """
   get_node_impl, is_node = GET_NODE_IMPL(), IS_NODE()
-  pytree, plain = nnx.Pytree, (int, float, bool, str, type(None))
+  pytree = nnx.Pytree
+  # What a value is depends only on its type (NNX's registries are read by type): found
+  # once per type. 0: nothing to follow, 1: a reference (a variable or an NNX object), 2: a
+  # container to walk through.
+  kinds: dict[type, int] = dict.fromkeys((int, float, bool, str, type(None)), 0)
+
+  def kind_of(value: Any) -> int:
+    kind = type(value)
+    if issubclass(kind, nnx.Variable | pytree):
+      found = 1
+    else:
+      found = 2 if is_node(value) else 0
+    kinds[kind] = found
+    return found
+
   refs: dict[tuple[int, tuple[Any, ...]], Any] = {}
   owners: dict[int, Any] = {id(root): ()}
   pending: list[tuple[Any, tuple[Any, ...]]] = [(root, ())]
-  while pending:
-    owner, owner_path = pending.pop(0)
+  for owner, owner_path in pending:  # grows while walked: breadth first
     stack: list[tuple[tuple[Any, ...], Any]] = [((), owner)]
     while stack:
       rel, node = stack.pop()
@@ -243,15 +256,18 @@ def references(root: Any) -> tuple[dict[tuple[int, tuple[Any, ...]], Any], dict[
           continue
         items = impl.node_dict(node).items()
       for key, child in items:
-        if type(child) in plain or (type(key) is str and key.startswith(BOOKKEEPING_PREFIX)):
+        kind = kinds.get(type(child))
+        if kind is None:
+          kind = kind_of(child)
+        if not kind or (type(key) is str and key.startswith(BOOKKEEPING_PREFIX)):
           continue
         where = (*rel, key)
-        if isinstance(child, nnx.Variable | nnx.Pytree):
+        if kind == 1:
           refs[(id(owner), where)] = child
-          if isinstance(child, nnx.Pytree) and id(child) not in owners:
+          if isinstance(child, pytree) and id(child) not in owners:
             owners[id(child)] = (*owner_path, *where)
             pending.append((child, (*owner_path, *where)))
-        elif is_node(child):
+        else:
           stack.append((where, child))
   return refs, owners
 
