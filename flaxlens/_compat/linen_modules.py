@@ -224,6 +224,17 @@ def is_setup_check(module: nn.Module) -> bool:
   return isinstance(module.scope, TEST_SCOPE())
 
 
+def intercepted_function(context: Any) -> Any:
+  """The function a call reported to a Linen method interceptor runs, or None if unknown.
+
+  `context` is the interceptor's `nn.module.InterceptorContext`; its `orig_method` is the
+  method bound to the module (a `functools.partial` of the function in the Flax versions
+  supported). Two bodies of one lifted transform named alike (two lambdas given to
+  `nn.switch`) are told apart by it.
+  """
+  return getattr(getattr(context, "orig_method", None), "func", None)
+
+
 def reported_method_name(method: Any) -> str | None:
   """The method name Linen's interceptor reports when `apply` calls `method`, or None.
 

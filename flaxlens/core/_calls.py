@@ -66,8 +66,10 @@ class Frame:
     self.reached: set[CallKey] = set()  # The keys of `node` the call has made.
     self.absorb = absorb  # The root method, whose own interception is not a child call.
     # After a transform announces a lifted call (`lifted_call`): [call name, index, the
-    # JAX trace it was announced in], so that a body the transform traces twice (nn.scan
-    # does) maps both traces to one call and one node.
+    # JAX trace it was announced in, the body's function], so that a body the transform
+    # traces twice (nn.scan does) maps both traces to one call and one node, while the
+    # bodies of one transform that share a name (`nn.switch` branches written as lambdas)
+    # stay calls of their own.
     self.lifted: list[Any] | None = None
     # While an inner jit runs: the names of the calls reported here (see `_inner_jit`).
     self.log: list[str] | None = None
@@ -84,20 +86,24 @@ class Frame:
     lifted = self.lifted
     if lifted is not None and lifted[2] != trace:
       return
-    self.lifted = [None, None, trace]
+    self.lifted = [None, None, trace, None]
 
-  def next_key(self, name: str) -> tuple[CallKey, bool]:
-    """The key of the next call named `name`, and whether it re-traces the last one."""
+  def next_key(self, name: str, body: Any = None) -> tuple[CallKey, bool]:
+    """The key of the next call named `name`, and whether it re-traces the last one:
+    the same name and, where the framework says which function runs (`body`), the same
+    function."""
     if self.log is not None:
       self.log.append(name)
     lifted = self.lifted
-    if lifted is not None and lifted[0] == name:
+    if lifted is not None and lifted[0] == name and lifted[3] is body:
       self.last = (lifted[1], name)
       return self.last, True
     index = self.counter
     self.counter += 1
-    if lifted is not None and lifted[0] is None:
-      lifted[0], lifted[1] = name, index
+    if lifted is not None and (lifted[0] is None or lifted[0] == name):
+      # The transform's first body, or another body of the same transform under the
+      # same name (the next branch): later traces of this body are re-traces of it.
+      lifted[0], lifted[1], lifted[3] = name, index, body
     else:
       self.lifted = None
     self.last = (index, name)
@@ -267,8 +273,10 @@ class CallInterceptor:
     next_fun: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    body: Any = None,
   ) -> Any:
-    """Handles one intercepted call of `module.name(*args, **kwargs)` at `path`."""
+    """Handles one intercepted call of `module.name(*args, **kwargs)` at `path`; `body`
+    is the function the call runs, where the framework says (None where not)."""
     frame = self.frames[-1]
     if frame.absorb is not None and path == frame.path and name == frame.absorb:
       frame.absorb = None
@@ -279,7 +287,7 @@ class CallInterceptor:
         (0, call_name(path, path, name)), path, name, args, kwargs, output
       )
       return output
-    key, retrace = frame.next_key(call_name(frame.path, path, name))
+    key, retrace = frame.next_key(call_name(frame.path, path, name), body)
     if self.building:
       record = self.new_record(module, path, name)
       if not retrace:

@@ -61,19 +61,20 @@ class LinenInterceptor(CallInterceptor):
       with jax.disable_jit(False):
         return self.intercept(next_fun, args, kwargs, context)
     path = self.prefix + linen_modules.module_path(module)
+    body = linen_modules.intercepted_function(context)
     if self.building:  # Conversion runs every call natively (no `native` frame).
-      output = self.dispatch(module, path, context.method_name, next_fun, args, kwargs)
+      output = self.dispatch(module, path, context.method_name, next_fun, args, kwargs, body)
       self._not_run = None
       return output
     if not self._capturing:  # No capture filter asks which calls ran natively.
-      return self.dispatch(module, path, context.method_name, next_fun, args, kwargs)
+      return self.dispatch(module, path, context.method_name, next_fun, args, kwargs, body)
     ran = []
 
     def native(*a: Any, **k: Any) -> Any:
       ran.append(True)
       return next_fun(*a, **k)
 
-    output = self.dispatch(module, path, context.method_name, native, args, kwargs)
+    output = self.dispatch(module, path, context.method_name, native, args, kwargs, body)
     self._not_run = None if ran else (module, context.method_name)
     return output
 
