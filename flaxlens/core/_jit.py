@@ -44,6 +44,7 @@ from flaxlens.core._variables import (
 from flaxlens.errors import ArgumentError
 
 _ARRAY, _STATIC = -1, -2  # Leaf kinds besides variable indices.
+_OWNED = -3  # Kind `_OWNED - j`: the part's j-th object of a framework's own state.
 _TRACED = jax.Array | np.ndarray | np.generic
 _traced_types: set[type] = set()  # Types all of whose instances are traced (tracers are not).
 _DICTS = (dict, collections.OrderedDict, collections.defaultdict)
@@ -52,6 +53,42 @@ _value = operator.attrgetter("_value")  # The slot itself: no Python call per va
 
 def _is_variable_or_slot(x: Any) -> bool:
   return isinstance(x, AbstractVariable | AbstractVariableSlot)
+
+
+class StateKind(NamedTuple):
+  """How variable_jit carries one framework's own mutable state objects (NNX variables,
+  which an `nnx.Rngs` given as an argument holds) through the jitted call: each object is
+  passed in by value, made afresh inside the trace from `spec` (hashable: part of what the
+  program is compiled for) and its value, and written back when the call changed it, as
+  the framework's own jit does."""
+
+  kind: type
+  spec: Callable[[Any], Any]  # object -> hashable description (type, metadata)
+  value: Callable[[Any], Any]
+  fresh: Callable[[Any, Any], Any]  # (spec, value) -> a new object, inside the trace
+  write: Callable[[Any, Any], None]  # (the caller's object, new value)
+
+
+_state_kinds: list[StateKind] = []
+
+
+def register_state_kind(kind: StateKind) -> None:
+  """Lets variable_jit carry objects of `kind.kind` found in its arguments (see
+  `StateKind`); registered by a framework's adapter when it is imported."""
+  if all(k.kind is not kind.kind for k in _state_kinds):
+    _state_kinds.append(kind)
+
+
+def _state_kind(x: Any) -> int | None:
+  """The index of the registered `StateKind` of `x`, or None."""
+  for i, kind in enumerate(_state_kinds):
+    if isinstance(x, kind.kind):
+      return i
+  return None
+
+
+def _is_split_leaf(x: Any) -> bool:
+  return _is_variable_or_slot(x) or (bool(_state_kinds) and _state_kind(x) is not None)
 
 
 def _is_traced(leaf: Any) -> bool:
@@ -98,7 +135,7 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
     )
   name = getattr(fn, "__name__", "function")
 
-  def traced(layout: tuple[Any, ...], arrays: Any, values: tuple[Any, ...]) -> Any:
+  def traced(layout: tuple[Any, ...], arrays: Any, values: tuple[Any, ...], owned: Any) -> Any:
     n_args, names, structures, maps = layout
     maps = maps or (None,) * len(structures)
     specs: list[Any] = [None] * len(values)
@@ -109,9 +146,13 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
       (StateVariable if is_state else Parameter)(value, label=label)
       for (label, is_state), value in zip(specs, values, strict=True)
     ]
+    made = [
+      [_state_kinds[k].fresh(spec, v) for (k, spec), v in zip(s.owned, given, strict=True)]
+      for s, given in zip(structures, owned, strict=True)
+    ]
     elements = [
-      s.join(a, fresh if indices is None else [fresh[g] for g in indices])
-      for s, a, indices in zip(structures, arrays, maps, strict=True)
+      s.join(a, fresh if indices is None else [fresh[g] for g in indices], m)
+      for s, a, indices, m in zip(structures, arrays, maps, made, strict=True)
     ]
     out = fn(*elements[:n_args], **dict(zip(names, elements[n_args:], strict=True)))
     if any(isinstance(x, AbstractVariable) for x in jax.tree_util.tree_leaves(out)):
@@ -119,7 +160,13 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
         f"{name} under variable_jit returned a bound variable; return its .value (or"
         " unbind_variables(...)) instead."
       )
-    return out, {i: v.value for i, v in enumerate(fresh) if v.value is not values[i]}
+    changed = {
+      (p, j): new
+      for p, (s, objects, given) in enumerate(zip(structures, made, owned, strict=True))
+      for j, ((k, _), obj, old) in enumerate(zip(s.owned, objects, given, strict=True))
+      if (new := _state_kinds[k].value(obj)) is not old
+    }
+    return out, {i: v.value for i, v in enumerate(fresh) if v.value is not values[i]}, changed
 
   jitted = jax.jit(traced, static_argnums=0, **jit_kwargs)
 
@@ -130,9 +177,17 @@ def variable_jit(fn: Callable[..., Any] | None = None, /, **jit_kwargs: Any) -> 
     parts = [_part(e, name) for e in elements]
     variables, maps = _merge_variables(parts)
     layout = (len(args), names, tuple(p.structure for p in parts), maps)
-    out, changed = jitted(layout, [p.arrays for p in parts], tuple(map(_value, variables)))
+    owned = [
+      tuple(_state_kinds[k].value(o) for (k, _), o in zip(p.structure.owned, p.owned, strict=True))
+      for p in parts
+    ]
+    out, changed, changed_owned = jitted(
+      layout, [p.arrays for p in parts], tuple(map(_value, variables)), owned
+    )
     for i, value in changed.items():
       variables[i].value = value
+    for (p, j), value in changed_owned.items():
+      _state_kinds[parts[p].structure.owned[j][0]].write(parts[p].owned[j], value)
     return out
 
   return wrapper
@@ -143,12 +198,20 @@ class _Structure:
   and variable specs. Hashable (the hash is computed once), compared by value.
   """
 
-  __slots__ = ("treedef", "kinds", "static", "specs", "_hash")
+  __slots__ = ("treedef", "kinds", "static", "specs", "owned", "_hash")
 
-  def __init__(self, treedef: Any, kinds: tuple[int, ...], static: tuple[Any, ...], specs: Any):
+  def __init__(
+    self,
+    treedef: Any,
+    kinds: tuple[int, ...],
+    static: tuple[Any, ...],
+    specs: Any,
+    owned: tuple[tuple[int, Any], ...] = (),
+  ):
     self.treedef, self.kinds, self.static, self.specs = treedef, kinds, static, specs
+    self.owned = owned  # (state kind, spec) of each object of a framework's own state
     try:
-      self._hash = hash((treedef, kinds, static, specs))
+      self._hash = hash((treedef, kinds, static, specs, owned))
     except TypeError as e:
       raise ArgumentError(
         "variable_jit treats non-array leaves as static, and they must be hashable;"
@@ -167,15 +230,23 @@ class _Structure:
       and self.treedef == other.treedef
       and self.kinds == other.kinds
       and self.specs == other.specs
+      and self.owned == other.owned
       and len(self.static) == len(other.static)
       and all(type(a) is type(b) and a == b for a, b in zip(self.static, other.static, strict=True))
     )
 
-  def join(self, arrays: Any, variables: list[Any]) -> Any:
-    """The argument again, from its arrays and (fresh) variables (inside the trace)."""
+  def join(self, arrays: Any, variables: list[Any], owned: list[Any] = ()) -> Any:
+    """The argument again, from its arrays, (fresh) variables and (fresh) objects of a
+    framework's own state (inside the trace)."""
     arrays_iter, static_iter = iter(arrays), iter(self.static)
     leaves = [
-      variables[k] if k >= 0 else next(arrays_iter) if k == _ARRAY else next(static_iter)
+      variables[k]
+      if k >= 0
+      else next(arrays_iter)
+      if k == _ARRAY
+      else next(static_iter)
+      if k == _STATIC
+      else owned[_OWNED - k]
       for k in self.kinds
     ]
     return jax.tree_util.tree_unflatten(self.treedef, leaves)
@@ -184,21 +255,30 @@ class _Structure:
 class _Part:
   """One argument split into its structure, its variables (each once) and its arrays."""
 
-  __slots__ = ("structure", "variables", "arrays", "watched", "__weakref__")
+  __slots__ = ("structure", "variables", "arrays", "owned", "watched", "__weakref__")
 
   def __init__(self, argument: Any, name: str):
-    leaves, treedef = jax.tree_util.tree_flatten(argument, is_leaf=_is_variable_or_slot)
+    leaves, treedef = jax.tree_util.tree_flatten(argument, is_leaf=_is_split_leaf)
     kinds: list[int] = []
     static: list[Any] = []
     self.variables: list[AbstractVariable] = []
     self.arrays: list[Any] = []
+    self.owned: list[Any] = []  # objects of a framework's own state, each once
+    owned_specs: list[tuple[int, Any]] = []
     index: dict[int, int] = {}
+    owned_index: dict[int, int] = {}
     for leaf in leaves:
       if isinstance(leaf, AbstractVariable):
         if id(leaf) not in index:
           index[id(leaf)] = len(self.variables)
           self.variables.append(leaf)
         kinds.append(index[id(leaf)])
+      elif _state_kinds and (state := _state_kind(leaf)) is not None:
+        if id(leaf) not in owned_index:
+          owned_index[id(leaf)] = len(self.owned)
+          self.owned.append(leaf)
+          owned_specs.append((state, _state_kinds[state].spec(leaf)))
+        kinds.append(_OWNED - owned_index[id(leaf)])
       elif _is_traced(leaf):
         kinds.append(_ARRAY)
         self.arrays.append(leaf)
@@ -213,7 +293,7 @@ class _Part:
         static.append(leaf)
     _check_labels(self.variables)
     specs = tuple((v.label, isinstance(v, StateVariable)) for v in self.variables)
-    self.structure = _Structure(treedef, tuple(kinds), tuple(static), specs)
+    self.structure = _Structure(treedef, tuple(kinds), tuple(static), specs, tuple(owned_specs))
     self.watched: _Watched | None = None
 
   def watch(self, argument: Any) -> bool:
@@ -346,6 +426,7 @@ class _ArrayPart:
   __slots__ = ("arrays",)
   structure = _Structure(jax.tree_util.tree_structure(0), (_ARRAY,), (), ())
   variables: tuple[()] = ()
+  owned: tuple[()] = ()
 
   def __init__(self, array: Any):
     self.arrays = [array]

@@ -26,6 +26,7 @@ from flaxlens.core._scope import InterceptedFlaxScopeData
 from flaxlens.core._spec import CallSpec
 from flaxlens.core._struct import static_field
 from flaxlens.errors import FlaxlensError
+from flaxlens.nnx import _arguments  # noqa: F401  (registers NNX variables with variable_jit)
 from flaxlens.nnx._definition import NNXModuleDef
 from flaxlens.nnx._modes import restatic
 
