@@ -184,7 +184,8 @@ class AuxBlock(nn.Module):
 
 
 class AuxLM(nn.Module):
-  """Two blocks, then an auxiliary call (a value head) or a soft cap before the head."""
+  """Two blocks, then an auxiliary call (a value head) or a soft cap before the head, or
+  a soft cap of the head's logits."""
 
   variant: str
 
@@ -197,7 +198,10 @@ class AuxLM(nn.Module):
       self.sow("intermediates", "value", nn.Dense(1, name="value_head")(x))
     if self.variant == "soft cap":
       x = 3.0 * jnp.tanh(x / 3.0)
-    return nn.Dense(50, name="unembed")(nn.LayerNorm(name="ln_f")(x))
+    logits = nn.Dense(50, name="unembed")(nn.LayerNorm(name="ln_f")(x))
+    if self.variant == "logit cap":  # Gemma 2's final logit soft cap
+      return 0.5 * jnp.tanh(logits / 0.5)
+    return logits
 
 
 IDS = jnp.arange(12).reshape(2, 6)
@@ -240,3 +244,25 @@ def test_a_lensed_site_that_is_not_a_block_is_refused():
   _, _, tree = _aux("plain")  # the "head" after AuxBlock_0/Dense_0 is AuxBlock_1 on
   with pytest.raises(fl.ArgumentError, match=r"from AuxBlock_1 to unembed, does not reproduce"):
     fl.lens(tree, IDS, "AuxBlock_0/Dense_0")
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_a_found_head_whose_logits_the_model_changes_after_is_refused(jit):
+  _, _, tree = _aux("logit cap")  # 0.5 tanh(logits / 0.5) after the unembedding
+  says = r"ends at unembed, whose output is not the model's output.*head=lambda h"
+  with pytest.raises(fl.ArgumentError, match=says):
+    fl.lens(tree, IDS, "AuxBlock_*", jit=jit)
+
+
+def test_a_head_function_ending_as_the_model_does_gives_the_models_logits():
+  model, variables, tree = _aux("logit cap")
+  params = variables["params"]
+
+  def head(h):
+    normed = nn.LayerNorm().apply({"params": params["ln_f"]}, h)
+    return 0.5 * jnp.tanh(nn.Dense(50).apply({"params": params["unembed"]}, normed) / 0.5)
+
+  result = fl.lens(tree, IDS, "AuxBlock_*", head=head)
+  np.testing.assert_allclose(
+    result["AuxBlock_1"], model.apply(variables, IDS), rtol=1e-6, atol=1e-6
+  )

@@ -273,6 +273,7 @@ def lens(
   )
   if check is not None:
     _check_found_head(ends, check, *checked_head)
+    _check_head_gives_output(ends, output, checked_head[0])
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
   top_probs, top_tokens = jax.lax.top_k(probs, min(top, logits.shape[-1]))
   return LensResult(names, logits, top_tokens, top_probs, output, ends)
@@ -357,6 +358,41 @@ def _check_found_head(ends: tuple[str, str], block: str, model: Any, own: Any, o
       f" {first} is not where the residual enters the head (an auxiliary call, such as a"
       " value head, runs after the last block)." + fix
     )
+
+
+def _check_head_gives_output(ends: tuple[str, str], output: Any, logits: Any) -> None:
+  """Refuses a head found from the tree whose last call's output is not the model's: the
+  model's output holds arrays shaped like the logits, and none is the head's last call's
+  output (the model computes more after it, such as a final soft cap), so the lens would
+  not give the model's logits for the last block. A model whose output holds no array of
+  that shape (a loss, a pooled value) is not compared.
+
+  Raises:
+    ArgumentError: naming the calls found and the ways to choose the head.
+  """
+  first, last = ends
+  shape, dtype = tuple(logits.shape), logits.dtype
+  alike = [
+    leaf
+    for leaf in jax.tree_util.tree_leaves(output)
+    if is_array(leaf) and tuple(leaf.shape) == shape and leaf.dtype == dtype
+  ]
+  if not alike:
+    return
+  eps = float(jnp.finfo(dtype).eps) if jnp.issubdtype(dtype, jnp.inexact) else 0.0
+  head = np.asarray(jax.device_get(logits), np.float64)
+  rounding = 16 * eps * (float(np.abs(head).max(initial=0.0)) + 1.0)
+  for leaf in alike:
+    if np.abs(np.asarray(jax.device_get(leaf), np.float64) - head).max(initial=0.0) <= rounding:
+      return
+  raise ArgumentError(
+    f"fl.lens: the head found from the tree ends at {last}, whose output is not the"
+    f" model's output: the model computes more after {last} (a final soft cap, a scale,"
+    f" a bias), so each lens would be {last}'s output, not the model's logits. Give the"
+    " head as a function that ends as the model does (head=lambda h: ..., e.g. the soft"
+    f" cap applied to lm_head's output), or name the head head=[{first!r}, {last!r}] to"
+    f" lens {last}'s output."
+  )
 
 
 def _through_head(
