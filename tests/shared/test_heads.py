@@ -597,3 +597,58 @@ def test_a_partial_attention_function_is_named_in_the_refusal():
   says = r"attention_fn is functools.partial\(\S*dot_product_attention, broadcast_dropout=False\)"
   with pytest.raises(fl.HeadsError, match=says):
     fl.capture(tree, x, at=fl.attention_pattern("**"))
+
+
+class GroupedQuery(nn.Module):
+  """Grouped-query attention written by hand: 4 query heads, 2 key/value heads."""
+
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int | None = 4
+
+  @nn.compact
+  def __call__(self, x):
+    b, s, _ = x.shape
+    d = 4
+    q = nn.Dense(self.num_heads * d, name="q_proj")(x).reshape(b, s, self.num_heads, d)
+    k = nn.Dense(self.num_kv_heads * d, name="k_proj")(x).reshape(b, s, self.num_kv_heads, d)
+    v = nn.Dense(self.num_kv_heads * d, name="v_proj")(x).reshape(b, s, self.num_kv_heads, d)
+    k, v = (jnp.repeat(a, self.num_heads // self.num_kv_heads, axis=2) for a in (k, v))
+    w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / 2.0, -1)
+    return nn.Dense(x.shape[-1], name="o_proj")(
+      jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, s, -1)
+    )
+
+
+class GroupedModel(nn.Module):
+  head_dim: int | None = 4
+
+  @nn.compact
+  def __call__(self, x):
+    return x + GroupedQuery(head_dim=self.head_dim, name="attn")(x)
+
+
+def _grouped(head_dim):
+  model, x = GroupedModel(head_dim), jnp.linspace(-1.0, 1.0, 48).reshape(1, 6, 8)
+  variables = model.init(jax.random.key(0), x)
+  return model, variables, x, fl.unflaxify(model, variables, x)
+
+
+def test_key_heads_of_grouped_query_attention_are_refused_naming_their_count():
+  _, _, x, tree = _grouped(4)
+  says = r"attn/k_proj: .*4 heads of head_dim 4 \(16 features\).* has 8: 2 key/value.*heads=2"
+  with pytest.raises(fl.HeadsError, match=says):
+    fl.capture(tree, x, at=fl.heads("attn/k_proj"))
+  _, cache = fl.capture(tree, x, at=fl.heads("attn/k_proj", heads=2))
+  model, variables, _, _ = _grouped(4)
+  _, native = model.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
+  keys = native["intermediates"]["attn"]["k_proj"]["__call__"][0]
+  np.testing.assert_array_equal(cache["attn/k_proj:heads"], keys.reshape(1, 6, 2, 4))
+  _, queries = fl.capture(tree, x, at=fl.heads("attn/q_proj"))  # 4 heads of 4: as declared
+  assert queries["attn/q_proj:heads"].shape == (1, 6, 4, 4)
+
+
+def test_grouped_query_attention_without_a_head_dim_setting_asks_for_the_count():
+  _, _, x, tree = _grouped(None)
+  with pytest.raises(fl.HeadsError, match=r"two head counts, 4 heads and num_kv_heads=2"):
+    fl.capture(tree, x, at=fl.heads("attn/q_proj"))

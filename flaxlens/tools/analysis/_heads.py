@@ -65,6 +65,8 @@ from flaxlens.tools.analysis._sweeps import (
 
 ATTENTION = (nn.MultiHeadDotProductAttention, nnx.MultiHeadAttention)
 _COUNTS = ("num_heads", "n_head", "num_attention_heads")
+_KV_COUNTS = ("num_kv_heads", "num_key_value_heads", "n_kv_heads", "n_kv_head", "num_kv_head")
+_HEAD_DIMS = ("head_dim", "head_size", "d_head")
 
 # --- resolving a head site ----------------------------------------------------------------
 
@@ -137,18 +139,66 @@ def _child(sites: list[Site], site: Site, name: str) -> Site | None:
   return None if found is None else found[1]
 
 
-def _count_from_settings(sites: list[Site], site: Site) -> int | None:
-  """The head count in the settings of `site`'s module or the nearest enclosing one."""
+def _setting(holder: Any, keys: tuple[str, ...]) -> tuple[str, int] | None:
+  """The first of `keys` that `holder` (a settings dict or a config object) sets to an
+  int, with its value."""
+  for key in keys:
+    value = holder.get(key) if isinstance(holder, dict) else getattr(holder, key, None)
+    if isinstance(value, int) and not isinstance(value, bool):
+      return key, value
+  return None
+
+
+def _settings_with_count(sites: list[Site], site: Site) -> tuple[int, Any] | None:
+  """The head count in the settings of `site`'s module or the nearest enclosing one, and
+  the settings (a dict or a config object) that hold it."""
   path = tuple(site.node.path)
   enclosing = [s for s in sites if tuple(s.node.path) == path[: len(s.node.path)]]
   for outer in sorted(enclosing, key=lambda s: -len(s.node.path)):
     settings = outer.node.settings()
     for holder in (settings, settings.get("config")):
-      for key in _COUNTS:
-        value = holder.get(key) if isinstance(holder, dict) else getattr(holder, key, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-          return value
+      found = _setting(holder, _COUNTS)
+      if found is not None:
+        return found[1], holder
   return None
+
+
+def _count_from_settings(sites: list[Site], site: Site) -> int | None:
+  """The head count in the settings of `site`'s module or the nearest enclosing one."""
+  found = _settings_with_count(sites, site)
+  return None if found is None else found[0]
+
+
+def _check_settings_count(site: Site, on: str, features: int, count: int, holder: Any) -> None:
+  """Refuses a head count read from the settings around a call that they show is not
+  this call's: a `head_dim` setting whose product with it is not the call's features, or
+  a key/value head count besides it (grouped-query attention: a key or value projection
+  holds fewer heads than `num_heads`), where which count applies is not known.
+
+  Raises:
+    HeadsError: naming the settings and the `heads=` to give.
+  """
+  head_dim = _setting(holder, _HEAD_DIMS)
+  kv = _setting(holder, _KV_COUNTS)
+  kv = kv if kv is not None and kv[1] != count else None
+  if head_dim is not None and features != count * head_dim[1]:
+    fits = kv is not None and features == kv[1] * head_dim[1]
+    raise HeadsError(
+      f"{site.name}: the settings around this call say {count} heads of {head_dim[0]}"
+      f" {head_dim[1]} ({count * head_dim[1]} features), but its {on} has {features}"
+      + (
+        f": {kv[1]} key/value heads ({kv[0]}={kv[1]}). Pass heads={kv[1]} to fl.heads."
+        if fits
+        else f". Pass the call's head count to fl.heads (heads=n, n * head_dim = {features})."
+      )
+    )
+  if kv is not None and head_dim is None:
+    raise HeadsError(
+      f"{site.name}: the settings around this call give two head counts, {count} heads"
+      f" and {kv[0]}={kv[1]} (grouped-query attention), and which one this call's"
+      f" {features} features hold is not known. Pass it to fl.heads: heads={count} for a"
+      f" query projection, heads={kv[1]} for a key or value projection."
+    )
 
 
 def _checked_heads(which: tuple[int, ...] | None, count: int, name: str) -> tuple[int, ...]:
@@ -238,7 +288,12 @@ def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
   if declared is not None and declared > 1:
     return _split_axis(spec, site, sites, on, value, declared)
   features = value.shape[-1]
-  count = given if given is not None else _count_from_settings(sites, site)
+  count = given
+  if count is None:
+    found = _settings_with_count(sites, site)
+    if found is not None:
+      count = found[0]
+      _check_settings_count(site, on, features, *found)
   if count is None:
     raise HeadsError(
       f"{site.name}: no head count is known for this call (its module and the modules"
