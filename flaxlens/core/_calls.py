@@ -56,6 +56,8 @@ class Frame:
     "jit_trace",
     "last",
     "reached",
+    "bodies",
+    "rewound",
   )
 
   def __init__(self, path: Path, node: Any = None, record: Any = None, absorb: Any = None):
@@ -75,6 +77,34 @@ class Frame:
     self.log: list[str] | None = None
     self.jit_trace: Any = None
     self.last: CallKey | None = None  # The key of the latest call made here.
+    # Bodies a transform traces more than once (`traced_body`): id -> (first key index,
+    # index after the first trace, the body, kept alive while its id is a key here).
+    self.bodies: dict[int, tuple[int, int, Any]] | None = None
+    self.rewound: int | None = None  # While a body is traced again: its first trace's end.
+
+  @contextmanager
+  def traced_body(self, body: Any) -> Iterator[None]:
+    """A trace of `body`, a function a transform traces (once or more) in this frame.
+
+    A second trace of the same body makes the same calls, so they get the keys of the
+    first: one call each, edited and captured in every trace, as a body Linen's lifted
+    transforms trace twice is (`lifted_call`).
+    """
+    bodies = self.bodies if self.bodies is not None else {}
+    self.bodies = bodies
+    seen = bodies.get(id(body))
+    if seen is None:
+      start = self.counter
+      yield
+      bodies[id(body)] = (start, self.counter, body)
+      return
+    start, end, _ = seen
+    counter, rewound = self.counter, self.rewound
+    self.counter, self.rewound = start, end
+    try:
+      yield
+    finally:
+      self.counter, self.rewound = max(counter, self.counter), rewound
 
   def lifted_call(self, trace: Any) -> None:
     """A lifted transform starts a call here, in the JAX trace `trace`.
@@ -94,6 +124,10 @@ class Frame:
     function."""
     if self.log is not None:
       self.log.append(name)
+    if self.rewound is not None and self.counter < self.rewound:
+      self.last = (self.counter, name)
+      self.counter += 1
+      return self.last, True
     lifted = self.lifted
     if lifted is not None and lifted[0] == name and lifted[3] is body:
       self.last = (lifted[1], name)

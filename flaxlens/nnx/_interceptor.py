@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flaxlens._compat import nnx_graph, nnx_jit, nnx_variables, patching, tracing
+from flaxlens._compat import nnx_graph, nnx_jit, nnx_loops, nnx_variables, patching, tracing
 from flaxlens.core._active import is_active
 from flaxlens.core._call_record import CallRecord
 from flaxlens.core._calls import CallInterceptor
@@ -171,8 +171,20 @@ class NNXInterceptor(CallInterceptor):
   def active(self) -> Iterator[None]:
     methods = {pair for cls in self.classes for pair in _reported(cls)}
     wrappers = {(definer, name): _report(definer, name) for definer, name in methods}
-    with patching.patched(wrappers), nnx_jit.jit_keys(self._jit_call), super().active():
+    with (
+      patching.patched(wrappers),
+      nnx_jit.jit_keys(self._jit_call),
+      nnx_loops.body_traces(self._body_trace),
+      super().active(),
+    ):
       yield
+
+  def _body_trace(self, body: Any, trace: Callable[[], Any]) -> Any:
+    """One trace of an `nnx.fori_loop` body: traced again, its calls keep their keys."""
+    if not self.frames:
+      return trace()
+    with self.frames[-1].traced_body(body):
+      return trace()
 
   def _jit_call(
     self, call: Callable[[], Any], arguments: Any, inline: Callable[[], Any], donates: bool
