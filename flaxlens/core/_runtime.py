@@ -236,7 +236,11 @@ def write_back(root: CallNode, gathered: Gathered, updates: Mapping[Any, Any]) -
     for key, value in updates.items()
     if value is not gathered.values[key]
   ]
-  frozen = [e.label for e, _ in changed if isinstance(e, AbstractVariableValue)]
+  frozen = [
+    e.label
+    for e, value in changed
+    if isinstance(e, AbstractVariableValue) and not _same_bits(e.value, value)
+  ]
   if frozen:
     raise VariableError(
       f"{where}: this call updates {frozen[:6]}, which the tree holds frozen"
@@ -248,6 +252,22 @@ def write_back(root: CallNode, gathered: Gathered, updates: Mapping[Any, Any]) -
     check_storable(entry, value, where)
   for entry, value in changed:
     entry.value = value
+
+
+def _same_bits(old: Any, new: Any) -> bool:
+  """Whether `new`, the value a run gives back for a frozen value `old`, is `old` again
+  as a new array of the same bits (a jitted call, such as an `nnx.jit` method, returns
+  every variable it is given as a new array). Traced values cannot be told: False."""
+  arrays = (jax.Array, np.ndarray)
+  if not (isinstance(old, arrays) and isinstance(new, arrays)):
+    return False
+  if isinstance(old, jax.core.Tracer) or isinstance(new, jax.core.Tracer):
+    return False
+  if old.shape != new.shape or old.dtype != new.dtype:
+    return False
+  if jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key):
+    old, new = jax.random.key_data(old), jax.random.key_data(new)
+  return np.asarray(old).tobytes() == np.asarray(new).tobytes()
 
 
 def resolve_random_streams(random_streams: Any, where: str) -> Any:
