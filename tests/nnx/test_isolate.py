@@ -61,3 +61,13 @@ def test_a_call_running_nnx_jit_isolates_and_replays_its_native_output(cases, na
   isolated = NNX.isolate(cases[name], None)
   assert isolated.replay()
   assert_trees_equal(isolated.saved_output, NNX.native(cases[name])[0])
+
+
+def test_saving_a_call_receiving_an_rngs_names_the_nnx_object_and_the_fix(cases, tmp_path):
+  isolated = NNX.isolate(cases["rngs_argument"], None)
+  with pytest.raises(
+    fl.ArtifactError, match=r"saved_arg.kwargs\['rngs'\]: it is an NNX object"
+  ) as e:
+    fl.save_isolated(isolated, tmp_path / "call")
+  assert "keep the nnx.Rngs (or module) in the model" in str(e.value)
+  assert not (tmp_path / "call").exists()
