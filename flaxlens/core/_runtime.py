@@ -28,7 +28,7 @@ from flaxlens.core._calls import CallInterceptor, Frame
 from flaxlens.core._inner_jit import RunToken
 from flaxlens.core._node import CallNode
 from flaxlens.core._probes import Probing, carrying_out
-from flaxlens.core._random import RandomStream
+from flaxlens.core._random import RandomStream, detached
 from flaxlens.core._scope import fixed_scope_data
 from flaxlens.core._variables import (
   AbstractVariable,
@@ -270,8 +270,10 @@ def _same_bits(old: Any, new: Any) -> bool:
   return np.asarray(old).tobytes() == np.asarray(new).tobytes()
 
 
-def resolve_random_streams(random_streams: Any, where: str) -> Any:
-  """`random_streams` with each `RandomStream` replaced by its next key.
+def resolve_random_streams(random_streams: Any, where: str, advance: bool = True) -> Any:
+  """`random_streams` with each `RandomStream` replaced by its next key (the stream
+  advances unless `advance` is False) and each raw key held as a NumPy uint32 array
+  (as Flax's `rngs=` takes it) by that key as a JAX array.
 
   A single key (as Flax takes `rngs=key`) and None pass through.
 
@@ -291,13 +293,20 @@ def resolve_random_streams(random_streams: Any, where: str) -> Any:
   keys = {}
   for name, stream in random_streams.items():
     if isinstance(stream, RandomStream):
-      keys[name] = stream.next_key()
+      keys[name] = (stream if advance else detached(stream)).next_key()
     elif isinstance(stream, jax.Array):
       keys[name] = stream
+    elif isinstance(stream, np.ndarray) and stream.dtype == np.uint32:
+      keys[name] = jax.numpy.asarray(stream)
     else:
       raise ArgumentError(
         f"{where}: random_streams[{name!r}] must be a JAX key or an fl.RandomStream,"
-        f" got {type(stream).__name__}."
+        f" got {type(stream).__name__}"
+        + (
+          f" of {stream.dtype}. A raw key is uint32: pass jax.random.key(seed)."
+          if isinstance(stream, np.ndarray)
+          else ". Pass for example jax.random.key(0)."
+        )
       )
   return keys
 
