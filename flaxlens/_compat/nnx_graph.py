@@ -19,8 +19,8 @@ fills while merging; a pytree module's `_pytree__nodes` and `_pytree__is_pytree`
 attributes are data), `flax.nnx.graphlib.get_node_impl` and `is_node` (what NNX
 traverses); `nnx.merge` taking any objects as leaves; the base classes whose methods
 are NNX's own (`flax.nnx.reprlib`); and, for the artifact load policy, the classes a
-`GraphDef` is made of (`flax.nnx.graphlib.NodeDef`, ...), `GenericPytree`,
-`flax.nnx.pytreelib.PytreeState` and `flax.typing.HashableMapping`.
+`GraphDef` is made of (`flax.nnx.graphlib.NodeDef`, `NodeRef` for a shared node, ...),
+`GenericPytree`, `flax.nnx.pytreelib.PytreeState` and `flax.typing.HashableMapping`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ SEQUENCE_REPR_MIXIN = Internal("flax.nnx.reprlib", "SequenceReprMixin")
 MAPPING_REPR_MIXIN = Internal("flax.nnx.reprlib", "MappingReprMixin")
 GRAPH_DATA = tuple(
   Internal("flax.nnx.graphlib", name)
-  for name in ("GraphDef", "NodeDef", "VariableDef", "NodeAttr", "Static", "ArrayRefDef")
+  for name in ("GraphDef", "NodeDef", "NodeRef", "VariableDef", "NodeAttr", "Static", "ArrayRefDef")
 )
 NODE_REF = Internal("flax.nnx.graphlib", "NodeRef")
 VARIABLE_DEF = Internal("flax.nnx.graphlib", "VariableDef")

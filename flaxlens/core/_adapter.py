@@ -138,6 +138,12 @@ class FrameworkAdapter(abc.ABC):
   def with_exported_variables(self, like: Any, variables: Any) -> Any:
     """A new exported model shaped as `like`, holding `variables` (as above); `like` unchanged."""
 
+  # --- plain models ---------------------------------------------------------------------
+
+  def native_call_fix(self, error: Exception) -> str:
+    """How to fix a plain model's run (`run_native`) that raised `error` in its own code."""
+    return "Check that the model itself runs on these arguments."
+
 
 _adapters: list[FrameworkAdapter] = []
 

@@ -7,6 +7,8 @@ internals here.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import Any
 
 import jax
@@ -46,3 +48,19 @@ class RandomStream(Struct):
     key = jax.random.fold_in(self.base_key, self.offset.value)
     self.offset.value = self.offset.value + 1
     return key
+
+
+def detached(stream: RandomStream) -> RandomStream:
+  """A copy of `stream` at its counter, advancing on its own (`stream` stays where it is).
+
+  Example:
+    >>> import flaxlens as fl, jax
+    >>> from flaxlens.core._random import detached
+    >>> stream = fl.RandomStream.from_base_key(jax.random.key(0))
+    >>> _ = detached(stream).next_key()
+    >>> int(stream.offset.value)
+    0
+  """
+  if not isinstance(stream.offset, StateVariable):
+    return stream  # next_key refuses it, naming the fix.
+  return dataclasses.replace(stream, offset=copy.copy(stream.offset))

@@ -28,7 +28,7 @@ from flaxlens.core._calls import CallInterceptor, Frame
 from flaxlens.core._inner_jit import RunToken
 from flaxlens.core._node import CallNode
 from flaxlens.core._probes import Probing, carrying_out
-from flaxlens.core._random import RandomStream
+from flaxlens.core._random import RandomStream, detached
 from flaxlens.core._scope import fixed_scope_data
 from flaxlens.core._variables import (
   AbstractVariable,
@@ -236,7 +236,11 @@ def write_back(root: CallNode, gathered: Gathered, updates: Mapping[Any, Any]) -
     for key, value in updates.items()
     if value is not gathered.values[key]
   ]
-  frozen = [e.label for e, _ in changed if isinstance(e, AbstractVariableValue)]
+  frozen = [
+    e.label
+    for e, value in changed
+    if isinstance(e, AbstractVariableValue) and not _same_bits(e.value, value)
+  ]
   if frozen:
     raise VariableError(
       f"{where}: this call updates {frozen[:6]}, which the tree holds frozen"
@@ -250,8 +254,26 @@ def write_back(root: CallNode, gathered: Gathered, updates: Mapping[Any, Any]) -
     entry.value = value
 
 
-def resolve_random_streams(random_streams: Any, where: str) -> Any:
-  """`random_streams` with each `RandomStream` replaced by its next key.
+def _same_bits(old: Any, new: Any) -> bool:
+  """Whether `new`, the value a run gives back for a frozen value `old`, is `old` again
+  as a new array of the same bits (a jitted call, such as an `nnx.jit` method, returns
+  every variable it is given as a new array). Traced values cannot be told: False."""
+  arrays = (jax.Array, np.ndarray)
+  if not (isinstance(old, arrays) and isinstance(new, arrays)):
+    return False
+  if isinstance(old, jax.core.Tracer) or isinstance(new, jax.core.Tracer):
+    return False
+  if old.shape != new.shape or old.dtype != new.dtype:
+    return False
+  if jax.dtypes.issubdtype(old.dtype, jax.dtypes.prng_key):
+    old, new = jax.random.key_data(old), jax.random.key_data(new)
+  return np.asarray(old).tobytes() == np.asarray(new).tobytes()
+
+
+def resolve_random_streams(random_streams: Any, where: str, advance: bool = True) -> Any:
+  """`random_streams` with each `RandomStream` replaced by its next key (the stream
+  advances unless `advance` is False) and each raw key held as a NumPy uint32 array
+  (as Flax's `rngs=` takes it) by that key as a JAX array.
 
   A single key (as Flax takes `rngs=key`) and None pass through.
 
@@ -271,13 +293,20 @@ def resolve_random_streams(random_streams: Any, where: str) -> Any:
   keys = {}
   for name, stream in random_streams.items():
     if isinstance(stream, RandomStream):
-      keys[name] = stream.next_key()
+      keys[name] = (stream if advance else detached(stream)).next_key()
     elif isinstance(stream, jax.Array):
       keys[name] = stream
+    elif isinstance(stream, np.ndarray) and stream.dtype == np.uint32:
+      keys[name] = jax.numpy.asarray(stream)
     else:
       raise ArgumentError(
         f"{where}: random_streams[{name!r}] must be a JAX key or an fl.RandomStream,"
-        f" got {type(stream).__name__}."
+        f" got {type(stream).__name__}"
+        + (
+          f" of {stream.dtype}. A raw key is uint32: pass jax.random.key(seed)."
+          if isinstance(stream, np.ndarray)
+          else ". Pass for example jax.random.key(0)."
+        )
       )
   return keys
 

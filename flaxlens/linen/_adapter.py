@@ -10,9 +10,11 @@ lazy suffixes and counters) and its arguments. Flax internals used: through
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import flax.errors
 import flax.linen as nn
 
 from flaxlens._compat import linen_apply, linen_modules, linen_rngs
@@ -239,6 +241,20 @@ class LinenAdapter(FrameworkAdapter):
     output, updates = result if mutable not in (False, None) else (result, {})
     held = flatten_collections({"params": variables.get("params", {}), **updates})
     return output, {self.key_name(k): v for k, v in held.items()}
+
+  def native_call_fix(self, error: Exception) -> str:
+    if isinstance(error, flax.errors.ModifyScopeVariableError):
+      # Flax names the collection only in its message: 'collection "batch_stats" is ...'.
+      found = re.search(r'collection "([^"]+)"', str(error))
+      names = repr([found.group(1)]) if found else "[...]"
+      return (
+        f"The model updates a collection that module.apply was not allowed to: pass"
+        f" mutable={names} (the collections it updates, as module.apply takes them)."
+      )
+    return (
+      "Check that module.apply(variables, *args, method=..., rngs=..., mutable=...) runs"
+      " on these arguments, with variables made for them (module.init)."
+    )
 
   def export(self, node: Any) -> dict[str, Any]:
     check_exportable(node)

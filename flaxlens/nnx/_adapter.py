@@ -159,6 +159,9 @@ class NNXAdapter(FrameworkAdapter):
     state = nnx.to_flat_state(nnx.state(copy))
     return output, {label_of(tuple(p), v): v.get_raw_value() for p, v in state}
 
+  def native_call_fix(self, error: Exception) -> str:
+    return "Check that the module itself runs on these arguments: model(*args, **kwargs)."
+
   def export(self, node: Any, into: nnx.Module | None = None) -> nnx.Module:
     node.check_runs_alone("be exported on its own; export the tree it belongs to")
     check_exportable(node)

@@ -297,3 +297,25 @@ def test_the_body_of_a_transform_applied_to_a_function_is_refused_with_the_reaso
     match=r"Dense_0.layer_forward: Dense.layer_forward is not a method.*Dense_0.__call__",
   ):
     LINEN.isolate(case, "Dense_0.layer_forward")
+
+
+def test_isolating_with_a_random_stream_draws_its_next_key_and_leaves_it_where_it_was():
+  module, x = DropoutTwice(), jnp.ones((4, 8))
+  base = jax.random.key(5)
+  tree = fl.unflaxify(module, {}, x, rngs={"dropout": base})
+  stream = fl.RandomStream.from_base_key(base)
+  isolated = fl.isolate(tree, x, "", random_streams={"dropout": stream})
+  assert int(stream.offset.value) == 0
+  key = jax.random.fold_in(base, 0)  # The key a tree call draws first from the stream.
+  assert_trees_equal(isolated.saved_output, module.apply({}, x, rngs={"dropout": key}))
+  assert isolated.replay()
+
+
+def test_a_raw_key_held_as_a_numpy_array_is_taken_as_flax_takes_it():
+  module, x = DropoutTwice(), jnp.ones((4, 8))
+  key = np.asarray(jax.random.PRNGKey(3))  # uint32[2], as a key read from disk.
+  tree = fl.unflaxify(module, {}, x, rngs={"dropout": key})
+  out = tree(fl.ArgsAndKwargs.capture(x), random_streams={"dropout": key})
+  assert_trees_equal(out, module.apply({}, x, rngs={"dropout": key}))
+  with pytest.raises(fl.ArgumentError, match=r"got ndarray of float32. A raw key is uint32"):
+    tree(fl.ArgsAndKwargs.capture(x), random_streams={"dropout": key.astype(np.float32)})

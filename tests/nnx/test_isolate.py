@@ -35,6 +35,7 @@ def test_a_call_receiving_nnx_objects_is_refused_with_the_reason(cases):
     ("attention_decode", None),
     ("linen_bridge", None),
     ("sow_outside_capture", None),
+    ("shared_submodule", None),  # The GraphDef names the shared module again (a NodeRef).
   ],
 )
 def test_a_saved_nnx_call_loads_and_replays_exactly(cases, tmp_path, name, path):
@@ -52,3 +53,21 @@ def test_a_saved_scan_iteration_loads_and_replays_exactly(cases, tmp_path):
   loaded = fl.load_isolated(tmp_path / "iteration", allow=["nnx"])
   assert loaded.call_number == 2
   assert loaded.replay()
+
+
+@pytest.mark.parametrize("name", ["jit_method", "nnx_jit_inside"])
+def test_a_call_running_nnx_jit_isolates_and_replays_its_native_output(cases, name):
+  # nnx.jit hands back every variable it is given as a new array: no update.
+  isolated = NNX.isolate(cases[name], None)
+  assert isolated.replay()
+  assert_trees_equal(isolated.saved_output, NNX.native(cases[name])[0])
+
+
+def test_saving_a_call_receiving_an_rngs_names_the_nnx_object_and_the_fix(cases, tmp_path):
+  isolated = NNX.isolate(cases["rngs_argument"], None)
+  with pytest.raises(
+    fl.ArtifactError, match=r"saved_arg.kwargs\['rngs'\]: it is an NNX object"
+  ) as e:
+    fl.save_isolated(isolated, tmp_path / "call")
+  assert "keep the nnx.Rngs (or module) in the model" in str(e.value)
+  assert not (tmp_path / "call").exists()

@@ -7,6 +7,7 @@ model (far apart).
 
 from __future__ import annotations
 
+import flax.errors
 import jax
 import numpy as np
 import pytest
@@ -127,3 +128,38 @@ def test_a_linen_module_without_variables_is_refused(corpora):
   case = corpora[LINEN]["mlp"]
   with pytest.raises(fl.ArgumentError, match=r"MLP: .* pass the pair \(module, variables\)"):
     fl.check_equivalence(case.module, LINEN.convert(case), case.args)
+
+
+def test_a_random_stream_gives_both_sides_its_next_key_and_is_not_advanced(corpora):
+  case = corpora[LINEN]["dropout"]
+  argument, options = LINEN.equivalence_call(case)
+  (name,) = case.rngs
+  stream = fl.RandomStream.from_base_key(jax.random.key(5))
+  options = {**options, "random_streams": {name: stream}}
+  tree = LINEN.convert(case)
+  assert fl.check_equivalence(tree, tree, argument, **options)
+  assert fl.check_equivalence(tree, LINEN.plain_model(case), argument, **options)
+  assert int(stream.offset.value) == 0
+  # The key drawn is the stream's next one: the model's own output with that key.
+  keys = {name: jax.random.fold_in(jax.random.key(5), 0)}
+  other = {**options, "random_streams": keys}
+  assert fl.check_equivalence(tree, LINEN.plain_model(case), argument, **other)
+
+
+def test_a_plain_linen_side_without_mutable_fails_as_a_model_call_naming_the_fix(corpora):
+  case = corpora[LINEN]["batchnorm_train"]
+  argument, options = LINEN.equivalence_call(case)
+  options = {**options, "mutable": False}
+  with pytest.raises(fl.ModelCallError, match=r"side a \(Linen .*mutable=\['batch_stats'\]") as e:
+    fl.check_equivalence(LINEN.plain_model(case), LINEN.convert(case), argument, **options)
+  assert isinstance(e.value, flax.errors.ModifyScopeVariableError)
+
+
+@pytest.mark.parametrize("fw", BOTH)
+def test_a_plain_side_failing_on_its_input_is_a_model_call_error_naming_the_side(corpora, fw):
+  case = corpora[fw]["mlp"]
+  _, options = fw.equivalence_call(case)
+  bad = fl.ArgsAndKwargs.capture(np.ones((2, 5), np.float32))  # Features of another size.
+  with pytest.raises(fl.ModelCallError, match=r"fl.check_equivalence: side a .* Check that") as e:
+    fl.check_equivalence(fw.plain_model(case), fw.plain_model(case), bad, **options)
+  assert isinstance(e.value, type(e.value.__cause__))  # `except` of Flax's class catches it.

@@ -18,8 +18,9 @@ import jax
 from flaxlens.core._adapter import adapter_for_model
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._node import CallNode
+from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._variables import Parameter, Uninitialized, variables_in
-from flaxlens.errors import ArgumentError
+from flaxlens.errors import ArgumentError, FlaxlensError, model_call_error
 from flaxlens.tools._compare import EquivalenceReport, compare_states, compare_trees
 from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
 
@@ -55,8 +56,9 @@ def check_equivalence(
       name or a function taking the module first; default `__call__`). A tree calls the
       method it was converted from.
     random_streams: Linen rng keys, as a tree call takes them (and `module.apply` as
-      `rngs`). NNX models keep theirs in the model (an `rngs` argument of the call goes
-      in `args`).
+      `rngs`); an `fl.RandomStream` gives both sides the key a tree call would draw
+      next, and is not advanced. NNX models keep theirs in the model (an `rngs`
+      argument of the call goes in `args`).
     mutable: the collections a Linen `module.apply` may update (as `module.apply`
       takes them); a Linen tree updates the collections it was converted with. Give the
       same ones, so that both sides report the same state.
@@ -66,6 +68,8 @@ def check_equivalence(
 
   Raises:
     ArgumentError: if a side is none of the above (a Linen module without variables).
+    ModelCallError: if a plain model fails in its own code (naming the side; also an
+      instance of the original error's class), as a tree's failures are raised.
 
   Example:
     >>> import flaxlens as fl, jax.numpy as jnp
@@ -80,8 +84,10 @@ def check_equivalence(
     True
   """
   argument = model_arguments(args)
-  out_a, state_a = _run(a, "a", _fresh(argument), method, random_streams, mutable)
-  out_b, state_b = _run(b, "b", _fresh(argument), method, random_streams, mutable)
+  # Both sides draw the keys a tree call would draw now; the caller's streams stay put.
+  keys = resolve_random_streams(random_streams, "fl.check_equivalence", advance=False)
+  out_a, state_a = _run(a, "a", _fresh(argument), method, keys, mutable)
+  out_b, state_b = _run(b, "b", _fresh(argument), method, keys, mutable)
   outputs = compare_trees(out_a, out_b)
   return EquivalenceReport(_describe(a), _describe(b), outputs, compare_states(state_a, state_b))
 
@@ -118,4 +124,16 @@ def _run(
       f"check_equivalence: {side} must be a converted tree, a Linen (module, variables)"
       f" pair or an NNX module, got {type(model).__name__}. Pass one of those."
     )
-  return adapter.run_native(model, argument, method, rngs, mutable)
+  try:
+    return adapter.run_native(model, argument, method, rngs, mutable)
+  except FlaxlensError:
+    raise
+  except Exception as e:
+    said = " ".join(f"{type(e).__name__}: {e}".split())
+    # Also an instance of the original's class, as a tree call's failures are.
+    raise model_call_error(
+      type(e),
+      f"fl.check_equivalence: side {side} ({_describe(model)}) failed inside the model's own"
+      f" code ({said if len(said) <= 400 else said[:400] + ' ...'}; the original error is"
+      f" this one's cause). {adapter.native_call_fix(e)}",
+    ) from e

@@ -259,6 +259,11 @@ def _is_key(x: Any) -> bool:
   return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _is_nnx_object(x: Any) -> bool:
+  """An NNX graph object (a module, an `nnx.Rngs`, a variable): not savable as a value."""
+  return _isinstance_lazy(x, "flax.nnx:Pytree") or _isinstance_lazy(x, "flax.nnx:Variable")
+
+
 class Encoder:
   """Encodes values; collects the arrays it meets in `self.arrays`."""
 
@@ -294,6 +299,14 @@ class Encoder:
     for codec in _codecs():
       if codec.matches(value):
         return self._object(codec, value, where)
+    if _is_nnx_object(value):
+      raise ArtifactError(
+        f"Cannot save {where or 'a value'}: it is an NNX object ({type(value).__name__}),"
+        " which an artifact holds only as the isolated model's own state, not as a value."
+        " Isolate a call that receives arrays or JAX keys instead: keep the nnx.Rngs (or"
+        " module) in the model, whose keys and counts are saved with it, or pass keys"
+        " (rngs.dropout())."
+      )
     if callable(value):
       return {"ref": self._ref(value, where)}
     raise ArtifactError(

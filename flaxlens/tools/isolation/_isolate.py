@@ -66,8 +66,9 @@ def isolate(
       call of a shared module, for example).
     every: return a tuple with one submodel per execution of the call, in execution
       order (empty if it never ran), instead of requiring exactly one execution.
-    random_streams: Linen rng keys, as a tree call takes them (NNX models keep theirs in
-      the model, or take an `nnx.Rngs` among their arguments).
+    random_streams: Linen rng keys, as a tree call takes them; an `fl.RandomStream`
+      gives the key a tree call would draw next, and is not advanced (NNX models keep
+      theirs in the model, or take an `nnx.Rngs` among their arguments).
 
   Returns:
     The `IsolatedSubmodel` (`isolated.replay()` re-runs it and compares), or with
@@ -198,7 +199,8 @@ def _isolate_executions(
       f"{node.where()}: calls inside it are replaced; isolate it before patching it."
     )
   adapter.check_isolatable(node)
-  random_streams = resolve_random_streams(random_streams, "fl.isolate")
+  # Isolation runs a copy: the caller's RandomStreams do not advance.
+  random_streams = resolve_random_streams(random_streams, "fl.isolate", advance=False)
   # Stateful objects among the arguments (an nnx.Rngs) advance in a run: use a copy.
   argument = jax.tree_util.tree_map(lambda x: x, argument)
   unbound, values = unbind_variables(root, freeze=True)
