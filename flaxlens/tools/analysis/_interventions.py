@@ -391,10 +391,15 @@ def orthonormal_rows(matrix: Any) -> Any:
   """The rows of `matrix` (rank × features, rank <= features) made orthonormal: the
   Q factor of `matrix.T`'s QR decomposition, each column's sign chosen so that R's
   diagonal is positive (then rows that are orthonormal already come back unchanged, to
-  rounding, and the map is differentiable where `matrix` has full rank)."""
+  rounding, and the map is differentiable where `matrix` has full rank). A matrix of
+  a floating dtype narrower than float32 (bfloat16, float16), which QR does not take, is
+  decomposed in float32 and the rows come back in its own dtype."""
+  dtype = matrix.dtype
+  if jnp.finfo(dtype).bits < 32:
+    matrix = matrix.astype(jnp.float32)
   q, r = jnp.linalg.qr(matrix.T)
   signs = jnp.where(jnp.diagonal(r) < 0, -1, 1).astype(q.dtype)
-  return (q * signs).T
+  return (q * signs).T.astype(dtype)
 
 
 def _checked_rows(site: str, matrix: Any, target: Any, what: str, on: str) -> Any:
