@@ -336,17 +336,32 @@ def test_a_model_whose_run_updates_state_is_refused(corpora, fw, name):
   "batch, edits, loss, message",
   [
     ("x", "steer", _loss, r"batch 0 is of type ArrayImpl; each batch is a tuple \(args, data\)"),
-    ("pair", "steer", lambda o, t: (o - t) ** 2, r"loss returned shape \(2, 4\).*jnp.mean"),
+    ("pair", "steer", lambda o, t: (o - t) ** 2, r"scalar loss; this one returned shape \(2, 4\)"),
+    ("pair", "steer", lambda o, t: jnp.argmax(o), "floating-point loss; this one returned int32"),
+    ("pair", "steer", lambda o, t: _loss(o, t) > 0, "floating-point loss; this one returned bool"),
+    ("pair", "steer", lambda o, t: (_loss(o, t), o), "loss must return an array .*got tuple"),
+    ("pair", "steer", lambda o, t: None, "loss must return an array .*got NoneType"),
     ("pair", "ablate", _loss, "none of the interventions learns anything"),
+    ("none", "steer", _loss, r"batches gave no batch .*at least one \(args, data\) tuple"),
     ("triple", "steer", _loss, "no intervention is an fl.interchange"),
   ],
-  ids=["not_a_tuple", "loss_not_scalar", "nothing_learned", "source_without_interchange"],
+  ids=[
+    "not_a_tuple",
+    "loss_not_scalar",
+    "loss_int",
+    "loss_bool",
+    "loss_with_aux",
+    "loss_none",
+    "nothing_learned",
+    "no_batches",
+    "source_without_interchange",
+  ],
 )
 def test_bad_training_input_is_refused(corpora, batch, edits, loss, message):
   case = corpora[LINEN]["mlp"]
   tree = LINEN.convert(case)
   x, target = case.args[0], jnp.zeros((2, 4))
-  batches = {"x": [x], "pair": [(x, target)], "triple": [(x, target, x)]}[batch]
+  batches = {"x": [x], "pair": [(x, target)], "triple": [(x, target, x)], "none": []}[batch]
   edit = {"steer": fl.steer("Dense_1", jnp.zeros(4)), "ablate": fl.ablate("Dense_1")}[edits]
   with pytest.raises(fl.ArgumentError, match=message):
     fl.train_interventions(tree, [edit], batches, loss, optax.sgd(0.1))

@@ -380,20 +380,30 @@ def _checked_positions(positions: Any) -> tuple[int, ...] | None:
   return out
 
 
-def _metric_value(metric: Callable[[Any], Any], output: Any, scalar: bool) -> Any:
+def _metric_value(
+  metric: Callable[[Any], Any],
+  output: Any,
+  scalar: bool,
+  what: str = "metric",
+  where: str | None = None,
+) -> Any:
+  """`metric(output)`, refused unless it is an array and, with `scalar` (a gradient is
+  taken of it), a real floating-point scalar; `what` ("loss") and `where` (the tool,
+  `"fl.train_interventions"`) name the function in the messages."""
   value = metric(output)
+  the, gradients = (f"{where}: the", f"{where}: gradients") if where else ("The", "Gradients")
   if not hasattr(value, "shape") or not hasattr(value, "dtype"):
     raise ArgumentError(
-      f"The metric must return an array (a scalar, say), got {type(value).__name__}."
+      f"{the} {what} must return an array (a scalar, say), got {type(value).__name__}."
     )
   if scalar and value.shape != ():
     raise ArgumentError(
-      f"Gradients need a scalar metric; this one returned shape {tuple(value.shape)}."
+      f"{gradients} need a scalar {what}; this one returned shape {tuple(value.shape)}."
       " Reduce it (for example .mean() or .sum())."
     )
   if scalar and not jnp.issubdtype(value.dtype, jnp.floating):
     raise ArgumentError(
-      f"Gradients need a real floating-point metric; this one returned {value.dtype}."
+      f"{gradients} need a real floating-point {what}; this one returned {value.dtype}."
       " Return a float computed from the output (a logit difference, a loss): an integer"
       " (an argmax, a count) has no gradient, and of a complex value take a real one"
       " (jnp.real(...), jnp.abs(...))."
