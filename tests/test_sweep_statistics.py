@@ -174,6 +174,23 @@ def test_per_example_refuses_a_metric_returning_a_scalar():
     fl.sweep(tree, clean, _corrupted(clean), sites, total_metric, per_example=True)
 
 
+@pytest.mark.parametrize("share_prefix", [False, True], ids=["batched", "shared_prefix"])
+def test_per_example_refuses_a_metric_whose_leading_axis_is_not_the_batch(share_prefix):
+  """One value per position of example 0 (shape (4,), batch 6) is not one per example."""
+  tree, sites, clean, _ = _stack(LINEN)
+  said = r"^fl.sweep: per_example=True .* shape \(4,\), .*\(args\[0\]: \(6, 4, 4\)\)"
+  with pytest.raises(fl.ArgumentError, match=said):
+    fl.sweep(
+      tree,
+      clean,
+      _corrupted(clean),
+      sites,
+      lambda out: out[0, :, 1] - out[0, :, 0],
+      per_example=True,
+      share_prefix=share_prefix,
+    )
+
+
 # --- the normalised effect ------------------------------------------------------------------
 
 

@@ -500,8 +500,22 @@ def test_sweep_refuses_positions_outside_the_value(corpora):
     ([10**30], 1, r"^positions= holds \[10+\], which no axis has.* Give positions from 0"),
     ([0], 7, r"^{site}: axis=7 is not an axis of the value.* Pass the axis"),
     ([0], "1", r"^{site}: axis='1' is not an axis of the value.* Pass the axis"),
+    ([True, False], 1, r"^positions= takes integers .*not bools, floats"),
+    ([0, True], 1, r"^positions= takes integers .*not bools, floats"),
+    ([1.7], 1, r"^positions= takes integers .*not bools, floats"),
+    (np.array([3.0], np.float32), 1, r"^positions= takes integers .*not bools, floats"),
   ],
-  ids=["past_the_end", "negative", "huge", "axis_7", "axis_text"],
+  ids=[
+    "past_the_end",
+    "negative",
+    "huge",
+    "axis_7",
+    "axis_text",
+    "bools",
+    "a_bool",
+    "float",
+    "float_array",
+  ],
 )
 @pytest.mark.parametrize("framework", [LINEN, NNX])
 def test_positions_or_an_axis_the_values_lack_are_refused(

@@ -105,6 +105,25 @@ def test_steering_a_residual_block_folds_into_the_bias_of_the_call_writing_it_la
 
 
 @pytest.mark.parametrize("fw", BOTH)
+def test_steering_a_feature_region_by_a_value_of_its_shape_folds_into_its_bias_entries(corpora, fw):
+  """A steering vector shaped as the region an index where= selects, as fl.run takes it:
+  the same at every position, it is the region's bias entries that change."""
+  case = _transformer(corpora, fw)
+  path = SITES[fw]["down"]
+  _, cache = fl.capture(fw.convert(case), case.args, path)
+  region = jnp.broadcast_to(VECTOR[2:5], (*cache[path].shape[:-1], 3))
+  steer = fl.steer(path, region, alpha=3.0, where=jnp.s_[..., 2:5])
+  tree, exported = _fold(fw, case, [steer])
+  bias = _parameter(tree, path, "bias")
+  changed = _changed(fw, case, exported)
+  assert list(changed) == [bias.label]
+  np.testing.assert_array_equal(changed[bias.label][1], bias.value.at[2:5].add(3.0 * VECTOR[2:5]))
+  steered, _ = fw.native(case, wrap=Wrap(path, lambda out, *a: out.at[..., 2:5].add(3.0 * region)))
+  _assert_close(fw.native(exported)[0], steered)
+  _assert_close(fw.native(exported)[0], fl.run(tree, case.args, interventions=[steer]))
+
+
+@pytest.mark.parametrize("fw", BOTH)
 def test_a_zero_ablated_head_folds_into_the_output_projection_rows_of_that_head(corpora, fw):
   case = _transformer(corpora, fw)
   path = SITES[fw]["attention_out"]

@@ -189,6 +189,29 @@ def test_a_value_that_does_not_broadcast_names_the_site_and_its_shape(fw, corpor
     fl.run(tree, args, interventions=[make(first, shape)])
 
 
+@pytest.mark.parametrize(
+  "maker, what", [(fl.patch, "patched value"), (fl.steer, "steering vector")]
+)
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_value_that_fits_no_shape_under_an_index_names_the_region_shape_too(
+  fw, corpora, maker, what
+):
+  """Under an index where=, the value may also have the shape of the region it selects
+  (fl.capture(index=) gives it so): the refusal names that shape among those to give."""
+  _, tree, args, first, _, _, shape = _model(fw, corpora)
+  wrong = jnp.ones((shape[0] + 1, 2))
+  region = (*shape[:-1], 2)
+  expected = (
+    re.escape(f"{first}: the {what} has shape {wrong.shape}")
+    + ".*"
+    + re.escape(f"or of the region where= selects, {region}.")
+  )
+  with pytest.raises(fl.ArgumentError, match=expected):
+    fl.run(tree, args, interventions=[maker(first, wrong, where=jnp.s_[..., 1:3])])
+  fits = fl.run(tree, args, interventions=[maker(first, jnp.ones(region), where=jnp.s_[..., 1:3])])
+  assert fits.shape == fl.run(tree, args).shape
+
+
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_a_value_whose_dtype_does_not_cast_to_the_site_is_refused(fw, corpora):
   _, tree, args, first, _, _, shape = _model(fw, corpora)

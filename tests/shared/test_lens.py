@@ -266,3 +266,47 @@ def test_a_head_function_ending_as_the_model_does_gives_the_models_logits():
   np.testing.assert_allclose(
     result["AuxBlock_1"], model.apply(variables, IDS), rtol=1e-6, atol=1e-6
   )
+
+
+# --- heads given as functions, and lenses under your own transforms -----------------------
+
+
+@pytest.mark.parametrize(
+  "head, got",
+  [
+    (lambda h: (h, h), "a tuple"),
+    (lambda h: h.sum(), r"an array of shape \(\)"),
+    (lambda h: h.sum(-1), r"an array of shape \(2, 6\)"),
+  ],
+  ids=["tuple", "scalar", "vocabulary_summed_away"],
+)
+def test_a_head_function_not_returning_logits_with_a_vocabulary_axis_is_refused(head, got):
+  _, _, tree = _aux("plain")
+  says = rf"head function returned {got} for the residual at AuxBlock_0, of shape \(2, 6, 16\)"
+  with pytest.raises(fl.ArgumentError, match=says):
+    fl.lens(tree, IDS, "AuxBlock_*", head=head)
+
+
+@pytest.mark.parametrize("transform", ["jit", "vmap"])
+def test_a_lens_under_your_own_transform_takes_the_head_found_and_checked_outside_it(transform):
+  """Under jax.jit or vmap the found head's check has no values to compare, so it is
+  refused naming the head; the head an eager lens found, passed in, gives the model's
+  own logits for the last block and the native head on the first block's output."""
+  model, variables, tree = _aux("plain")
+
+  def lens(head):
+    if transform == "jit":
+      return jax.jit(lambda ids: fl.lens(tree, ids, "AuxBlock_*", head=head, jit=False).logits)(IDS)
+    one = lambda ids: fl.lens(tree, ids[None], "AuxBlock_*", head=head, jit=False).logits  # noqa: E731
+    return jax.vmap(one, out_axes=1)(IDS)[:, :, 0]
+
+  with pytest.raises(fl.ArgumentError, match=r"from ln_f to unembed, .*head=\['ln_f', 'unembed'\]"):
+    lens(None)
+  logits = lens(fl.lens(tree, IDS, "AuxBlock_*").head)
+  _, state = model.apply(variables, IDS, capture_intermediates=True, mutable="intermediates")
+  residual = state["intermediates"]["AuxBlock_0"]["__call__"][0]
+  params = variables["params"]
+  normed = nn.LayerNorm().apply({"params": params["ln_f"]}, residual)
+  native = nn.Dense(50).apply({"params": params["unembed"]}, normed)
+  np.testing.assert_allclose(logits[0], native, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(logits[1], model.apply(variables, IDS), rtol=1e-5, atol=1e-5)

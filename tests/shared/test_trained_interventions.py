@@ -278,6 +278,41 @@ def test_training_reduces_the_loss_of_a_convex_problem_to_its_minimum():
   np.testing.assert_allclose(losses[-1], minimum, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_low_rank_edits_and_interchanges_equal_the_edit_written_by_hand(dtype):
+  """QR takes no bfloat16 or float16: the matrix is made orthonormal in float32 and cast
+  back, and the edit then runs in its own dtype, as written here around the native call."""
+  model = nn.Sequential([nn.Dense(8, dtype=dtype, param_dtype=dtype), nn.relu, nn.Dense(4)])
+  x = jax.random.normal(jax.random.key(0), (2, 8)).astype(dtype)
+  variables = model.init(jax.random.key(1), x)
+  tree = fl.unflaxify(model, variables, x)
+  matrix = lambda n, shape: jax.random.normal(jax.random.key(n), shape).astype(dtype)  # noqa: E731
+  projection, weight, bias = matrix(2, (3, 8)), matrix(3, (3, 8)), matrix(4, (3,))
+  rotation, source = matrix(5, (8, 8)), matrix(6, (2, 8))
+
+  def low_rank(y):
+    rows = _orthonormal_rows(projection.astype(jnp.float32)).astype(dtype)
+    return y + (y @ weight.T + bias - y @ rows.T) @ rows
+
+  def swap(y):
+    q = _orthonormal_rows(rotation.astype(jnp.float32)).astype(dtype)
+    return jnp.where(jnp.arange(8) < 3, source @ q.T, y @ q.T) @ q
+
+  for edit, native in [
+    (fl.low_rank_edit("layers_0", projection, weight, bias), low_rank),
+    (fl.interchange("layers_0", rotation, source, 3), swap),
+  ]:
+    assert edit.operands[0].dtype == dtype
+
+    def intercept(next_fun, args, kwargs, context, native=native):
+      out = next_fun(*args, **kwargs)
+      return native(out) if context.module.name == "layers_0" else out
+
+    with nn.intercept_methods(intercept):
+      expected = model.apply(variables, x)
+    assert_trees_equal(fl.run(tree, x, interventions=[edit], jit=False), expected)
+
+
 # --- refusals -----------------------------------------------------------------------------
 
 STATEFUL = [(LINEN, "batchnorm_train"), (NNX, "convnet_train")]
@@ -301,17 +336,32 @@ def test_a_model_whose_run_updates_state_is_refused(corpora, fw, name):
   "batch, edits, loss, message",
   [
     ("x", "steer", _loss, r"batch 0 is of type ArrayImpl; each batch is a tuple \(args, data\)"),
-    ("pair", "steer", lambda o, t: (o - t) ** 2, r"loss returned shape \(2, 4\).*jnp.mean"),
+    ("pair", "steer", lambda o, t: (o - t) ** 2, r"scalar loss; this one returned shape \(2, 4\)"),
+    ("pair", "steer", lambda o, t: jnp.argmax(o), "floating-point loss; this one returned int32"),
+    ("pair", "steer", lambda o, t: _loss(o, t) > 0, "floating-point loss; this one returned bool"),
+    ("pair", "steer", lambda o, t: (_loss(o, t), o), "loss must return an array .*got tuple"),
+    ("pair", "steer", lambda o, t: None, "loss must return an array .*got NoneType"),
     ("pair", "ablate", _loss, "none of the interventions learns anything"),
+    ("none", "steer", _loss, r"batches gave no batch .*at least one \(args, data\) tuple"),
     ("triple", "steer", _loss, "no intervention is an fl.interchange"),
   ],
-  ids=["not_a_tuple", "loss_not_scalar", "nothing_learned", "source_without_interchange"],
+  ids=[
+    "not_a_tuple",
+    "loss_not_scalar",
+    "loss_int",
+    "loss_bool",
+    "loss_with_aux",
+    "loss_none",
+    "nothing_learned",
+    "no_batches",
+    "source_without_interchange",
+  ],
 )
 def test_bad_training_input_is_refused(corpora, batch, edits, loss, message):
   case = corpora[LINEN]["mlp"]
   tree = LINEN.convert(case)
   x, target = case.args[0], jnp.zeros((2, 4))
-  batches = {"x": [x], "pair": [(x, target)], "triple": [(x, target, x)]}[batch]
+  batches = {"x": [x], "pair": [(x, target)], "triple": [(x, target, x)], "none": []}[batch]
   edit = {"steer": fl.steer("Dense_1", jnp.zeros(4)), "ablate": fl.ablate("Dense_1")}[edits]
   with pytest.raises(fl.ArgumentError, match=message):
     fl.train_interventions(tree, [edit], batches, loss, optax.sgd(0.1))

@@ -309,14 +309,20 @@ class Intervention(Struct):
         f"{site}: the {self.on} is a {type(target).__name__}, not an array; pass part=..."
         " (an index or key) to choose the array to edit."
       )
-    ops = self.operands
-    if self.index is not None and self.index != MASK and self.kind in _REGION_KINDS:
-      ops = (_into_region(self, site, target, ops[0]), *ops[1:])
-    new = self._compute(site, argument, target, ops)
+    new = self._compute(site, argument, target, self.placed_operands(site, target))
     if self.index is not None:
       mask = where_mask(self, site, target)
       new = jnp.where(mask, new, target)
     return _set_part(value, self.part, new.astype(target.dtype))
+
+  def placed_operands(self, site: str, target: Any) -> tuple[Any, ...]:
+    """The operands for editing `target` (the array edited at `site`): a patched value or
+    steering vector of the shape of the region an index `where=` selects placed into
+    that region of `target`'s shape (`_into_region`), the others as given."""
+    ops = self.operands
+    if self.index is not None and self.index != MASK and self.kind in _REGION_KINDS:
+      ops = (_into_region(self, site, target, ops[0]), *ops[1:])
+    return ops
 
   def _compute(self, site: str, argument: ArgsAndKwargs, target: Any, ops: tuple) -> Any:
     kind, on = self.kind, self.on
@@ -391,10 +397,15 @@ def orthonormal_rows(matrix: Any) -> Any:
   """The rows of `matrix` (rank × features, rank <= features) made orthonormal: the
   Q factor of `matrix.T`'s QR decomposition, each column's sign chosen so that R's
   diagonal is positive (then rows that are orthonormal already come back unchanged, to
-  rounding, and the map is differentiable where `matrix` has full rank)."""
+  rounding, and the map is differentiable where `matrix` has full rank). A matrix of
+  a floating dtype narrower than float32 (bfloat16, float16), which QR does not take, is
+  decomposed in float32 and the rows come back in its own dtype."""
+  dtype = matrix.dtype
+  if jnp.finfo(dtype).bits < 32:
+    matrix = matrix.astype(jnp.float32)
   q, r = jnp.linalg.qr(matrix.T)
   signs = jnp.where(jnp.diagonal(r) < 0, -1, 1).astype(q.dtype)
-  return (q * signs).T
+  return (q * signs).T.astype(dtype)
 
 
 def _checked_rows(site: str, matrix: Any, target: Any, what: str, on: str) -> Any:
@@ -446,7 +457,7 @@ def where_mask(intervention: Intervention, site: str, target: Any) -> Any:
 
 # Kinds whose value (patched value, steering vector) may be given shaped like the region
 # an index `where=` selects, as `fl.capture(index=)` gives it.
-_REGION_KINDS = ("patch", "steer")
+_REGION_KINDS = {"patch": "the patched value", "steer": "the steering vector"}
 
 
 def _into_region(intervention: Intervention, site: str, target: Any, operand: Any) -> Any:
@@ -463,12 +474,18 @@ def _into_region(intervention: Intervention, site: str, target: Any, operand: An
   )
   region = jax.eval_shape(lambda t: t[index], jax.ShapeDtypeStruct(shape, target.dtype)).shape
   if tuple(np.shape(operand)) != tuple(region) or not is_array(operand):
+    what = _REGION_KINDS[intervention.kind]
+    _check_fits(site, operand, target, what, intervention.on, region=tuple(region))
     return operand
   return jnp.zeros(shape, operand.dtype).at[index].set(operand)
 
 
-def _check_fits(site: str, operand: Any, target: Any, what: str, on: str) -> None:
-  """Refuses an operand that does not broadcast to the target or cast to its dtype."""
+def _check_fits(
+  site: str, operand: Any, target: Any, what: str, on: str, region: tuple | None = None
+) -> None:
+  """Refuses an operand that does not broadcast to the target or cast to its dtype;
+  `region`, the shape of the region an index `where=` selects, is named among the shapes
+  to give where the operand may also have it."""
   shape, expected = tuple(np.shape(operand)), tuple(target.shape)
   try:
     fits = np.broadcast_shapes(shape, expected) == expected
@@ -478,7 +495,8 @@ def _check_fits(site: str, operand: Any, target: Any, what: str, on: str) -> Non
     raise ArgumentError(
       f"{site}: {what} has shape {shape}, which does not broadcast to the {on}'s shape"
       f" {expected}. Give an array of shape {expected}, or of its trailing axes"
-      f" ({expected[-1:]}: the same value at every position)."
+      f" ({expected[-1:]}: the same value at every position)"
+      + (f", or of the region where= selects, {region}." if region is not None else ".")
     )
   dtype = getattr(operand, "dtype", None)
   if dtype is not None and not jnp.can_cast(dtype, target.dtype, casting="same_kind"):

@@ -196,7 +196,8 @@ def lens(
     top: how many top tokens to keep per site and position.
     index: keep `logits[index]` of each site (`jnp.s_[:, -1]`: the last position).
     random_streams: as for a tree call (Linen: `{"dropout": key}`).
-    jit: compile the run (default); `jit=False` inside your own transforms.
+    jit: compile the run (default); `jit=False` inside your own transforms, with the
+      head named (`head=result.head` of a lens outside them) or given as a function.
 
   Returns:
     A `LensResult`: the sites, their logits stacked, the top tokens and probabilities,
@@ -207,8 +208,10 @@ def lens(
       the head with `head=`).
     ArgumentError: (a head found from the tree) the last block's lens is not the head's
       own output in the model's run, or does not depend on the residual: name the head.
-    ArgumentError: a residual's shape is not the head's input shape, or `head=` names
-      calls that are not one call each, in order.
+    ArgumentError: a residual's shape is not the head's input shape, `head=` names
+      calls that are not one call each, in order, or is a function that does not return
+      one array of logits (vocabulary last), or a head found from the tree is used under
+      your own transform, where its check has no values.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
@@ -272,6 +275,14 @@ def lens(
     check,
   )
   if check is not None:
+    if any(isinstance(a, jax.core.Tracer) for a in checked_head):
+      raise ArgumentError(
+        f"fl.lens: the head found from {tree.where()}, from {ends[0]} to {ends[1]}, is"
+        " checked against the model's own logits, and under your own jax.jit, vmap or grad"
+        " those are traced, without values to compare. Lens once outside the transform,"
+        " then pass the head it found and checked, head=result.head (here"
+        f" head={list(ends)!r}), or a function of the residual: head=lambda h: ..."
+      )
     _check_found_head(ends, check, *checked_head)
     _check_head_gives_output(ends, output, checked_head[0])
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
@@ -305,7 +316,7 @@ def _lens_once(
 
   def project(residual: Any, name: str) -> Any:
     if ends is None:
-      return fn(residual)
+      return _head_logits(fn, residual, name)
     copy = bind_variables(slots, values)
     return _through_head(copy, argument, ends, residual, name, random_streams)
 
@@ -324,6 +335,26 @@ def _lens_once(
     shifted = residual + (jnp.abs(residual).max() + 1) * pattern
     checks = (cache[ends[1]], own, project(shifted.astype(residual.dtype), check))
   return output, jnp.stack(projected), checks
+
+
+def _head_logits(fn: Callable[[Any], Any], residual: Any, name: str) -> Any:
+  """`fn(residual)`, the logits of a head given as a function, refused unless it is one
+  array with the vocabulary as a last axis after the residual's leading axes (of rank at
+  least the residual's), which `top_tokens` ranks along."""
+  logits = fn(residual)
+  if not is_array(logits) or logits.ndim < max(residual.ndim, 1):
+    got = (
+      f"an array of shape {tuple(logits.shape)}"
+      if is_array(logits)
+      else f"a {type(logits).__name__}"
+    )
+    raise ArgumentError(
+      f"fl.lens: the head function returned {got} for the residual at {name}, of shape"
+      f" {tuple(residual.shape)}; it must return one array of logits, the residual's"
+      f" leading axes then the vocabulary axis last (rank {max(residual.ndim, 1)} or more),"
+      " as head=lambda h: ln_f(h) @ unembedding does. Return the logits alone, unreduced."
+    )
+  return logits
 
 
 def _check_found_head(ends: tuple[str, str], block: str, model: Any, own: Any, other: Any) -> None:

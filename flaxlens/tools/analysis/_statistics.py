@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -29,15 +30,26 @@ _PER_EXAMPLE_FIX = (
 )
 
 
-def with_runs(result: Any, clean: Any, corrupted: Any, *, per_example: bool, where: str) -> Any:
+def with_runs(
+  result: Any,
+  clean: Any,
+  corrupted: Any,
+  *,
+  per_example: bool,
+  where: str,
+  arguments: Sequence[tuple[str, tuple[int, ...]]] = (),
+) -> Any:
   """`result` (a `SweepResult`) with the clean and corrupted runs' metrics added.
 
   With `per_example`, the metric's leading axis is the examples: `result.values` (shaped
   `(*grid, batch, *metric)`) becomes its mean over the examples, and the per-example values
   of the patched, clean and corrupted runs are kept with the examples moved last.
+  `arguments` are the `(name, shape)` of the model's array arguments: the metric's leading
+  axis must be as long as the leading axis of one of them (the batch).
 
   Raises:
-    ArgumentError: `per_example` with a metric that returned a scalar.
+    ArgumentError: `per_example` with a metric that returned a scalar, or one whose leading
+      axis is not the batch.
   """
   if not per_example:
     return dataclasses.replace(result, clean=clean, corrupted=corrupted)
@@ -46,6 +58,16 @@ def with_runs(result: Any, clean: Any, corrupted: Any, *, per_example: bool, whe
       f"{where}: per_example=True takes the metric's leading axis as the examples, but the"
       " metric returned a scalar. Return one value per example (shape (batch, ...)), for"
       " example lambda out: out[:, -1, a] - out[:, -1, b] instead of its .mean()."
+    )
+  batches = {shape[0] for _, shape in arguments if shape}
+  if batches and corrupted.shape[0] not in batches:
+    shapes = ", ".join(f"{name}: {shape}" for name, shape in arguments)
+    raise ArgumentError(
+      f"{where}: per_example=True takes the metric's leading axis as the examples, but the"
+      f" metric returned shape {tuple(corrupted.shape)}, whose leading axis of"
+      f" {corrupted.shape[0]} is no batch of the model's arguments ({shapes}). Return one"
+      " value per example (shape (batch, ...)), indexing every example: for example"
+      " lambda out: out[:, -1, a] - out[:, -1, b], not out[0, :, a] - out[0, :, b]."
     )
   grid = result.values.ndim - clean.ndim
   patched = jnp.moveaxis(result.values, grid, -1)

@@ -363,13 +363,26 @@ def _checked_positions(positions: Any) -> tuple[int, ...] | None:
   if positions is None:
     return None
   try:
-    out = tuple(int(p) for p in np.asarray(positions).reshape(-1))
+    given = np.asarray(positions).reshape(-1)
   except (TypeError, ValueError):
-    raise ArgumentError(
-      f"positions= takes integers (for example range(seq_len)), got {positions!r}."
-    ) from None
-  if not out:
+    given = None
+  if given is not None and not given.size:
     raise ArgumentError("positions= is empty; give at least one position, or None.")
+  # Bools and floats are refused, as index rules refuse them for where=: int() would
+  # read True as position 1 and cut 1.7 to position 1 without a word. Ints too large
+  # for NumPy come as objects, refused below as positions no axis has.
+  listed = isinstance(positions, list | tuple)
+  if (
+    given is None
+    or given.dtype.kind not in "iuO"
+    or not all(isinstance(p, int | np.integer) and not isinstance(p, bool) for p in given)
+    or (listed and any(isinstance(p, bool | np.bool_) for p in positions))
+  ):
+    raise ArgumentError(
+      f"positions= takes integers (for example range(seq_len)), got {positions!r}. Give"
+      " the positions as ints (not bools, floats or float arrays)."
+    )
+  out = tuple(int(p) for p in given)
   limits = np.iinfo(np.int32)
   beyond = [p for p in out if not limits.min <= p <= limits.max]
   if beyond:
@@ -380,20 +393,30 @@ def _checked_positions(positions: Any) -> tuple[int, ...] | None:
   return out
 
 
-def _metric_value(metric: Callable[[Any], Any], output: Any, scalar: bool) -> Any:
+def _metric_value(
+  metric: Callable[[Any], Any],
+  output: Any,
+  scalar: bool,
+  what: str = "metric",
+  where: str | None = None,
+) -> Any:
+  """`metric(output)`, refused unless it is an array and, with `scalar` (a gradient is
+  taken of it), a real floating-point scalar; `what` ("loss") and `where` (the tool,
+  `"fl.train_interventions"`) name the function in the messages."""
   value = metric(output)
+  the, gradients = (f"{where}: the", f"{where}: gradients") if where else ("The", "Gradients")
   if not hasattr(value, "shape") or not hasattr(value, "dtype"):
     raise ArgumentError(
-      f"The metric must return an array (a scalar, say), got {type(value).__name__}."
+      f"{the} {what} must return an array (a scalar, say), got {type(value).__name__}."
     )
   if scalar and value.shape != ():
     raise ArgumentError(
-      f"Gradients need a scalar metric; this one returned shape {tuple(value.shape)}."
+      f"{gradients} need a scalar {what}; this one returned shape {tuple(value.shape)}."
       " Reduce it (for example .mean() or .sum())."
     )
   if scalar and not jnp.issubdtype(value.dtype, jnp.floating):
     raise ArgumentError(
-      f"Gradients need a real floating-point metric; this one returned {value.dtype}."
+      f"{gradients} need a real floating-point {what}; this one returned {value.dtype}."
       " Return a float computed from the output (a logit difference, a loss): an integer"
       " (an argmax, a count) has no gradient, and of a complex value take a real one"
       " (jnp.real(...), jnp.abs(...))."
@@ -710,6 +733,7 @@ def sweep(
     raise ArgumentError(
       f"fl.sweep: share_prefix= is True, False or None (chosen for you), got {share_prefix!r}."
     )
+  arguments = [(name, tuple(x.shape)) for name, x in _budget.arrays_of(corrupted)]
   if share_prefix is None:
     share_prefix = _shares_by_default(sweeps_itself, chunk_size, budget)
   if share_prefix:
@@ -724,6 +748,7 @@ def sweep(
       corrupted_metric,
       per_example=per_example,
       where="fl.sweep",
+      arguments=arguments,
     )
   if budget is not None:
     chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
@@ -738,6 +763,7 @@ def sweep(
       corrupted_metric,
       per_example=per_example,
       where="fl.sweep",
+      arguments=arguments,
     )
   run = _sweep_compiled if jit else _sweep
   values, rows, (clean_metric, corrupted_metric) = run(
@@ -754,7 +780,12 @@ def sweep(
   )
   result = _result(tree, chosen, values, rows, positions)
   return _statistics.with_runs(
-    result, clean_metric, corrupted_metric, per_example=per_example, where="fl.sweep"
+    result,
+    clean_metric,
+    corrupted_metric,
+    per_example=per_example,
+    where="fl.sweep",
+    arguments=arguments,
   )
 
 

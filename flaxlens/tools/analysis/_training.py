@@ -40,6 +40,7 @@ from flaxlens.tools.analysis._interventions import (
   select_sites,
   sites_of,
 )
+from flaxlens.tools.analysis._sweeps import _metric_value
 
 
 def _optax() -> Any:
@@ -163,10 +164,11 @@ def train_interventions(
     the loss of each step, before its update (a NumPy array).
 
   Raises:
-    ArgumentError: a batch is not a tuple `(args, data[, source_args])`, the loss is not
-      a scalar, nothing is learned, a learned operand is not floating-point, a source
-      is given without any `fl.interchange` (or one names several calls), the run
-      updates state variables, or optax is not installed.
+    ArgumentError: there is no batch, a batch is not a tuple `(args, data[,
+      source_args])`, the loss is not a real floating-point scalar, nothing is learned,
+      a learned operand is not floating-point, a source is given without any
+      `fl.interchange` (or one names several calls), the run updates state variables,
+      or optax is not installed.
     SelectionError: a site matches no call.
 
   Example:
@@ -231,13 +233,7 @@ def train_interventions(
         " frozen model's state must not change while interventions train. Run the model in"
         " a mode that updates no state (train=False, model.eval())."
       )
-    value = loss(output, data)
-    if jnp.shape(value) != ():
-      raise ArgumentError(
-        f"{where}: the loss returned shape {jnp.shape(value)}; it must return a scalar."
-        " Reduce it (jnp.mean) over the batch."
-      )
-    return value
+    return _metric_value(lambda out: loss(out, data), output, True, "loss", where)
 
   def sourced(tree: CallNode, edits: tuple, source: Any) -> tuple:
     if not swaps:
@@ -279,5 +275,11 @@ def train_interventions(
     args, data, source = _batch(batch, number, where)
     parameters, state, value = step(tree, parameters, state, args, data, source)
     losses.append(value)
+  if not losses:
+    raise ArgumentError(
+      f"{where}: batches gave no batch (an empty dataset, or a generator already used up),"
+      " so nothing would be trained. Give an iterable of at least one (args, data) tuple;"
+      " a generator yields its batches once, so make a new one for every call."
+    )
   trained = _joined(_split(given, where)[1], parameters)
   return list(trained), np.asarray(jax.device_get(losses), dtype=np.float32).reshape(-1)

@@ -510,7 +510,7 @@ def _low_rank(
 def _change(intervention: Intervention, site: str, target: Any) -> tuple[str, Any]:
   """The intervention as `("add", d)` (`target + d`) or `("mul", f)` (`target * f`), with
   `d` or `f` over the whole of `target`'s shape (`where=` applied)."""
-  ops = intervention.operands
+  ops = intervention.placed_operands(site, target)
   if intervention.kind == "steer":
     how, value, neutral = "add", ops[1] * ops[0], 0
   elif intervention.kind == "scale":
