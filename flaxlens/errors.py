@@ -233,6 +233,12 @@ class ModelCallError(FlaxlensError):
     return (model_call_error, (_original_class(type(self)), str(self)))
 
 
+def error_text(error: BaseException, limit: int = 400) -> str:
+  """`error` as one line, `Type: message`, cut at `limit` characters (`...` after)."""
+  said = " ".join(f"{type(error).__name__}: {error}".split())
+  return said if len(said) <= limit else said[:limit] + " ..."
+
+
 def model_call_error(original: type[BaseException], message: str) -> ModelCallError:
   """A `ModelCallError` saying `message` that is also an instance of `original`.
 

@@ -21,7 +21,7 @@ from flaxlens.core._call_record import CallRecord
 from flaxlens.core._calls import converting_call, failed_call
 from flaxlens.core._node import CallNode
 from flaxlens.core._spec import show_arguments, signature
-from flaxlens.errors import FlaxlensError, ModelCallError, model_call_error
+from flaxlens.errors import FlaxlensError, ModelCallError, error_text, model_call_error
 
 
 def explain(root: CallNode, argument: ArgsAndKwargs, error: Exception) -> ModelCallError | None:
@@ -52,7 +52,7 @@ def explain_conversion(
     text = (
       f"unflaxify({root.where()}): conversion runs the model once on the example"
       " arguments, and the model's own code failed"
-      f"{f' in {site[0].where()}' if site is not None else ''} ({_said(error)})."
+      f"{f' in {site[0].where()}' if site is not None else ''} ({error_text(error)})."
       f" {root.where()} got {now}"
     )
     if site is not None:
@@ -67,16 +67,11 @@ def explain_conversion(
   )
 
 
-def _said(error: Exception) -> str:
-  said = " ".join(f"{type(error).__name__}: {error}".split())
-  return said if len(said) <= 400 else said[:400] + " ..."
-
-
 def _message(root: CallNode, argument: ArgsAndKwargs, error: Exception, site: tuple | None) -> str:
   now = signature((tuple(argument.args), dict(argument.kwargs)))
   seen = _seen(root)
   inner = site[1] if site is not None and site[1] is not root else None
-  said = _said(error)
+  said = error_text(error)
   text = (
     f"{root.where()}: this call failed inside the model's own code"
     f"{f', in {inner.where()}' if inner is not None else ''} ({said})."

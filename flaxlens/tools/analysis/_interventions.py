@@ -39,6 +39,7 @@ from flaxlens.errors import (
   BudgetError,
   FlaxlensError,
   SelectionError,
+  error_text,
   model_call_error,
 )
 from flaxlens.tools.analysis import _budget
@@ -366,13 +367,12 @@ class Intervention(Struct):
     except FlaxlensError:
       raise
     except Exception as e:
-      said = " ".join(f"{type(e).__name__}: {e}".split())
       # Also an instance of the original's class (`except ValueError` still catches it),
       # as a model's own errors are; the message blames the function, not the model.
       raise model_call_error(
         type(e),
         f"{site}: the function given to fl.modify, {_function_name(self.fn)}, raised"
-        f" {said if len(said) <= 400 else said[:400] + ' ...'} (the original error is this"
+        f" {error_text(e)} (the original error is this"
         f" one's cause). It was called as fn(argument, value, *operands) with the {on},"
         f" {target.dtype}{list(target.shape)}, and {len(ops)} operand(s), traced under"
         " jax.jit unless the run has jit=False. Fix the function (run with jit=False to"

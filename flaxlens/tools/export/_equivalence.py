@@ -20,7 +20,7 @@ from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._node import CallNode
 from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._variables import Parameter, Uninitialized, variables_in
-from flaxlens.errors import ArgumentError, FlaxlensError, model_call_error
+from flaxlens.errors import ArgumentError, FlaxlensError, error_text, model_call_error
 from flaxlens.tools._compare import EquivalenceReport, compare_states, compare_trees
 from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
 
@@ -129,11 +129,10 @@ def _run(
   except FlaxlensError:
     raise
   except Exception as e:
-    said = " ".join(f"{type(e).__name__}: {e}".split())
     # Also an instance of the original's class, as a tree call's failures are.
     raise model_call_error(
       type(e),
       f"fl.check_equivalence: side {side} ({_describe(model)}) failed inside the model's own"
-      f" code ({said if len(said) <= 400 else said[:400] + ' ...'}; the original error is"
+      f" code ({error_text(e)}; the original error is"
       f" this one's cause). {adapter.native_call_fix(e)}",
     ) from e
