@@ -367,6 +367,25 @@ def test_bad_training_input_is_refused(corpora, batch, edits, loss, message):
     fl.train_interventions(tree, [edit], batches, loss, optax.sgd(0.1))
 
 
+def test_a_loss_failing_on_its_data_blames_the_loss_and_keeps_its_class(corpora):
+  case = corpora[LINEN]["mlp"]
+  tree = LINEN.convert(case)
+  x = case.args[0]
+  mismatched = jnp.zeros((x.shape[0] + 3, 4))  # labels of another batch size
+
+  def loss(output, target):
+    return ((output - target) ** 2).mean()
+
+  with pytest.raises(Exception) as native:  # the loss fails on these natively, traced
+    jax.grad(lambda out: loss(out, mismatched))(jnp.zeros((x.shape[0], 4)))
+  with pytest.raises(native.type) as raised:  # ours keeps that class
+    fl.train_interventions(
+      tree, [fl.steer("Dense_1", jnp.zeros(4))], [(x, mismatched)], loss, optax.sgd(0.1)
+    )
+  assert isinstance(raised.value, fl.ModelCallError)
+  assert "fl.train_interventions: the loss raised" in str(raised.value)
+
+
 @pytest.mark.parametrize(
   "make, message",
   [

@@ -30,7 +30,7 @@ from flaxlens.core._variables import (
   unbind_variables,
   variables_in,
 )
-from flaxlens.errors import ArgumentError
+from flaxlens.errors import ArgumentError, FlaxlensError, error_text, model_call_error
 from flaxlens.tools.analysis._interventions import (
   LEARNED,
   Intervention,
@@ -233,7 +233,7 @@ def train_interventions(
         " frozen model's state must not change while interventions train. Run the model in"
         " a mode that updates no state (train=False, model.eval())."
       )
-    return _metric_value(lambda out: loss(out, data), output, True, "loss", where)
+    return _metric_value(lambda out: _called(loss, out, data, where), output, True, "loss", where)
 
   def sourced(tree: CallNode, edits: tuple, source: Any) -> tuple:
     if not swaps:
@@ -283,3 +283,21 @@ def train_interventions(
     )
   trained = _joined(_split(given, where)[1], parameters)
   return list(trained), np.asarray(jax.device_get(losses), dtype=np.float32).reshape(-1)
+
+
+def _called(loss: Callable[..., Any], output: Any, data: Any, where: str) -> Any:
+  """`loss(output, data)`; an error of the loss's own code is a `ModelCallError` (also of
+  the original's class) that blames the loss and shows what it was given."""
+  try:
+    return loss(output, data)
+  except FlaxlensError:
+    raise
+  except Exception as e:
+    shapes = jax.tree_util.tree_map(lambda a: getattr(a, "shape", type(a).__name__), (output, data))
+    raise model_call_error(
+      type(e),
+      f"{where}: the loss raised {error_text(e)} (the original error is this one's cause)."
+      f" It was called as loss(output, data) with shapes {shapes[0]} and {shapes[1]}, traced"
+      " under jax.grad. Fix the loss, or the data each batch gives it (its batch size, its"
+      " dtype).",
+    ) from e
