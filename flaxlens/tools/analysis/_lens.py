@@ -357,6 +357,19 @@ def _head_logits(fn: Callable[[Any], Any], residual: Any, name: str) -> Any:
   return logits
 
 
+def _within_rounding(reference: Any, value: Any) -> bool:
+  """Whether `value` is `reference` (same shape) to a few ulps of `reference`'s dtype,
+  scaled by its largest magnitude: what two compiled programs computing the same logits
+  may differ by."""
+  dtype = reference.dtype
+  eps = float(jnp.finfo(dtype).eps) if jnp.issubdtype(dtype, jnp.inexact) else 0.0
+  reference, value = (np.asarray(jax.device_get(a), np.float64) for a in (reference, value))
+  if reference.shape != value.shape:
+    return False
+  rounding = 16 * eps * (float(np.abs(reference).max(initial=0.0)) + 1.0)
+  return bool(np.abs(value - reference).max(initial=0.0) <= rounding)
+
+
 def _check_found_head(ends: tuple[str, str], block: str, model: Any, own: Any, other: Any) -> None:
   """Refuses a head found from the tree that does not give the model's own logits for
   its last block, or that does not read the residual at all.
@@ -366,15 +379,14 @@ def _check_found_head(ends: tuple[str, str], block: str, model: Any, own: Any, o
       output in the model's own run, or a different residual gives the same logits.
   """
   first, last = ends
-  eps = float(jnp.finfo(own.dtype).eps) if jnp.issubdtype(own.dtype, jnp.inexact) else 0.0
-  model, own, other = (np.asarray(jax.device_get(a), np.float64) for a in (model, own, other))
-  rounding = 16 * eps * (float(np.abs(model).max(initial=0.0)) + 1.0)
+  reproduces = _within_rounding(model, own)
+  own, other = (np.asarray(jax.device_get(a), np.float64) for a in (own, other))
   fix = (
     " Name the head's first and last calls yourself, head=['ln_f', 'lm_head'] (the call"
     " the residual enters and the call returning the logits), or pass a function of the"
     " residual: head=lambda h: ..."
   )
-  if model.shape != own.shape or np.abs(own - model).max(initial=0.0) > rounding:
+  if not reproduces:
     raise ArgumentError(
       f"fl.lens: the head found from the tree, from {first} to {last}, does not reproduce"
       f" the model's own {last} output for the last block {block}: patching {block}'s"
@@ -408,14 +420,8 @@ def _check_head_gives_output(ends: tuple[str, str], output: Any, logits: Any) ->
     for leaf in jax.tree_util.tree_leaves(output)
     if is_array(leaf) and tuple(leaf.shape) == shape and leaf.dtype == dtype
   ]
-  if not alike:
+  if not alike or any(_within_rounding(logits, leaf) for leaf in alike):
     return
-  eps = float(jnp.finfo(dtype).eps) if jnp.issubdtype(dtype, jnp.inexact) else 0.0
-  head = np.asarray(jax.device_get(logits), np.float64)
-  rounding = 16 * eps * (float(np.abs(head).max(initial=0.0)) + 1.0)
-  for leaf in alike:
-    if np.abs(np.asarray(jax.device_get(leaf), np.float64) - head).max(initial=0.0) <= rounding:
-      return
   raise ArgumentError(
     f"fl.lens: the head found from the tree ends at {last}, whose output is not the"
     f" model's output: the model computes more after {last} (a final soft cap, a scale,"
