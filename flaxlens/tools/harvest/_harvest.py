@@ -1055,7 +1055,10 @@ def _write(
 
   def write(target: Any, first: int, rest: tuple[slice, ...], data: np.ndarray) -> None:
     nonlocal size
-    futures.append(target[(slice(first, first + len(data)), *rest)].write(data))
+    region = target[(slice(first, first + len(data)), *rest)]
+    # Rows are never changed after they leave the device: TensorStore may keep reading
+    # them instead of copying them first.
+    futures.append(region.write(data, can_reference_source_data_indefinitely=True))
     held.append(data)
     size += data.nbytes
 

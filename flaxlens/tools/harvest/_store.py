@@ -274,6 +274,10 @@ def _create_in(path: str, metadata: dict[str, Any]) -> None:
       spec["metadata"] = {
         "shape": [ROW_BOUND, *features],
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [rows, *features]}},
+        # Chunk files side by side (`c.7.0`), not a folder per chunk row (`c/7/0`): a new
+        # folder per chunk cost a third of the writes' CPU time (mkdir), taken from the
+        # forward on a CPU host.
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
       }
       futures.append(ts.open(spec, create=True, delete_existing=True, context=context))
   for future in futures:
