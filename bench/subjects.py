@@ -60,6 +60,8 @@ class Subject:
   user_arrays: list[Any]
   layers: int
   floor: Callable[[], Any]  # an abstract trace of the native call alone (jax.eval_shape)
+  # NNX: `nnx.eval_shape` of the model's call, which splits the model within its timing
+  model_floor: Callable[[], Any] | None = None
   penzai_convert: Callable[[], Any] | None = None
   same_program: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -182,6 +184,7 @@ def nnx_subject(sizes: Sizes, layers: int | None = None) -> Subject:
     jax.tree_util.tree_leaves(state),
     layers,
     lambda: jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x), state, x),
+    model_floor=lambda: nnx.eval_shape(lambda m, x: m(x), model, x),
   )
 
 

@@ -255,6 +255,15 @@ TARGETS: dict[str, Target] = {
     " jax.eval_shape of the merged model's call.",
     "conversion",
   ),
+  "conversion_nnx_eval_shape": Target(
+    "NNX conversion time / nnx.eval_shape of the model's call",
+    "none",
+    "",
+    "No target: context for the NNX floor, whose model is split before its timing starts."
+    " nnx.eval_shape splits the user's model, merges it and traces the call abstractly,"
+    " which is what NNX itself runs to trace a model it is given, as conversion is.",
+    "conversion",
+  ),
   "linen_eager": Target(
     "Linen eager call of a converted tree / module.apply",
     "≤",

@@ -2,9 +2,10 @@
 
 Both converters run the model's Python once under `jax.eval_shape`, so each is compared
 with that floor, an abstract trace of the native call alone, timed in the same run: for
-Linen `module.apply`, for NNX the merged model's call. Linen is also compared with
-Penzai at every depth of `sizes.scales`, and converted at two batch sizes at the main
-depth: conversion must not grow with the batch.
+Linen `module.apply`, for NNX the merged model's call (and, for context, `nnx.eval_shape`
+of the model's call, which splits the model within its timing as conversion must). Linen
+is also compared with Penzai at every depth of `sizes.scales`, and converted at two batch
+sizes at the main depth: conversion must not grow with the batch.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def _against_floor(subject: Subject, sizes: Sizes) -> list[Row]:
   contenders = {"flaxlens": subject.convert, "floor": subject.floor}
   if subject.penzai_convert is not None:
     contenders["penzai"] = subject.penzai_convert
+  if subject.model_floor is not None:
+    contenders["model_floor"] = subject.model_floor
   samples = interleaved(
     {name: functools.partial(timed, convert) for name, convert in contenders.items()},
     sizes.conversion_reps,
@@ -99,6 +102,22 @@ def _against_floor(subject: Subject, sizes: Sizes) -> list[Row]:
       profile=subject.convert,
     )
   )
+  if "model_floor" in samples:
+    model_floor = samples["model_floor"]
+    rows.append(
+      Row(
+        NAME,
+        f"{subject.name}: fl.unflaxify / nnx.eval_shape of the model's call",
+        "conversion_nnx_eval_shape",
+        ratios(ours, model_floor),
+        f"{seconds(median(ours))} vs {seconds(median(model_floor))}",
+        analysis=(
+          "the floor row's model is split before its timing starts; conversion is given the"
+          " model, as nnx.eval_shape is, and both split it, merge a copy and trace the call"
+          f" (nnx.eval_shape / the floor: {float(np.median(ratios(model_floor, floor))):.3f})"
+        ),
+      )
+    )
   return rows
 
 
