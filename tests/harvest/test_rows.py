@@ -38,6 +38,26 @@ def test_rows_equal_flax_own_capture_of_a_batch(model, tmp_path):
     )
 
 
+def test_a_zarr_reader_given_only_an_array_folder_reads_flax_own_rows(linen_model, tmp_path):
+  # Another tool reading the store: TensorStore's zarr v3 driver, told nothing but the
+  # folder of one site's arrays (the chunk layout comes from their zarr.json).
+  import tensorstore as ts
+
+  tokens = BATCHES[0]
+  stored = fl.harvest(linen_model.tree, [tokens, tokens], linen_model.sites, tmp_path / "s")
+  native = np.asarray(linen_model.native(tokens)[linen_model.sites[0]])
+  for name, expected in [
+    ("values", np.tile(native.reshape(-1, models.WIDTH), (2, 1))),
+    ("index", stored[linen_model.sites[0]].index[:]),
+  ]:
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "s/s0" / name)}}
+    read = ts.open(spec, read=True).result().read().result()
+    np.testing.assert_array_equal(read, expected)
+  example, position = read.T
+  np.testing.assert_array_equal(example, np.repeat(np.arange(2 * len(tokens)), models.LENGTH))
+  np.testing.assert_array_equal(position, np.tile(np.arange(models.LENGTH), 2 * len(tokens)))
+
+
 def test_the_last_position_gives_one_row_per_example(model, tmp_path):
   site = model.sites[1]
   stored = fl.harvest(model.tree, BATCHES, site, tmp_path / "s", positions="last")
