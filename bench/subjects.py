@@ -60,9 +60,9 @@ class Subject:
   user_arrays: list[Any]
   layers: int
   floor: Callable[[], Any]  # an abstract trace of the native call alone (jax.eval_shape)
+  penzai_convert: Callable[[], Any] | None = None
   # NNX: `nnx.eval_shape` of the model's call, which splits the model within its timing
   model_floor: Callable[[], Any] | None = None
-  penzai_convert: Callable[[], Any] | None = None
   same_program: dict[str, str] = dataclasses.field(default_factory=dict)
 
   @property
@@ -149,7 +149,7 @@ def linen_subject(sizes: Sizes, layers: int | None = None) -> Subject:
     jax.tree_util.tree_leaves(variables),
     layers,
     lambda: jax.eval_shape(lambda v, x: model.apply(v, x), variables, x),
-    penzai_convert,
+    penzai_convert=penzai_convert,
   )
 
 
