@@ -7,6 +7,7 @@ Checks that need no fresh process (argument handling, the messages for bad TARGE
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import re
@@ -57,15 +58,16 @@ def _size(tree) -> int:
 
 @pytest.fixture(scope="module")
 def demo_run() -> subprocess.CompletedProcess:
-  """`flaxlens demo` as the README's `pip install -e .` runs it: without matplotlib, which
-  only the `plots` extra installs (hidden from the command's process)."""
+  """`flaxlens demo` as the README's `pip install -e .` runs it: without matplotlib and
+  TensorStore, which only the `plots` and `harvest` extras install (hidden from the
+  command's process)."""
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-  without_matplotlib = (
-    "import sys; sys.modules['matplotlib'] = None;"
+  base_install = (
+    "import sys; sys.modules['matplotlib'] = None; sys.modules['tensorstore'] = None;"
     " from flaxlens.cli import main; sys.exit(main(sys.argv[1:]))"
   )
   return subprocess.run(
-    [sys.executable, "-c", without_matplotlib, "demo"],
+    [sys.executable, "-c", base_install, "demo"],
     capture_output=True,
     text=True,
     env=env,
@@ -91,6 +93,8 @@ def test_demo_tells_the_whole_story_and_proves_each_step(demo_run):
     "the edited tree and model.apply(tree.export(), ...) agree bit for bit: True",
     "tree(x) == model(x) bit for bit: True",
     "the tree's batch statistics follow the model's after the call: True",
+    "the sweep's Block_1 head 2 cell equals patching that head alone: True",
+    "head 0's row equals the two patched runs written by hand with fl.patch: True",
   ):
     assert proof in done.stdout
   assert "Block_1/MultiHeadDotProductAttention_0" in done.stdout
@@ -120,6 +124,35 @@ def test_on_a_base_install_the_demo_says_the_heatmap_picture_needs_the_plots_ext
     in demo_run.stdout.splitlines()
   )
   assert not list(Path(_files_folder(demo_run)).expanduser().glob("*.png"))
+
+
+def test_on_a_base_install_the_demo_says_the_harvest_needs_the_harvest_extra(demo_run):
+  extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+  assert any(requirement.startswith("tensorstore") for requirement in extras["harvest"])
+  assert (
+    'harvest not run: TensorStore is missing; pip install "flaxlens[harvest]"'
+    in demo_run.stdout.splitlines()
+  )
+
+
+def test_the_demo_marks_the_heads_whose_interval_excludes_zero(demo_run):
+  (line,) = [x for x in demo_run.stdout.splitlines() if x.startswith("heads whose 95% bootstrap")]
+  for low, high in re.findall(r"\[(-?[\d.]+), (-?[\d.]+)\]", line):
+    assert 0 < float(low) <= float(high)
+
+
+def test_with_tensorstore_the_demo_harvests_rows_equal_to_flax_capture_intermediates(tmp_path):
+  pytest.importorskip("tensorstore")
+  from rich.console import Console
+
+  story = _demo._Story(Console(file=io.StringIO()), str(tmp_path), None)
+  story.linen()
+  story.research()
+  assert story.proofs and all(story.proofs)
+  assert story.console.file.getvalue().count("bit for bit: True") >= 4
+  assert "the third batch's rows equal Flax's own capture_intermediates bit for bit: True" in (
+    story.console.file.getvalue()
+  )
 
 
 def test_with_matplotlib_the_demo_draws_the_heatmap_and_says_where(tmp_path):
