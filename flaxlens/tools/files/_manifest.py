@@ -19,7 +19,7 @@ from typing import Any
 
 from flaxlens.errors import ArtifactError
 from flaxlens.tools.files._codec import KEY_IMPLS, Found, collect
-from flaxlens.tools.files._policy import DEFAULT_PACKAGES, package_of
+from flaxlens.tools.files._policy import needs_allowing, package_of
 from flaxlens.tools.files._schemas import check_schema, read_json
 
 FORMAT = "flaxlens-isolated"
@@ -37,8 +37,6 @@ class Manifest:
 
   data: dict
   references: list[tuple[str, str, str]]
-  # The packages beyond flaxlens's defaults the artifact needs (refusal messages only).
-  requires: list[str]
   # `replay.jit` if the manifest records it: the call was recorded from compiled code.
   replay_jit: bool | None
 
@@ -106,7 +104,6 @@ def parse_manifest(raw: bytes, source: str) -> Manifest:
   return Manifest(
     data=data,
     references=found.references,
-    requires=sorted(set(data["requires"])),
     replay_jit=None if replay is None else replay["jit"],
   )
 
@@ -165,7 +162,7 @@ def check_arrays(data: dict, found: Found, source: str, file_format: str) -> Non
         f"{source}: array {name!r} holds {impl} keys but has dtype {info['dtype']} and"
         f" shape {info['shape']}. {fix_for(file_format)}"
       )
-  needed = {package_of(ref) for ref, _, _ in found.references} - DEFAULT_PACKAGES
+  needed = {package_of(ref) for ref, _, _ in found.references if needs_allowing(ref)}
   if not needed <= set(data["requires"]):
     raise ArtifactError(
       f"{source}: manifest.json's 'requires' omits {sorted(needed - set(data['requires']))},"
