@@ -6,7 +6,8 @@
 Schema (`schemas/isolated.schema.json`, `schemas/interventions.schema.json`).
 `parse_manifest` adds, for an isolated call, what a schema cannot state: the references
 and arrays its values use, every array listed, key arrays fitting their implementation,
-`requires` naming every package referenced. Nothing is imported here. docs/artifacts.md
+`requires` naming every package its references need allowed (`needs_allowing`: not
+`builtins` for a `dict`). Nothing is imported here. docs/artifacts.md
 lists the fields.
 """
 
@@ -145,7 +146,7 @@ def _collect_rngs(rngs: Any, found: Found) -> None:
 def check_arrays(data: dict, found: Found, source: str, file_format: str) -> None:
   """What the schema cannot state about arrays and references: every array a value uses
   is in the table, key arrays fit their implementation, and `requires` names every
-  package the references need beyond the defaults."""
+  package the references need allowed (`needs_allowing`)."""
   arrays = data["arrays"]
   if not set(found.arrays) <= set(arrays):
     raise ArtifactError(
