@@ -58,6 +58,7 @@ def inspect(
   """
   import json
   import os
+  import shutil
 
   import flaxlens as fl
   from flaxlens._target import load, said, sentence
@@ -74,12 +75,8 @@ def inspect(
     options = dict(argument=loaded.argument, **loaded.side_inputs)
     table = fl.summary(loaded.tree, depth, path=path, **options)
     if path is not None and not table.rows:
-      known = [row.path or "<root>" for row in fl.summary(loaded.tree, depth).rows]
-      raise fl.SelectionError(
-        f"No call matches the path pattern {path!r} (calls include {known[:12]}). Use a"
-        " pattern as tree.select().at_path takes: `*` within a path segment, `**` across."
-      )
-    page = None if html_path is None else fl.to_html(loaded.tree, **options)
+      raise _nothing_shown(loaded.tree, path, depth)
+    page = None if html_path is None else fl.to_html(loaded.tree, max_depth=depth, **options)
   except fl.FlaxlensError as e:
     if debug:
       raise
@@ -113,10 +110,33 @@ def inspect(
     print(json.dumps(data, indent=1))
   else:
     print(f"{target}: {loaded.framework} model, {len(table.rows)} calls\n")
-    print(table)
+    # The terminal's width ($COLUMNS first); none when the output goes to a file or a pipe.
+    print(table.text(shutil.get_terminal_size((0, 0)).columns or None))
   if html_path is not None:
     print(f"\nwrote {html_path}", file=sys.stderr if as_json else sys.stdout)
   return 0
+
+
+def _nothing_shown(tree: Any, path: str, depth: int | None) -> Exception:
+  """Why `--path` (with `--depth`) left no row in the table of `tree`: the pattern matches
+  only calls nested deeper than `depth`, or no call at all."""
+  import flaxlens as fl
+
+  matching = fl.summary(tree, path=path).rows
+  if matching:
+    deepest = min(row.depth for row in matching)
+    shallowest = next(row for row in matching if row.depth == deepest)
+    return fl.SelectionError(
+      f"The path pattern {path!r} matches {len(matching)} calls ({shallowest.path!r} among"
+      f" them), but --depth {depth} leaves out every call nested deeper than {depth} below"
+      f" the root, and these are nested {deepest} or more deep. Pass --depth {deepest} or"
+      " more, or leave out --depth."
+    )
+  known = [row.path or "<root>" for row in fl.summary(tree, depth).rows]
+  return fl.SelectionError(
+    f"No call matches the path pattern {path!r} (calls include {known[:12]}). Use a"
+    " pattern as tree.select().at_path takes: `*` within a path segment, `**` across."
+  )
 
 
 def replay(

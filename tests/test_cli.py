@@ -6,6 +6,7 @@ Checks that need no fresh process (argument handling, the messages for bad TARGE
 
 from __future__ import annotations
 
+import html
 import importlib.util
 import io
 import json
@@ -22,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from tables import folded_rows
 
 import flaxlens as fl
 from flaxlens import _demo, cli
@@ -408,6 +410,39 @@ def test_inspect_path_keeps_the_calls_matching_the_pattern(capsys):
     "Block_1/Dense_1",
     "Block_1/Dense_0",
   ]
+
+
+def test_inspect_says_when_the_depth_not_the_pattern_left_out_the_calls(capsys):
+  argv = ["inspect", f"{EXAMPLES}:linen_lm", "--depth", "1", "--path", "Block_*/Dense_*"]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  assert "'Block_*/Dense_*' matches 4 calls ('Block_0/Dense_1' among them)" in err
+  assert "--depth 1 leaves out" in err and "Pass --depth 2 or more" in err
+  assert "No call matches" not in err
+
+
+def test_inspect_html_page_leaves_out_the_calls_depth_leaves_out(tmp_path, capsys):
+  page = tmp_path / "view.html"
+  argv = ["inspect", f"{EXAMPLES}:linen_lm", "--depth", "1", "--html", str(page)]
+  assert cli.main(argv) == 0
+  table = page.read_text(encoding="utf-8").split('<table class="flaxlens-summary">')[1]
+  paths = [
+    html.unescape(p) for p in re.findall(r"<tr><td>([^<]*)</td>", table.split("</table>")[0])
+  ]
+  assert "Block_0" in paths and "Block_0/Dense_0" not in paths
+  assert paths == [*(cells[0] for cells in _table_rows(capsys.readouterr().out)), "total"]
+
+
+def test_inspect_folds_the_table_to_the_terminals_width_losing_nothing(capsys, monkeypatch):
+  assert cli.main(["inspect", f"{EXAMPLES}:linen_lm", "--json"]) == 0
+  rows = json.loads(capsys.readouterr().out)["rows"]
+  monkeypatch.setenv("COLUMNS", "80")
+  assert cli.main(["inspect", f"{EXAMPLES}:linen_lm"]) == 0
+  out = capsys.readouterr().out
+  assert max(len(line) for line in out.splitlines()) <= 80
+  shown = [cells[:5] for cells in folded_rows(out)[1:-1]]
+  fields = ("path", "module", "method", "inputs", "outputs")
+  assert shown == [["".join((row[f] or "<root>").split()) for f in fields] for row in rows]
 
 
 def test_inspect_html_writes_the_web_page(tmp_path, capsys):

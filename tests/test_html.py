@@ -7,6 +7,7 @@ The page is opened from a file, as a user opens it, with no server.
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import jax
@@ -61,34 +62,6 @@ def _open(browser, tree, tmp_path, **options):
   WebDriverWait(browser, 60).until(lambda b: b.execute_script(_DRAWN))
 
 
-# Finds the foldable nodes of the rendered tree whose text starts with one of the given
-# strings: [element, top, text] each, in document order (one browser round trip).
-_FIND_FOLDABLE = """
-const [host, prefixes] = arguments;
-return [...host.shadowRoot.querySelectorAll(".foldable_node")]
-  .filter((n) => prefixes.some((p) => n.innerText.startsWith(p)))
-  .map((n) => [n, n.getBoundingClientRect().top, n.innerText]);
-"""
-
-
-def _foldable(browser, prefixes: list[str]) -> list[tuple]:
-  from selenium.webdriver.common.by import By
-
-  host = browser.find_element(By.CSS_SELECTOR, "treescope-container")
-  return browser.execute_script(_FIND_FOLDABLE, host, prefixes)
-
-
-# The tops of the foldable nodes directly inside `node` (no other foldable node between)
-# whose text is one of `texts`.
-_CHILD_TOPS = """
-const [node, texts] = arguments;
-return [...node.querySelectorAll(".foldable_node")]
-  .filter((n) => n.parentElement.closest(".foldable_node") === node)
-  .filter((n) => texts.includes(n.innerText))
-  .map((n) => n.getBoundingClientRect().top);
-"""
-
-
 def test_the_page_loads_from_a_file_with_no_console_errors(browser, tmp_path):
   tree, _ = _transformer_tree()
   _open(browser, tree, tmp_path)
@@ -111,23 +84,40 @@ def test_every_call_is_visible_in_the_table_and_the_tree(browser, tmp_path, corp
   table, rendered = browser.execute_script(_SHOWN)
   assert table == [*(row.path or "<root>" for row in fl.summary(tree).rows), "total"]
   for (_, call), child in tree.submodule_calls.items():
-    assert f"{call!r}): {type(child).__name__}(" in rendered
+    assert re.search(rf"{re.escape(repr(call))}\):\s*{type(child).__name__}\(", rendered)
 
 
-def test_expanding_the_calls_of_the_root_puts_each_call_on_its_own_line(browser, tmp_path):
+# The tops of the keys in the `submodule_calls` of the rendered call `call` (a foldable
+# node), whose texts are `keys`; and the node of its call whose text starts with `start`.
+_CALLS_OF = """
+const [call, keys, start] = arguments;
+const direct = (parent) => [...parent.querySelectorAll(".foldable_node")]
+  .filter((n) => n.parentElement.closest(".foldable_node") === parent);
+const calls = direct(call).find((n) => n.innerText.startsWith("{"));
+const made = direct(calls);
+return [
+  made.filter((n) => keys.includes(n.innerText)).map((n) => n.getBoundingClientRect().top),
+  made.find((n) => n.innerText.startsWith(start)) ?? null,
+];
+"""
+
+
+def test_each_call_a_call_makes_is_on_its_own_line(browser, tmp_path):
   from selenium.webdriver.common.by import By
 
   tree, _ = _transformer_tree()
   _open(browser, tree, tmp_path)
+  root = browser.find_element(By.CSS_SELECTOR, "treescope-container").shadow_root
+  root = root.find_element(By.CSS_SELECTOR, ".foldable_node")
   keys = [str(key) for key in tree.submodule_calls]
-  calls = next(node for node, _, _ in _foldable(browser, ["{" + keys[0]]))
-
-  def lines() -> set[float]:
-    return set(browser.execute_script(_CHILD_TOPS, calls, keys))
-
-  assert len(lines()) == 1  # folded: the calls are written in one line
-  calls.find_element(By.CSS_SELECTOR, ":scope > label").click()
-  assert len(lines()) == len(keys)
+  block = tree.submodule_calls[1, "TransformerBlock_0.__call__"]
+  start = f"{type(block).__name__}(module=TransformerBlock(name='TransformerBlock_0')"
+  tops, block_node = browser.execute_script(_CALLS_OF, root, keys, start)
+  assert len(set(tops)) == len(keys)  # Unfolded from the start, one call per line.
+  block_node.find_element(By.CSS_SELECTOR, ":scope > label").click()
+  block_keys = [str(key) for key in block.submodule_calls]
+  tops, _ = browser.execute_script(_CALLS_OF, block_node, block_keys, "")
+  assert len(set(tops)) == len(block_keys) == 5
 
 
 def test_a_screenshot_of_the_page_is_written(browser, tmp_path):

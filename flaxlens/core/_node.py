@@ -56,6 +56,9 @@ class CallNode(Layer):
     (True, 'Dense', 'Dense.__call__')
   """
 
+  # The calls a call makes are drawn one per line, never run together on one line.
+  treescope_expanded_fields = ("submodule_calls",)
+
   def readable_path(self) -> tuple[str, str]:
     """`("Block_0/Dense_0", "__call__")`: the module path and the method name."""
     name = self.method_name

@@ -5,10 +5,11 @@
 along the object's class and its bases: every subclass, a user's included, renders like
 the class it extends. A struct renders as a call of its class with its fields, in the
 color its `treescope_color()` names, leaving out the fields its class lists in
-`treescope_hidden_fields` and writing those in `treescope_short_fields` in one line
-(`short_text`). A variable renders as its class with its label and value, and a
-`ReadOnlyDict` (the dicts of a converted tree) as the dict it reads as. No Flax internals
-here.
+`treescope_hidden_fields`, writing those in `treescope_short_fields` in one line
+(`short_text`) and those in `treescope_expanded_fields` unfolded, one item per line
+(a call's `submodule_calls`: each call it makes on its own line, however many). A
+variable renders as its class with its label and value, and a `ReadOnlyDict` (the dicts
+of a converted tree) as the dict it reads as. No Flax internals here.
 """
 
 from __future__ import annotations
@@ -53,10 +54,34 @@ def _render_text(node: _Text, path: str | None, subtree_renderer: Any) -> Any:
   return rendering_parts.text(node.text)
 
 
+class _Unfolded:
+  """A field value drawn unfolded: its outermost foldable parts start expanded."""
+
+  __slots__ = ("value",)
+
+  def __init__(self, value: Any):
+    self.value = value
+
+
+def _render_unfolded(node: _Unfolded, path: str | None, subtree_renderer: Any) -> Any:
+  rendering = subtree_renderer(node.value, path=path)
+  for part in rendering.renderable.foldables_in_this_part():
+    part.set_expand_state(rendering_parts.ExpandState.EXPANDED)
+  return rendering
+
+
+def _shown_as(cls: type[Struct], name: str, value: Any) -> Any:
+  if name in cls.treescope_short_fields:
+    return _Text(short_text(value))
+  if name in cls.treescope_expanded_fields:
+    return _Unfolded(value)
+  return value
+
+
 def _render_struct(node: Struct, path: str | None, subtree_renderer: Any) -> Any:
   cls = type(node)
   attributes = {
-    name: _Text(short_text(value)) if name in cls.treescope_short_fields else value
+    name: _shown_as(cls, name, value)
     for name, value in node.attributes_dict().items()
     if name not in cls.treescope_hidden_fields
   }
@@ -90,4 +115,5 @@ def register_handlers() -> None:
   registry[Struct] = _render_struct
   registry[AbstractVariable] = _render_variable
   registry[_Text] = _render_text
+  registry[_Unfolded] = _render_unfolded
   registry[ReadOnlyDict] = _render_read_only_dict

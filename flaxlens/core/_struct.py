@@ -44,9 +44,11 @@ class Struct:
   Every subclass is a frozen dataclass (identity equality, so arrays never get
   compared elementwise) and a JAX pytree whose children are its non-static fields.
   How treescope shows it is declared, not coded: `treescope_color()`, and the class
-  attributes `treescope_hidden_fields` (fields left out) and `treescope_short_fields`
+  attributes `treescope_hidden_fields` (fields left out), `treescope_short_fields`
   (fields shown in one line: a class by its name, a Linen module as
-  `Dense(name='Dense_0')`); assign them without a type annotation, or they become fields.
+  `Dense(name='Dense_0')`) and `treescope_expanded_fields` (containers shown unfolded,
+  one item per line, such as a call's `submodule_calls`); assign them without a type
+  annotation, or they become fields.
 
   Example:
     >>> import flaxlens as fl, jax
@@ -59,6 +61,7 @@ class Struct:
 
   treescope_hidden_fields: ClassVar[tuple[str, ...]] = ()
   treescope_short_fields: ClassVar[tuple[str, ...]] = ()
+  treescope_expanded_fields: ClassVar[tuple[str, ...]] = ()
 
   # A subclass whose static fields hold only hashable values, whose `__init__` takes every
   # field and which keeps `key_for_field` may set this: JAX then flattens it in C++ (as a

@@ -88,9 +88,19 @@ def test_a_function_of_an_allowed_package_outside_the_vetted_set_is_refused(arti
 
 
 def test_the_refusal_names_the_allow_flag(artifact):
-  write_manifest(artifact, _sequential_calling(read_manifest(artifact), "os:system", ["os"]))
-  with pytest.raises(fl.ArtifactError, match=r"allow=\['os'\].*--allow os"):
+  manifest = _sequential_calling(read_manifest(artifact), "mymodels:relu", ["mymodels"])
+  write_manifest(artifact, manifest)
+  with pytest.raises(fl.ArtifactError, match=r"allow=\['mymodels'\].*--allow mymodels"):
     fl.load_isolated(artifact)
+
+
+@pytest.mark.parametrize("ref", ["os:system", "builtins:exec", "subprocess:run"])
+def test_a_reference_into_a_module_that_hands_out_the_process_is_never_advised(artifact, ref):
+  package = ref.partition(":")[0]
+  write_manifest(artifact, _sequential_calling(read_manifest(artifact), ref, [package]))
+  with pytest.raises(fl.ArtifactError, match=f"names '{ref}'.*crafted") as refusal:
+    fl.load_isolated(artifact)
+  assert "allow=[" not in str(refusal.value)
 
 
 @pytest.fixture

@@ -55,7 +55,7 @@ from flaxlens.tools.files._manifest import (
   parse_manifest,
   references_of,
 )
-from flaxlens.tools.files._policy import DEFAULT_PACKAGES, LoadPolicy, package_of
+from flaxlens.tools.files._policy import LoadPolicy, needs_allowing, package_of
 from flaxlens.tools.isolation._replay import IsolatedSubmodel
 
 MANIFEST = "manifest.json"
@@ -169,13 +169,14 @@ def provenance() -> dict[str, Any]:
 
 
 def requires(references: list[tuple[str, str, str]]) -> list[str]:
-  """Packages to allow on load: those outside the defaults, and default packages whose
-  objects the default policy does not accept in the role they play here."""
+  """Packages to allow on load: those a reference needs allowed (`needs_allowing`), and
+  default packages whose objects the default policy does not accept in the role they
+  play here. Built-in types (`dict`, `float`) need none: `builtins` is never listed."""
   needed = set()
   default = LoadPolicy()
   for ref, role, where in references:
     package = package_of(ref)
-    if package not in DEFAULT_PACKAGES:
+    if needs_allowing(ref):
       needed.add(package)
       continue
     try:
@@ -310,8 +311,9 @@ def load_isolated(
   )
   with Directory(source) as directory:
     manifest = parse_manifest(directory.read(MANIFEST, MAX_MANIFEST_BYTES), str(source))
+    named = [ref for ref, _, _ in manifest.references]
     for ref, _, where in manifest.references:
-      policy.check_package(ref, where, manifest.requires)
+      policy.check_package(ref, where, named)
     arrays = load_arrays(directory, manifest.data["arrays"], max_bytes)
   resolved = resolve_references(policy, manifest.references)
   return _rebuild(source, manifest, Decoder(arrays, resolved))

@@ -27,7 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxlens.errors import ArtifactError
-from flaxlens.tools.files._policy import LoadPolicy, package_of, reference, resolve_imported
+from flaxlens.tools.files._policy import (
+  LoadPolicy,
+  package_of,
+  reference,
+  resolve_imported,
+  unsafe,
+)
 from flaxlens.tools.files._schemas import schema
 
 # Array dtypes an artifact may hold, by numpy name (no object, void or structured dtypes).
@@ -347,6 +353,13 @@ class Encoder:
       raise ArtifactError(
         f"Cannot save {where or 'a value'}: {obj!r} cannot be referenced by import (it is"
         " a closure or defined in a function). Define it at module level."
+      )
+    why = unsafe(ref)
+    if why is not None:
+      raise ArtifactError(
+        f"Cannot save {where or 'a value'}: {obj!r} is {ref!r}, and {why}, so loading never"
+        f" accepts a reference into {package_of(ref)}. Use a function of jax.numpy or"
+        " jax.nn (jnp.abs for abs), or define one in a module of your own."
       )
     return ref
 

@@ -6,7 +6,8 @@
 Schema (`schemas/isolated.schema.json`, `schemas/interventions.schema.json`).
 `parse_manifest` adds, for an isolated call, what a schema cannot state: the references
 and arrays its values use, every array listed, key arrays fitting their implementation,
-`requires` naming every package referenced. Nothing is imported here. docs/artifacts.md
+`requires` naming every package its references need allowed (`needs_allowing`: not
+`builtins` for a `dict`). Nothing is imported here. docs/artifacts.md
 lists the fields.
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 
 from flaxlens.errors import ArtifactError
 from flaxlens.tools.files._codec import KEY_IMPLS, Found, collect
-from flaxlens.tools.files._policy import DEFAULT_PACKAGES, package_of
+from flaxlens.tools.files._policy import needs_allowing, package_of
 from flaxlens.tools.files._schemas import check_schema, read_json
 
 FORMAT = "flaxlens-isolated"
@@ -37,8 +38,6 @@ class Manifest:
 
   data: dict
   references: list[tuple[str, str, str]]
-  # The packages beyond flaxlens's defaults the artifact needs (refusal messages only).
-  requires: list[str]
   # `replay.jit` if the manifest records it: the call was recorded from compiled code.
   replay_jit: bool | None
 
@@ -106,7 +105,6 @@ def parse_manifest(raw: bytes, source: str) -> Manifest:
   return Manifest(
     data=data,
     references=found.references,
-    requires=sorted(set(data["requires"])),
     replay_jit=None if replay is None else replay["jit"],
   )
 
@@ -148,7 +146,7 @@ def _collect_rngs(rngs: Any, found: Found) -> None:
 def check_arrays(data: dict, found: Found, source: str, file_format: str) -> None:
   """What the schema cannot state about arrays and references: every array a value uses
   is in the table, key arrays fit their implementation, and `requires` names every
-  package the references need beyond the defaults."""
+  package the references need allowed (`needs_allowing`)."""
   arrays = data["arrays"]
   if not set(found.arrays) <= set(arrays):
     raise ArtifactError(
@@ -165,7 +163,7 @@ def check_arrays(data: dict, found: Found, source: str, file_format: str) -> Non
         f"{source}: array {name!r} holds {impl} keys but has dtype {info['dtype']} and"
         f" shape {info['shape']}. {fix_for(file_format)}"
       )
-  needed = {package_of(ref) for ref, _, _ in found.references} - DEFAULT_PACKAGES
+  needed = {package_of(ref) for ref, _, _ in found.references if needs_allowing(ref)}
   if not needed <= set(data["requires"]):
     raise ArtifactError(
       f"{source}: manifest.json's 'requires' omits {sorted(needed - set(data['requires']))},"

@@ -12,14 +12,16 @@ packages are imported first, so what they import is found too. A module path wit
 importing one runs a program (`numpy.f2py.__main__`); the running script's own
 `__main__` is loaded, so a script may load what it saved with `allow=["__main__"]`.
 Whatever an import raises, `SystemExit` included (but not `KeyboardInterrupt`), becomes
-an `ArtifactError`. The package name never comes from
-the artifact: the manifest's own `requires` list only serves to tell the user what
-`allow=` would load it. Then each object is checked for the role it plays (a module
-class, a data type, a function) before anything is constructed or called; objects from
-user-allowed packages are trusted in every role (a class named as a Flax module must
-still be one), objects from the default packages only in the vetted roles below. Where
-an allowed module is found is `import_folders`' rule (the user's `import_path` folders,
-the current folder, then `sys.path`), the one the CLI follows for a TARGET's module too.
+an `ArtifactError`. The package name never comes from the artifact, and a refusal
+advises allowing only packages its references name (`needs_allowing`), never one of
+`UNSAFE_PACKAGES` (builtins, os, subprocess, ...), which no `allow=` admits; the
+manifest's own `requires` list is informational. Then each object is checked for the
+role it plays (a module class, a data type, a function) before anything is constructed or
+called; objects from user-allowed packages are trusted in every role (a class named as a
+Flax module must still be one), objects from the default packages only in the vetted
+roles below. Where an allowed module is found is `import_folders`' rule (the user's
+`import_path` folders, the current folder, then `sys.path`), the one the CLI follows for
+a TARGET's module too.
 Flax internals: the classes a `GraphDef` is made of, through `flaxlens._compat.nnx_graph`.
 """
 
@@ -51,8 +53,58 @@ DEFAULT_PACKAGES = frozenset({"jax", "flax", "numpy", "flaxlens"})
 _IMPORTED_PACKAGE = "flaxlens"
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
-# Built-in container types a pytree definition may name; resolved without any import.
-_BUILTIN_TYPES = {"builtins:tuple": tuple, "builtins:list": list, "builtins:dict": dict}
+# Built-in data types a saved value may name (a pytree node type, a module's `dtype=float`):
+# resolved without any import or `allow=`, so an artifact never needs `builtins` allowed.
+_BUILTIN_TYPES = {
+  f"builtins:{cls.__name__}": cls
+  for cls in (bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset)
+}
+# Standard-library modules that hand whoever names their functions the process itself:
+# running code, importing or unpickling it, running commands, touching files or the
+# network. No model needs one allowed, and an artifact allowed one could call, say,
+# `os:system` with values it chooses; so no `allow=` admits them, no refusal advises them,
+# and a reference into one is refused, whatever is allowed. Each maps to an example.
+UNSAFE_PACKAGES = {
+  "builtins": "exec",
+  "code": "interact",
+  "codeop": "compile_command",
+  "runpy": "run_path",
+  "importlib": "import_module",
+  "pkgutil": "resolve_name",
+  "zipimport": "zipimporter",
+  "marshal": "loads",
+  "pickle": "loads",
+  "_pickle": "loads",
+  "copyreg": "__newobj__",
+  "shelve": "open",
+  "types": "FunctionType",
+  "ctypes": "CDLL",
+  "_ctypes": "dlopen",
+  "timeit": "timeit",
+  "pdb": "run",
+  "bdb": "Bdb.run",
+  "trace": "Trace.run",
+  "profile": "run",
+  "cProfile": "run",
+  "os": "system",
+  "posix": "system",
+  "nt": "system",
+  "sys": "exit",
+  "subprocess": "run",
+  "_posixsubprocess": "fork_exec",
+  "multiprocessing": "Process",
+  "signal": "raise_signal",
+  "pty": "spawn",
+  "shutil": "rmtree",
+  "pathlib": "Path.write_text",
+  "io": "open",
+  "_io": "open",
+  "tempfile": "mkdtemp",
+  "socket": "socket",
+  "urllib": "request.urlopen",
+  "http": "client.HTTPConnection",
+  "webbrowser": "open",
+}
 _MISSING = object()
 
 # Functions a module field may hold, by namespace (checked by identity after import).
@@ -170,15 +222,33 @@ class LoadPolicy:
           " is not one. Name the package as you import it (allow=['mypackage'] for"
           " mypackage.models)."
         )
+      if package in UNSAFE_PACKAGES:
+        raise ArgumentError(
+          f"{where}: allow={[package]!r} is refused: {_hands_out(package)}, so allowing it"
+          " would let the artifact run any code it chooses. No artifact flaxlens saves"
+          " needs it: built-in types (tuple, list, dict, int, float, ...) load without"
+          " allow=, and a class defined in your script with allow=['__main__']. Remove"
+          f" {package!r} from allow; if the artifact still names {package}, it was crafted"
+          " or edited by hand: do not use it."
+        )
     return cls(packages, import_folders(import_path, where), source, cli)
 
   def user_allowed(self, ref: str) -> bool:
     return package_of(ref) in self.allowed
 
-  def check_package(self, ref: str, where: str, needed: Iterable[str]) -> None:
+  def check_package(self, ref: str, where: str, references: Iterable[str]) -> None:
     """Refuses `ref` unless its package may be imported; names the `allow=` that allows it
-    (and the CLI flag, if the file is one the CLI loads), and where to put the package if
-    it cannot be found either. A `__main__` module is refused in every package."""
+    and the file's other `references` (and the CLI flag, if the file is one the CLI
+    loads), and where to put the package if it cannot be found either. A `__main__`
+    module is refused in every package, a reference into `UNSAFE_PACKAGES` always."""
+    package = package_of(ref)
+    why = unsafe(ref)
+    if why is not None:
+      raise ArtifactError(
+        f"The artifact names {ref!r} at {where}; {why}, so nothing is ever loaded from"
+        f" {package}, whatever is allowed. flaxlens never saves such a reference: the"
+        " artifact was crafted or edited by hand; do not use it."
+      )
     module = ref.partition(":")[0]
     if "__main__" in module.split(".") and module not in sys.modules:
       raise ArtifactError(
@@ -189,16 +259,10 @@ class LoadPolicy:
         " file (mymodel.py), save again and load with allow=['mymodel']; otherwise do not"
         " use the artifact."
       )
-    if ref in _BUILTIN_TYPES or package_of(ref) in DEFAULT_PACKAGES | self.allowed:
+    if not needs_allowing(ref) or package in self.allowed:
       return
-    if ref.startswith("builtins:"):
-      raise ArtifactError(
-        f"The artifact names {ref!r} at {where}; built-in functions are never loaded. Only"
-        " an artifact crafted by hand names them: do not use it."
-      )
-    missing = sorted(set(needed) - DEFAULT_PACKAGES - self.allowed)
+    missing = sorted({package_of(r) for r in references if needs_allowing(r)} - self.allowed)
     flags = " ".join(f"--allow {p}" for p in missing)
-    package = package_of(ref)
     findable = self.findable(package)
     raise ArtifactError(
       f"The artifact references {ref!r} at {where}, from package {package!r}, which"
@@ -375,6 +439,30 @@ _ROLE_FIX = {
 
 def package_of(ref: str) -> str:
   return ref.partition(":")[0].partition(".")[0]
+
+
+def needs_allowing(ref: str) -> bool:
+  """Whether loading `ref` needs its package allowed (`allow=`): it is neither a built-in
+  data type nor in a default package. A reference into `UNSAFE_PACKAGES`, which no
+  `allow=` admits, needs none: it is refused."""
+  package = package_of(ref)
+  return (
+    ref not in _BUILTIN_TYPES and package not in DEFAULT_PACKAGES and package not in UNSAFE_PACKAGES
+  )
+
+
+def unsafe(ref: str) -> str | None:
+  """Why no loading ever accepts `ref`, a reference into `UNSAFE_PACKAGES` other than a
+  built-in data type; None for any other reference."""
+  package = package_of(ref)
+  if ref in _BUILTIN_TYPES or package not in UNSAFE_PACKAGES:
+    return None
+  return _hands_out(package)
+
+
+def _hands_out(package: str) -> str:
+  example = f"{package}.{UNSAFE_PACKAGES[package]}"
+  return f"{package} hands whoever names its functions this process ({example} among them)"
 
 
 def _import(ref: str, where: str) -> Any:

@@ -345,8 +345,9 @@ def load_interventions(
   )
   with Directory(source) as directory:
     data, found = _parse(directory.read(MANIFEST, MAX_MANIFEST_BYTES), str(source))
+    named = [ref for ref, _, _ in found.references]
     for ref, _, where in found.references:
-      policy.check_package(ref, where, data["requires"])
+      policy.check_package(ref, where, named)
     arrays = load_arrays(directory, data["arrays"], max_bytes)
   resolved = resolve_references(policy, found.references)
   decoder = Decoder(arrays, resolved)

@@ -15,7 +15,7 @@ from typing import Any
 import treescope
 
 from flaxlens.core._args import ArgsAndKwargs
-from flaxlens.core._checks import check_path
+from flaxlens.core._checks import check_optional, check_path
 from flaxlens.tools.view._summary import check_arguments, summary
 
 _STYLE = """
@@ -34,6 +34,7 @@ def to_html(
   tree: Any,
   path: str | os.PathLike[str] | None = None,
   *,
+  max_depth: int | None = None,
   argument: ArgsAndKwargs | None = None,
   **side_inputs: Any,
 ) -> str:
@@ -46,6 +47,9 @@ def to_html(
   Args:
     tree: a converted tree (for example from `fl.unflaxify`).
     path: if given, the file the page is written to (UTF-8).
+    max_depth: leave out of the table the calls nested deeper than this below the root,
+      as `fl.summary` does (`flaxlens inspect --depth N --html FILE`); the tree below
+      still holds every call, to unfold.
     argument: the root call's `fl.ArgsAndKwargs`, so that the table's first row shows
       the model's input and output too (see `fl.summary`).
     **side_inputs: side inputs of the root call (such as `random_streams`), used with
@@ -67,9 +71,12 @@ def to_html(
     (True, True)
   """
   check_arguments("fl.to_html", tree, argument)
+  check_optional(
+    max_depth, int, "fl.to_html", "max_depth", "an int or None", "Pass a depth such as 2."
+  )
   if path is not None:
     path = check_path(path, "fl.to_html", "Pass the file to write, or None for no file.")
-  table = summary(tree, argument=argument, **side_inputs)._repr_html_()
+  table = summary(tree, max_depth, argument=argument, **side_inputs)._repr_html_()
   table = table.replace("<table>", '<table class="flaxlens-summary">', 1)
   title = html.escape(f"flaxlens: {tree.where()}")
   page = (

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -112,28 +113,48 @@ class Summary:
       "total": {"params": self.params, "param_bytes": self.param_bytes, "state": self.state},
     }
 
-  def __str__(self) -> str:
+  def text(self, width: int | None = None) -> str:
+    """The plain text table, its lines at most `width` characters if given.
+
+    What does not fit is folded, never cut: the inputs and outputs columns (where a
+    Hugging Face model's keyword arguments go) narrow first, then with the path and
+    module columns, the widest first, and their cells continue on the next lines, broken
+    after a space where they can be. The method and number columns keep their width, so
+    a table is wider than a `width` under some 70 characters. `str(summary)` is
+    `summary.text()`: one line per call, however wide. `flaxlens inspect` prints the
+    table at the terminal's width.
+
+    Example:
+      >>> import flaxlens as fl, flax.linen as nn, jax.numpy as jnp
+      >>> model, x = nn.Dropout(0.5), jnp.ones((1, 3))
+      >>> tree = fl.unflaxify(model, {}, x, deterministic=True)
+      >>> argument = fl.ArgsAndKwargs.capture(x, deterministic=True)
+      >>> print(fl.summary(tree, argument=argument).text(width=90))
+      path    module   method    inputs                 outputs       params  param bytes  state
+      ------  -------  --------  ---------------------  ------------  ------  -----------  -----
+      <root>  Dropout  __call__  float32[1,3],          float32[1,3]       0          0 B      0
+                                 deterministic=True
+      ------  -------  --------  ---------------------  ------------  ------  -----------  -----
+      total                                                                0          0 B      0
+    """
     lines = [_HEADER, *self._cells()]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER))]
-    numeric = range(_NUMERIC, len(_HEADER))
-
-    def render(cells: tuple[str, ...]) -> str:
-      return "  ".join(
-        c.rjust(w) if i in numeric else c.ljust(w)
-        for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-      ).rstrip()
-
+    widths = _fitted([max(len(line[i]) for line in lines) for i in range(len(_HEADER))], width)
     rule = "  ".join("-" * w for w in widths)
-    body = [render(cells) for cells in lines]
+    body = ["\n".join(_render(cells, widths)) for cells in lines]
     return "\n".join([body[0], rule, *body[1:-1], rule, body[-1]])
+
+  def __str__(self) -> str:
+    return self.text()
 
   def __repr__(self) -> str:
     return str(self)
 
   def __rich__(self) -> Table:
     table = Table(show_footer=False)
-    for i, name in enumerate(_HEADER):
-      table.add_column(name, justify="right" if i >= _NUMERIC else "left", overflow="fold")
+    for i, name in enumerate(_HEADER):  # The method and numbers never fold, as in `text`.
+      folds = i in _FOLDING
+      justify = "right" if i >= _NUMERIC else "left"
+      table.add_column(name, justify=justify, overflow="fold", no_wrap=not folds)
     cells = self._cells()
     for row, line in zip(self.rows, cells, strict=False):
       table.add_row(*line, style="magenta" if row.replaced else None)
@@ -148,6 +169,66 @@ class Summary:
     head = row(_HEADER, "th")
     body = "".join(row(cells, "td") for cells in self._cells())
     return f"<table><thead>{head}</thead><tbody>{body}</tbody></table>"
+
+
+# The columns that narrow to fit a width, folding their cells: inputs and outputs first,
+# down to `_ROOMY` characters, then with the path and module, down to their headers.
+_ARGUMENTS, _FOLDING = (3, 4), (0, 1, 3, 4)
+_ROOMY = 24
+_NARROWEST = 6  # A folding column is never narrower than this, nor than its header.
+
+
+def _fitted(widths: list[int], width: int | None) -> list[int]:
+  """Column widths whose table (two spaces between columns) is at most `width` wide."""
+  if width is None:
+    return widths
+  widths = _narrowed(widths, width, _ARGUMENTS, _ROOMY)
+  return _narrowed(widths, width, _FOLDING, _NARROWEST)
+
+
+def _narrowed(widths: list[int], width: int, columns: tuple[int, ...], floor: int) -> list[int]:
+  """`widths` with the `columns` cut down to the largest common limit (not below `floor`
+  nor their header) at which the table fits `width`: the widest narrow first."""
+  least = {i: min(widths[i], max(len(_HEADER[i]), floor)) for i in columns}
+
+  def cut(limit: int) -> list[int]:
+    return [max(least[i], min(w, limit)) if i in columns else w for i, w in enumerate(widths)]
+
+  limit = max(widths[i] for i in columns)
+  while limit > floor and sum(cut(limit)) + 2 * (len(widths) - 1) > width:
+    limit -= 1
+  return cut(limit)
+
+
+def _fold(text: str, width: int) -> list[str]:
+  """`text` in lines of at most `width` characters, broken after a space, a comma or a
+  slash where it can be (`float32[2,8], train=True`, `Block_0/Dense_0`), mid-word where
+  it must; nothing but the spaces at the breaks is left out."""
+  lines = [""]
+  for word in re.findall(r"[^\s,/]*[,/]?\s*", text):  # Each with its trailing spaces.
+    if lines[-1] and len((lines[-1] + word).rstrip()) > width:
+      lines.append("")
+    lines[-1] += word
+    while len(lines[-1].rstrip()) > width:  # A word longer than a line: cut it.
+      lines[-1], rest = lines[-1][:width], lines[-1][width:]
+      lines.append(rest)
+  return [line.rstrip() for line in lines]
+
+
+def _render(cells: tuple[str, ...], widths: list[int]) -> list[str]:
+  """The lines of one table row, each cell folded to its column's width (`_fold`),
+  numbers aligned right."""
+  folded = [_fold(cell, w) for cell, w in zip(cells, widths, strict=True)]
+  height = max(len(lines) for lines in folded)
+  return [
+    "  ".join(
+      (lines[n] if n < len(lines) else "").rjust(w)
+      if i >= _NUMERIC
+      else (lines[n] if n < len(lines) else "").ljust(w)
+      for i, (lines, w) in enumerate(zip(folded, widths, strict=True))
+    ).rstrip()
+    for n in range(height)
+  ]
 
 
 def _leaves(variables: Iterable[AbstractVariable]) -> Iterator[tuple[bool, Any]]:
