@@ -462,7 +462,7 @@ def test_plot_moves_shared_site_path_parts_to_the_axis_and_thins_tick_labels():
   axes = result.plot().axes[0]
   rows = [t.get_text() for t in axes.get_yticklabels()]
   assert rows[:2] == ["layers_0", "layers_3"] and len(rows) <= 40
-  assert axes.get_ylabel() == "model/encoder/…/self_attention/out"
+  assert axes.get_ylabel().replace("\n", "") == "model/encoder/…/self_attention/out"
   assert len(axes.get_xticklabels()) <= 32
 
 
@@ -471,3 +471,77 @@ def test_plot_saves_the_image_to_a_path(tmp_path):
   path = tmp_path / "sweep.svg"
   _far_from_zero_sweep().plot(path, title="logit difference")
   assert b"<svg" in path.read_bytes()[:400]
+
+
+def _tested(signs):
+  """A result of one cell per row of `signs` (examples' differences from the corrupted
+  run: +1 or -1), clean 1 and corrupted 0 on every example."""
+  per_example = np.asarray(signs, np.float64) * 0.5
+  batch = per_example.shape[-1]
+  return fl.SweepResult(
+    per_example.mean(-1),
+    tuple(f"s{i}" for i in range(len(signs))),
+    clean=1.0,
+    corrupted=0.0,
+    per_example=per_example,
+    clean_per_example=np.ones(batch),
+    corrupted_per_example=np.zeros(batch),
+  )
+
+
+def _hatched_rows(figure):
+  found = [c for c in figure.axes[0].collections if c.get_gid() == "not significant"]
+  if not found:
+    return []
+  return sorted(int(round(path.vertices[:, 1].min() + 0.5)) for path in found[0].get_paths())
+
+
+def test_plot_hatches_the_cells_not_significant_after_holms_adjustment():
+  """8 examples: a cell whose examples all agree has the exact p-value 2 / 2**8; Holm over
+  3 cells takes it to 3 * 2 / 2**8 = 0.023 < 0.05. A cell of mixed signs stays above."""
+  pytest.importorskip("matplotlib")
+  agree, mixed = [1] * 8, [1, -1] * 4
+  figure = _tested([agree, mixed, agree]).plot()
+  assert _hatched_rows(figure) == [1]
+  (note,) = figure.legends
+  assert "not significant at 0.05" in note.get_texts()[0].get_text()
+  assert "Holm" in note.get_texts()[0].get_text()
+  assert _hatched_rows(_tested([agree, mixed, agree]).plot(significance=None)) == []
+
+
+def test_plot_of_few_examples_hatches_every_cell():
+  """6 examples cannot reach 0.05 after Holm over 3 cells (3 * 2 / 2**6 = 0.094)."""
+  pytest.importorskip("matplotlib")
+  agree = [1] * 6
+  assert _hatched_rows(_tested([agree, agree, agree]).plot()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 4), (100, 64)], ids=["1x1", "3x4", "100x64"])
+def test_plot_keeps_its_labels_inside_the_figure(shape):
+  pytest.importorskip("matplotlib")
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+  rows, columns = shape
+  names = tuple(f"model/encoder/layers_{i}/self_attention/out" for i in range(rows))
+  per_example = np.linspace(-1, 1, rows * columns * 8).reshape(rows, columns, 8)
+  result = fl.SweepResult(
+    per_example.mean(-1),
+    names,
+    tuple(range(columns)),
+    clean=1.0,
+    corrupted=0.0,
+    per_example=per_example,
+    clean_per_example=np.ones(8),
+    corrupted_per_example=np.zeros(8),
+  )
+  figure = result.plot(title="a title")
+  canvas = FigureCanvasAgg(figure)
+  canvas.draw()
+  renderer = canvas.get_renderer()
+  inside = figure.bbox
+  texts = [figure.axes[1].yaxis.label, figure.axes[0].yaxis.label, figure.axes[0].title]
+  texts += [text for legend in figure.legends for text in legend.get_texts()]
+  for text in texts:
+    box = text.get_window_extent(renderer)
+    assert inside.x0 <= box.x0 and box.x1 <= inside.x1, text.get_text()
+    assert inside.y0 <= box.y0 and box.y1 <= inside.y1, text.get_text()

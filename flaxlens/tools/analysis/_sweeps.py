@@ -217,22 +217,36 @@ class SweepResult:
     return _statistics.p_values(self, permutations=permutations, seed=seed)
 
   def plot(
-    self, path: Any = None, *, title: str | None = None, normalised: bool | None = None
+    self,
+    path: Any = None,
+    *,
+    title: str | None = None,
+    normalised: bool | None = None,
+    significance: float | None = 0.05,
   ) -> Any:
-    """Draws the values as a heatmap (sites down, positions across); saves it to `path`.
+    """Draws the values as a heatmap (sites down, positions or receivers across); saves
+    it to `path`.
 
-    With the clean and corrupted metrics known (results of `fl.sweep` and
-    `fl.attribute`), it shows the normalised effect centred on 0 (no effect; 1: the clean
-    metric restored); `normalised=False` shows the raw metric centred on the corrupted
-    run's (an attribution's changes on 0). The colour scale ends at the 98th percentile
-    of the distances from the centre, so one outlier does not wash out the rest; the
-    colorbar says what is shown. Long site names lose their shared prefix (shown as the
-    axis label) and their middle; tick labels thin out on large grids. Needs matplotlib
-    (`pip install "flaxlens[plots]"`); the image format follows the file's suffix
-    (`.png`, `.svg`, `.pdf`).
+    With the clean and corrupted metrics known it shows `normalised()`, centred on 0
+    (no effect) with 1 the whole effect; the colour bar says which runs 0 and 1 are (a
+    sweep: 0 the corrupted run, 1 the clean run restored; a path patch: 0 the clean
+    run, 1 the corrupted run reached). `normalised=False` shows the raw metric centred
+    on the run patched into (an attribution's changes on 0). With per-example values,
+    cells whose sign-flip p-value (`p_values()`, Holm-adjusted over the cells drawn) is
+    at least `significance` are hatched, and a note under the plot says so;
+    `significance=None` marks none. A heads result (`heads`) of one column is drawn as a
+    calls × heads grid. The colour scale ends at the 98th percentile of the distances
+    from the centre, so one outlier does not wash out the rest; long site names lose
+    their shared prefix (shown as the axis label) and their middle; tick labels thin out
+    on large grids. Needs matplotlib (`pip install "flaxlens[plots]"`); the image format
+    follows the file's suffix (`.png`, `.svg`, `.pdf`).
 
     Returns:
       The matplotlib `Figure` (shown inline by notebooks).
+
+    Raises:
+      StatisticsError: per-example values that `p_values()` refuses (pass
+        `significance=None` to draw without testing the cells).
 
     Example:
       >>> import flaxlens as fl, jax.numpy as jnp, tempfile, pathlib
@@ -241,7 +255,9 @@ class SweepResult:
       >>> path.exists()
       True
     """
-    return _plot.plot_sweep(self, path, title=title, normalised=normalised)
+    return _plot.plot_sweep(
+      self, path, title=title, normalised=normalised, significance=significance
+    )
 
 
 # --- shared machinery ---------------------------------------------------------------------
@@ -779,11 +795,12 @@ def sweep(
     chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
   if sweeps_itself is not None:
     options = (positions, axis, part, chunk_size, streams, jit)
-    values, names, (clean_metric, corrupted_metric) = sweeps_itself(
+    values, heads, (clean_metric, corrupted_metric) = sweeps_itself(
       tree, clean, corrupted, metric, options
     )
+    names = tuple(f"{site} head {h}" for site, h in heads)
     return _statistics.with_runs(
-      SweepResult(values, names, positions),
+      SweepResult(values, names, positions, heads=heads),
       clean_metric,
       corrupted_metric,
       per_example=per_example,
