@@ -449,6 +449,18 @@ def test_a_path_patch_plot_says_that_0_is_the_clean_run_and_1_the_corrupted_run(
   assert "0: no effect (clean run)\n1: corrupted run reached" in figure.axes[1].get_ylabel()
 
 
+def test_a_path_patch_plot_of_raw_values_centres_on_the_clean_metric():
+  pytest.importorskip("matplotlib")
+  native, clean, corrupted = _silent_and_carrier(LINEN)
+  result = fl.path_patch(
+    native.tree(clean), clean, corrupted, ["silent", "carrier"], "readout", _mean_metric
+  )
+  figure = result.plot(normalised=False)
+  (image,) = figure.axes[0].images
+  assert image.norm.vcenter == pytest.approx(float(_mean_metric(native.run(clean))))
+  assert "centre: clean" in figure.axes[1].get_ylabel()
+
+
 # --- sweeps and grids ---------------------------------------------------------------------
 
 
