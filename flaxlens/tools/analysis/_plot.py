@@ -157,8 +157,12 @@ def _not_significant(result: Any, significance: float | None, shape: tuple) -> A
       f"plot: significance= is a level in (0, 1) or None, got {significance!r}. Pass, for"
       " example, significance=0.05, or None to mark no cells."
     )
+  # Random sign flips give p-values of at least 1 / (permutations + 1); Holm needs one
+  # below significance / cells, so draw enough that this floor hides no effect (or all
+  # 2 ** batch sign vectors, when fewer: the test is then exact).
+  permutations = max(10_000, math.ceil(2 * math.prod(shape) / significance))
   try:
-    p = np.asarray(result.p_values(), np.float64).reshape(shape)
+    p = np.asarray(result.p_values(permutations=permutations), np.float64).reshape(shape)
   except StatisticsError as e:
     raise StatisticsError(
       f"{e} Or plot(significance=None) draws without testing the cells."
