@@ -461,6 +461,22 @@ def test_a_path_patch_plot_of_raw_values_centres_on_the_clean_metric():
   assert "centre: clean" in figure.axes[1].get_ylabel()
 
 
+def test_per_example_path_patch_refuses_a_metric_whose_leading_axis_is_not_the_batch():
+  """One value per position of example 0 (shape (5,), batch 2) is not one per example."""
+  native, clean = _transformer(LINEN)
+  said = r"^fl.path_patch: per_example=True .* shape \(5,\), .*\(args\[0\]: \(2, 5, 8\)\)"
+  with pytest.raises(fl.ArgumentError, match=said):
+    fl.path_patch(
+      native.tree(clean),
+      clean,
+      -clean,
+      "block_0/attn",
+      "block_1/attn",
+      lambda out: out[0, :, 0],
+      per_example=True,
+    )
+
+
 # --- sweeps and grids ---------------------------------------------------------------------
 
 

@@ -40,7 +40,7 @@ from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._variables import bind_variables, unbind_variables
 from flaxlens.core._walk import Relation, calls
 from flaxlens.errors import ArgumentError, SelectionError, UnsupportedFlaxFeatureError
-from flaxlens.tools.analysis import _statistics
+from flaxlens.tools.analysis import _budget, _statistics
 from flaxlens.tools.analysis._calling import (
   check_callable,
   check_matching_runs,
@@ -660,5 +660,10 @@ def path_patch(
     heads=None if None in heads else heads,
   )
   return _statistics.with_runs(
-    result, clean_metric, corrupted_metric, per_example=per_example, where="fl.path_patch"
+    result,
+    clean_metric,
+    corrupted_metric,
+    per_example=per_example,
+    where="fl.path_patch",
+    arguments=[(name, tuple(x.shape)) for name, x in _budget.arrays_of(corrupted)],
   )
