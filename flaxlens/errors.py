@@ -78,11 +78,16 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   afresh, give another path, or make every batch alike; with TensorStore missing, the
   message says `pip install "flaxlens[harvest]"`.
 - `StatisticsError` (also `ValueError`): a `SweepResult` statistic cannot be computed
-  from what the result holds: `bootstrap()`/`p_values()` without per-example values or
-  with one example, `normalised()` without the clean and corrupted metrics or with them
-  equal within rounding, or a bad `n=`/`confidence=`/`permutations=`. Fix: sweep with
+  from what the result holds, or would not be finite and meaningful:
+  `bootstrap()`/`p_values()` without per-example values or with one example,
+  `normalised()` without the clean and corrupted metrics or with them equal within
+  rounding, values that are inf or NaN (the rows and examples are named), a
+  `confidence=` above `1 - 2 / 2**examples`, `bootstrap(normalised=True)` where a
+  resample's clean and corrupted means agree or `clean - corrupted` changes sign too
+  often, or a bad `n=`/`confidence=`/`permutations=`. Fix: sweep with
   `per_example=True` and a metric returning one value per example, sweep more examples,
-  or choose a corrupted input that moves the metric (docs/sweeps.md, how sure are we).
+  keep the examples whose corruption moves the metric, or bootstrap the raw values
+  (docs/sweeps.md, how sure are we).
 - `ModelCallError` (also the class of the error it reports): a call of a converted tree
   failed inside the model's own code (Flax's or yours), for example token ids of another
   rank or a sequence longer than a positional table, which raise a bare `IndexError` or
@@ -197,8 +202,10 @@ class BudgetError(FlaxlensError, ValueError):
 
 
 class StatisticsError(FlaxlensError, ValueError):
-  """A statistic of a sweep cannot be computed from what its result holds: no per-example
-  values, no clean and corrupted metrics, clean equal to corrupted, or bad settings."""
+  """A statistic of a sweep or path patch cannot be computed from what its result holds,
+  or would not be finite and meaningful: no per-example values, no clean and corrupted
+  metrics, clean equal to corrupted (in the sample or in a resample), values that are
+  not finite, too few examples for the confidence asked, or bad settings."""
 
 
 class MetricRetraceWarning(UserWarning):

@@ -92,8 +92,14 @@ def _stack(framework):
   return tree, sites, x, native
 
 
-def _corrupted(clean):
-  return _quarters(jax.random.normal(jax.random.key(9), clean.shape) * 2)
+def _corrupted(clean, key=9):
+  return _quarters(jax.random.normal(jax.random.key(key), clean.shape) * 2)
+
+
+# A corruption lowering the metric of every example (by 1.2 to 19.6), so that clean -
+# corrupted keeps its sign in every resample and the normalised effect has an interval;
+# key 9's changes the sign from example to example.
+ONE_SIGNED = 12
 
 
 def per_example_metric(out):
@@ -105,9 +111,9 @@ def total_metric(out):
   return per_example_metric(out).sum()
 
 
-def _per_example_sweep(framework, positions=range(4)):
+def _per_example_sweep(framework, positions=range(4), key=9):
   tree, sites, clean, native = _stack(framework)
-  corrupted = _corrupted(clean)
+  corrupted = _corrupted(clean, key)
   result = fl.sweep(
     tree, clean, corrupted, sites, per_example_metric, positions=positions, per_example=True
   )
@@ -248,7 +254,7 @@ def test_bootstrap_equals_numpy_percentiles_of_resampled_example_means(framework
 
 
 def test_bootstrap_of_the_normalised_effect_resamples_the_three_runs_together():
-  result, *_ = _per_example_sweep(LINEN)
+  result, *_ = _per_example_sweep(LINEN, key=ONE_SIGNED)
   lower, upper = result.bootstrap(n=400, seed=1, normalised=True)
   patched, clean, corrupted = (
     _resampled(np.asarray(v, np.float64), 400, 1)
@@ -266,6 +272,71 @@ def test_bootstrap_refuses_a_confidence_outside_zero_and_one():
     match=r"^SweepResult.bootstrap\(\): confidence=95 is outside \(0, 1\).*=0.95",
   ):
     result.bootstrap(confidence=95)
+
+
+def _one_differing_sweep(batch=32, differing=7):
+  """A sweep of `batch` examples whose corrupted input equals the clean one but on one."""
+  tree, sites, _, _ = _stack(LINEN)
+  clean = _quarters(jax.random.normal(jax.random.key(5), (batch, 4, 4)) * 2)
+  corrupted = clean.at[differing].set(_corrupted(clean)[differing])
+  return fl.sweep(tree, clean, corrupted, sites, per_example_metric, per_example=True)
+
+
+def test_bootstrap_of_the_normalised_effect_refuses_resamples_with_nothing_to_normalise_by():
+  """Clean and corrupted differ on 1 of 32 examples: the point estimate exists, but about
+  a third of the resamples miss that example and would divide 0 by 0."""
+  result = _one_differing_sweep()
+  assert np.isfinite(result.normalised()).all()
+  said = r"equal within rounding.*they differ on 1 of 32 examples \(\[7\]\).*normalised=False"
+  with pytest.raises(fl.StatisticsError, match=said):
+    result.bootstrap(normalised=True)
+
+
+def test_bootstrap_of_the_normalised_effect_refuses_a_denominator_of_unsettled_sign():
+  """Key 9's corruption raises the metric of some examples and lowers it on others."""
+  result, *_ = _per_example_sweep(LINEN)
+  clean = np.asarray(result.clean_per_example, np.float64)
+  corrupted = np.asarray(result.corrupted_per_example, np.float64)
+  spans = _resampled(clean, 10_000, 0) - _resampled(corrupted, 10_000, 0)
+  assert np.mean(np.sign(spans) != np.sign(clean.mean() - corrupted.mean())) > 0.025
+  with pytest.raises(
+    fl.StatisticsError,
+    match=r"changes sign in .* positive on examples \[0, 2\] and negative on \[1, 3, 4, 5\]",
+  ):
+    result.bootstrap(normalised=True)
+
+
+def test_bootstrap_refuses_a_confidence_its_examples_cannot_support():
+  """5 examples: the exact sign-flip test cannot go below 2 / 2**5, so at most 0.9375."""
+  result = fl.SweepResult(
+    np.ones(1),
+    ("a",),
+    per_example=np.arange(5.0)[None],
+    clean_per_example=np.ones(5),
+    corrupted_per_example=np.zeros(5),
+  )
+  with pytest.raises(fl.StatisticsError, match=r"5 examples cannot support a 0.99 .* at least 8"):
+    result.bootstrap(confidence=0.99)
+  lower, upper = result.bootstrap(confidence=0.9375)
+  assert np.isfinite([lower, upper]).all()
+
+
+@pytest.mark.parametrize("statistic", ["normalised", "bootstrap", "p_values"])
+def test_statistics_refuse_values_that_are_not_finite_naming_rows_and_examples(statistic):
+  per_example = np.ones((2, 6))
+  per_example[1, 2] = np.nan
+  result = fl.SweepResult(
+    per_example.mean(-1),
+    ("a", "b"),
+    clean=1.0,
+    corrupted=0.0,
+    per_example=per_example,
+    clean_per_example=np.ones(6),
+    corrupted_per_example=np.zeros(6),
+  )
+  at = r"in rows \['b'\]" + (r" at examples \[2\]" if statistic != "normalised" else "")
+  with pytest.raises(fl.StatisticsError, match=r"not finite \(inf or NaN\) " + at):
+    getattr(result, statistic)()
 
 
 # --- permutation p-values -------------------------------------------------------------------
@@ -391,7 +462,7 @@ def test_plot_moves_shared_site_path_parts_to_the_axis_and_thins_tick_labels():
   axes = result.plot().axes[0]
   rows = [t.get_text() for t in axes.get_yticklabels()]
   assert rows[:2] == ["layers_0", "layers_3"] and len(rows) <= 40
-  assert axes.get_ylabel() == "model/encoder/…/self_attention/out"
+  assert axes.get_ylabel().replace("\n", "") == "model/encoder/…/self_attention/out"
   assert len(axes.get_xticklabels()) <= 32
 
 
@@ -400,3 +471,84 @@ def test_plot_saves_the_image_to_a_path(tmp_path):
   path = tmp_path / "sweep.svg"
   _far_from_zero_sweep().plot(path, title="logit difference")
   assert b"<svg" in path.read_bytes()[:400]
+
+
+def _tested(signs):
+  """A result of one cell per row of `signs` (examples' differences from the corrupted
+  run: +1 or -1), clean 1 and corrupted 0 on every example."""
+  per_example = np.asarray(signs, np.float64) * 0.5
+  batch = per_example.shape[-1]
+  return fl.SweepResult(
+    per_example.mean(-1),
+    tuple(f"s{i}" for i in range(len(signs))),
+    clean=1.0,
+    corrupted=0.0,
+    per_example=per_example,
+    clean_per_example=np.ones(batch),
+    corrupted_per_example=np.zeros(batch),
+  )
+
+
+def _hatched_rows(figure):
+  found = [c for c in figure.axes[0].collections if c.get_gid() == "not significant"]
+  if not found:
+    return []
+  return sorted(int(round(path.vertices[:, 1].min() + 0.5)) for path in found[0].get_paths())
+
+
+def test_plot_hatches_the_cells_not_significant_after_holms_adjustment():
+  """8 examples: a cell whose examples all agree has the exact p-value 2 / 2**8; Holm over
+  3 cells takes it to 3 * 2 / 2**8 = 0.023 < 0.05. A cell of mixed signs stays above."""
+  pytest.importorskip("matplotlib")
+  agree, mixed = [1] * 8, [1, -1] * 4
+  figure = _tested([agree, mixed, agree]).plot()
+  assert _hatched_rows(figure) == [1]
+  (note,) = figure.legends
+  assert "not significant at 0.05" in note.get_texts()[0].get_text()
+  assert "Holm" in note.get_texts()[0].get_text()
+  assert _hatched_rows(_tested([agree, mixed, agree]).plot(significance=None)) == []
+
+
+def test_plot_of_few_examples_hatches_every_cell():
+  """6 examples cannot reach 0.05 after Holm over 3 cells (3 * 2 / 2**6 = 0.094)."""
+  pytest.importorskip("matplotlib")
+  agree = [1] * 6
+  assert _hatched_rows(_tested([agree, agree, agree]).plot()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 4), (100, 64)], ids=["1x1", "3x4", "100x64"])
+def test_plot_keeps_its_labels_inside_the_figure(shape):
+  pytest.importorskip("matplotlib")
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+  rows, columns = shape
+  names = tuple(f"model/encoder/layers_{i}/self_attention/out" for i in range(rows))
+  per_example = np.linspace(-1, 1, rows * columns * 8).reshape(rows, columns, 8)
+  result = fl.SweepResult(
+    per_example.mean(-1),
+    names,
+    tuple(range(columns)),
+    clean=1.0,
+    corrupted=0.0,
+    per_example=per_example,
+    clean_per_example=np.ones(8),
+    corrupted_per_example=np.zeros(8),
+  )
+  figure = result.plot(title="a title")
+  canvas = FigureCanvasAgg(figure)
+  canvas.draw()
+  renderer = canvas.get_renderer()
+  inside = figure.bbox
+  texts = [figure.axes[1].yaxis.label, figure.axes[0].yaxis.label, figure.axes[0].title]
+  texts += [text for legend in figure.legends for text in legend.get_texts()]
+  for text in texts:
+    box = text.get_window_extent(renderer)
+    assert inside.x0 <= box.x0 and box.x1 <= inside.x1, text.get_text()
+    assert inside.y0 <= box.y0 and box.y1 <= inside.y1, text.get_text()
+
+
+def test_plot_draws_enough_sign_flips_that_their_floor_hatches_no_clear_effect():
+  """1000 cells whose 20 examples all agree: the exact p-value 2 / 2**20 survives Holm, but
+  10,000 random sign flips cannot go below 1 / 10,001, and 1000 times that is 0.1."""
+  pytest.importorskip("matplotlib")
+  assert _hatched_rows(_tested([[1] * 20] * 1000).plot()) == []

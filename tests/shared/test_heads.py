@@ -280,6 +280,19 @@ def test_layer_head_grid_sweep_has_a_row_per_layer_and_head(setup):
   np.testing.assert_allclose(result.values[-1], single.values[0], rtol=1e-6, atol=1e-6)
 
 
+def test_a_heads_sweep_plots_as_a_grid_of_layers_by_heads(setup):
+  pytest.importorskip("matplotlib")
+  site = fl.heads([setup.attn(0), setup.attn(1)])
+  result = fl.sweep(setup.tree, X2, X, site, lambda o: o[:, -1, 0].sum())
+  axes = result.plot().axes[0]
+  (image,) = axes.images
+  np.testing.assert_array_equal(image.get_array(), result.normalised().reshape(2, HEADS))
+  assert axes.get_xlabel() == "head"
+  assert [t.get_text() for t in axes.get_xticklabels()] == [str(h) for h in range(HEADS)]
+  rows = [t.get_text() for t in axes.get_yticklabels()]
+  assert len(rows) == 2 and rows[0] != rows[1]  # one row per layer
+
+
 # --- merged heads: a call whose feature axis holds heads * head_dim ----------------------
 
 

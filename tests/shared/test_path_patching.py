@@ -315,8 +315,166 @@ def test_heads_as_senders_and_receiver_equal_the_three_runs_natively(framework):
   by_heads = fl.path_patch(
     tree, clean, corrupted, fl.heads("block_0/attn"), receiver, _metric, freeze="block_0/mlp"
   )
-  assert by_heads.sites == result.sites
   np.testing.assert_array_equal(by_heads.values, result.values)
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_heads_as_senders_label_their_rows_as_a_heads_sweep_does(framework):
+  native, clean = _transformer(framework)
+  tree = native.tree(clean)
+  receiver = fl.Sites("block_1/attn/query", where=jnp.s_[..., 0, :])
+  result = fl.path_patch(tree, clean, -clean, fl.heads("block_0/attn"), receiver, _metric)
+  assert result.sites == ("block_0/attn head 0", "block_0/attn head 1")
+  assert result.heads == (("block_0/attn", 0), ("block_0/attn", 1))
+  swept = fl.sweep(tree, clean, -clean, fl.heads("block_0/attn"), lambda out: out.sum())
+  assert swept.sites == result.sites and swept.heads == result.heads
+
+
+# --- the direction of the effect: 0 no effect, 1 the whole effect --------------------------
+
+
+class LinenSilentAndCarrier(nn.Module):
+  """Two writers read by the readout: "silent" (zero weights: writes 0 on every input)
+  and "carrier" (the only path from the input to the readout)."""
+
+  @nn.compact
+  def __call__(self, x):
+    written = nn.Dense(WIDTH, name="silent")(x) + nn.Dense(WIDTH, name="carrier")(x)
+    return nn.Dense(2, name="readout")(written)
+
+
+class NNXSilentAndCarrier(nnx.Module):
+  def __init__(self, rngs):
+    self.silent = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+    self.carrier = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+    self.readout = nnx.Linear(WIDTH, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.readout(self.silent(x) + self.carrier(x))
+
+
+def _silent_and_carrier(framework):
+  """The model with "silent" zeroed and the other weights 1/4, and clean and corrupted
+  inputs (the corrupted one larger by 1: every example's metric rises), batch 6."""
+  clean = _quarters(jax.random.normal(jax.random.key(5), (6, WIDTH)))
+  if framework is LINEN:
+    model = LinenSilentAndCarrier()
+    variables = model.init(jax.random.key(0), clean)
+    params = {
+      name: jax.tree_util.tree_map(
+        lambda v, name=name: jnp.full_like(v, 0.0 if name == "silent" else 0.25), layer
+      )
+      for name, layer in variables["params"].items()
+    }
+    native = Native(framework, model, {"params": params})
+  else:
+    model = NNXSilentAndCarrier(nnx.Rngs(0))
+    for layer, value in ((model.silent, 0.0), (model.carrier, 0.25), (model.readout, 0.25)):
+      layer.kernel.value = jnp.full_like(layer.kernel.value, value)
+      layer.bias.value = jnp.full_like(layer.bias.value, value)
+    native = Native(framework, model)
+  return native, clean, clean + 1
+
+
+def _mean_metric(out):
+  return _metric(out).mean()
+
+
+def _path_by_hand(native, clean, corrupted, sender):
+  """Run 3 by hand: the readout's output recorded in a clean run whose `sender` writes
+  its corrupted value (the other writer frozen clean), then set in a clean run."""
+  writers = ["silent", "carrier"]
+  c, k = _values(native, clean, writers), _values(native, corrupted, writers)
+  recorded = {}
+  hooks = {w: (lambda call, first, w=w: k[w] if w == sender else c[w]) for w in writers}
+  hooks["readout"] = _recording(recorded, "readout")
+  native.run(clean, hooks)
+  return _metric(native.run(clean, {"readout": lambda call, first: recorded["readout"]}))
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_path_effect_is_0_for_a_sender_that_does_nothing_and_1_for_one_carrying_everything(
+  framework,
+):
+  native, clean, corrupted = _silent_and_carrier(framework)
+  result = fl.path_patch(
+    native.tree(clean), clean, corrupted, ["silent", "carrier"], "readout", _mean_metric
+  )
+  clean_metric = np.float64(_metric(native.run(clean)).mean())
+  corrupted_metric = np.float64(_metric(native.run(corrupted)).mean())
+  patched = np.asarray(
+    [_path_by_hand(native, clean, corrupted, s).mean() for s in ("silent", "carrier")],
+    np.float64,
+  )
+  expected = (clean_metric - patched) / (clean_metric - corrupted_metric)
+  np.testing.assert_array_equal(expected, [0.0, 1.0])
+  np.testing.assert_array_equal(result.normalised(), expected)
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_path_statistics_measure_from_the_clean_run(framework):
+  """p-values test patched against clean, and the bootstrap resamples the same effect."""
+  native, clean, corrupted = _silent_and_carrier(framework)
+  result = fl.path_patch(
+    native.tree(clean),
+    clean,
+    corrupted,
+    ["silent", "carrier"],
+    "readout",
+    _metric,
+    per_example=True,
+  )
+  differences = np.asarray(
+    [
+      _path_by_hand(native, clean, corrupted, s) - _metric(native.run(clean))
+      for s in ("silent", "carrier")
+    ]
+  )
+  assert not differences[0].any() and (differences[1] > 0).all()
+  # Exact over 6 examples: no change gives p = 1; six of one sign, 2 / 2**6.
+  np.testing.assert_array_equal(result.p_values(), [1.0, 2 / 2**6])
+  lower, upper = result.bootstrap(normalised=True)
+  np.testing.assert_array_equal([lower, upper], [[0.0, 1.0], [0.0, 1.0]])
+
+
+def test_a_path_patch_plot_says_that_0_is_the_clean_run_and_1_the_corrupted_run():
+  pytest.importorskip("matplotlib")
+  native, clean, corrupted = _silent_and_carrier(LINEN)
+  result = fl.path_patch(
+    native.tree(clean), clean, corrupted, ["silent", "carrier"], "readout", _mean_metric
+  )
+  figure = result.plot()
+  (image,) = figure.axes[0].images
+  np.testing.assert_array_equal(image.get_array()[:, 0], [0.0, 1.0])
+  assert "0: no effect (clean run)\n1: corrupted run reached" in figure.axes[1].get_ylabel()
+
+
+def test_a_path_patch_plot_of_raw_values_centres_on_the_clean_metric():
+  pytest.importorskip("matplotlib")
+  native, clean, corrupted = _silent_and_carrier(LINEN)
+  result = fl.path_patch(
+    native.tree(clean), clean, corrupted, ["silent", "carrier"], "readout", _mean_metric
+  )
+  figure = result.plot(normalised=False)
+  (image,) = figure.axes[0].images
+  assert image.norm.vcenter == pytest.approx(float(_mean_metric(native.run(clean))))
+  assert "centre: clean" in figure.axes[1].get_ylabel()
+
+
+def test_per_example_path_patch_refuses_a_metric_whose_leading_axis_is_not_the_batch():
+  """One value per position of example 0 (shape (5,), batch 2) is not one per example."""
+  native, clean = _transformer(LINEN)
+  said = r"^fl.path_patch: per_example=True .* shape \(5,\), .*\(args\[0\]: \(2, 5, 8\)\)"
+  with pytest.raises(fl.ArgumentError, match=said):
+    fl.path_patch(
+      native.tree(clean),
+      clean,
+      -clean,
+      "block_0/attn",
+      "block_1/attn",
+      lambda out: out[0, :, 0],
+      per_example=True,
+    )
 
 
 # --- sweeps and grids ---------------------------------------------------------------------

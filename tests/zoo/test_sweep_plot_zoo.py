@@ -15,11 +15,12 @@ import flaxlens as fl
 pytestmark = pytest.mark.slow
 
 
-def _sweep(gpt2):
+def _sweep(gpt2, examples=slice(None)):
+  """A sweep of the blocks, the corrupted ids changing token 2 of `examples` only."""
   pytest.importorskip("matplotlib")
   tree = gpt2.convert()
   ids, mask, positions = gpt2.args
-  corrupted = ids.at[:, 2].set((ids[:, 2] + 1) % 100)
+  corrupted = ids.at[examples, 2].set((ids[examples, 2] + 1) % 100)
   answer = int(gpt2.apply(deterministic=True).logits[0, -1].argmax())
 
   def arguments(ids):
@@ -58,3 +59,16 @@ def test_a_gpt2_sweep_plots_more_than_one_flat_colour(gpt2):
   assert image.norm.vcenter == 0
   assert np.ptp(shown) > 4 * np.ptp(flat)
   assert np.ptp(shown) > 0.4
+
+
+def test_a_gpt2_bootstrap_of_the_normalised_effect_refuses_resamples_missing_the_changed_example(
+  gpt2,
+):
+  """Only example 1 is corrupted: the point estimate exists, but a quarter of the
+  resamples hold example 0 twice, whose clean and corrupted logits are equal."""
+  result, (clean, corrupted) = _sweep(gpt2, examples=1)
+  np.testing.assert_array_equal(clean[0], corrupted[0])
+  assert np.isfinite(result.normalised()).all()
+  said = r"equal within rounding.*they differ on 1 of 2 examples \(\[1\]\)"
+  with pytest.raises(fl.StatisticsError, match=said):
+    result.bootstrap(normalised=True, confidence=0.5)

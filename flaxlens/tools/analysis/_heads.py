@@ -543,9 +543,11 @@ class Heads:
   def splits(self, tree: CallNode, sites: list[Site] | None = None) -> list[_Split]:
     return _resolve(self, tree, sites_of(tree) if sites is None else sites)
 
-  def path_sites(self, tree: CallNode) -> tuple[list[str], str, list[Any]]:
-    """`(calls, on, slices)` naming these heads for `fl.path_patch` (as `fl.Sites` takes
-    them): the calls holding the heads and one slice per head, the same in every call."""
+  def path_sites(self, tree: CallNode) -> tuple[list[str], str, list[Any], dict]:
+    """`(calls, on, slices, heads)` naming these heads for `fl.path_patch` (as `fl.Sites`
+    takes them): the calls holding the heads, one slice per head, the same in every
+    call, and `{call: [(site, head) per slice]}` (`("block_0/attn", 2)`) naming rows as
+    `fl.sweep` names them."""
     splits = self.splits(tree)
     layouts = {(s.on, s.count, s.merged, s.heads, s.once[-1]) for s in splits}
     if len(layouts) != 1:
@@ -560,7 +562,8 @@ class Heads:
       where = [jnp.s_[..., h * width : (h + 1) * width] for h in heads]
     else:
       where = [jnp.s_[..., h, :] for h in heads]
-    return [s.site.name for s in splits], on, where
+    named = {s.site.name: [(s.name, h) for h in heads] for s in splits}
+    return [s.site.name for s in splits], on, where, named
 
   def edits_of(
     self, tree: CallNode, sites: list[Site], intervention: Intervention
@@ -592,8 +595,9 @@ class Heads:
     return out
 
   def sweep_units(self, tree, clean, corrupted, metric, options) -> tuple[Any, tuple, tuple]:
-    """`fl.sweep` over these heads: the values, one row per head (and iteration), and the
-    (clean, corrupted) runs' metrics."""
+    """`fl.sweep` over these heads: the values, each row's `(site, head)` (one row per
+    head and iteration: `("layers/attn[3]", 2)`), and the (clean, corrupted) runs'
+    metrics."""
     positions, axis, part, chunk_size, streams, jit = options
     if part is not None:
       raise HeadsError(
@@ -605,12 +609,12 @@ class Heads:
     values, rows, baselines = run(
       tree, clean, corrupted, self, metric, positions, axis, chunk_size, streams
     )
-    names = []
+    units = []
     for split, row in zip(splits, rows, strict=True):
       for index in np.ndindex(*row.shape[:-1]):
         label = split.name + (f"[{','.join(map(str, index))}]" if index else "")
-        names.extend(f"{label} head {h}" for h in split.heads)
-    return values, tuple(names), baselines
+        units.extend((label, h) for h in split.heads)
+    return values, tuple(units), baselines
 
 
 def heads(at: Any, which: Any = None, *, heads: int | None = None, on: str | None = None) -> Heads:

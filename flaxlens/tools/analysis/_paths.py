@@ -40,7 +40,7 @@ from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._variables import bind_variables, unbind_variables
 from flaxlens.core._walk import Relation, calls
 from flaxlens.errors import ArgumentError, SelectionError, UnsupportedFlaxFeatureError
-from flaxlens.tools.analysis import _statistics
+from flaxlens.tools.analysis import _budget, _statistics
 from flaxlens.tools.analysis._calling import (
   check_callable,
   check_matching_runs,
@@ -110,13 +110,14 @@ class Sites:
     return tuple(self.where) if isinstance(self.where, list) else (self.where,)
 
 
-def _as_sites(value: Any, tree: CallNode) -> Sites:
-  """`value` as `Sites`; a site object that knows its slices (`fl.heads`) says them."""
+def _as_sites(value: Any, tree: CallNode) -> tuple[Sites, dict[str, list[tuple[str, int]]]]:
+  """`value` as `Sites`, and the heads its slices are (`{call: [(site, head), ...]}`, one
+  per slice, empty but for `fl.heads`); a site object that knows its slices says them."""
   as_sites = getattr(value, "path_sites", None)
   if as_sites is not None:
-    at, on, where = as_sites(tree)
-    return Sites(at, on=on, where=where)
-  return value if isinstance(value, Sites) else Sites(value)
+    at, on, where, heads = as_sites(tree)
+    return Sites(at, on=on, where=where), heads
+  return (value if isinstance(value, Sites) else Sites(value)), {}
 
 
 class _Unit(NamedTuple):
@@ -124,7 +125,8 @@ class _Unit(NamedTuple):
 
   site: int  # index among sites_of(tree)
   where: Intervention | None
-  name: str
+  name: str  # the row's label: `"block_0/attn head 2"` for a head, else the call and slice
+  head: tuple[str, int] | None  # the (site, head) of a head named by `fl.heads`
 
 
 class _Plan(NamedTuple):
@@ -179,23 +181,38 @@ def _order(tree: CallNode) -> _Order:
 # --- planning -----------------------------------------------------------------------------
 
 
-def _units(tree: CallNode, sites: list[Site], spec: Sites, role: str) -> tuple[_Unit, ...]:
+def _units(
+  tree: CallNode, sites: list[Site], spec: Sites, heads: dict, role: str
+) -> tuple[_Unit, ...]:
   try:
     chosen = select_sites(tree, spec.at, sites)
   except SelectionError as e:
     raise SelectionError(f"fl.path_patch {role}: {e}") from None
   units = []
   for site in chosen:
-    for where in spec.slices():
+    for number, where in enumerate(spec.slices()):
       edit = _make("zero", site.name, (), where, spec.on, spec.part)
       _check_part(site, edit)
-      name = site.name + (":input" if spec.on == "input" else "")
-      if edit.index == MASK:
-        name += "[mask]"
-      elif edit.index is not None:
-        name += index_text(edit.index, edit.where_arrays)
-      units.append(_Unit(sites.index(site), None if where is None else edit, name))
+      head = heads[site.name][number] if site.name in heads else None
+      units.append(
+        _Unit(
+          sites.index(site), None if where is None else edit, _label(site, spec, edit, head), head
+        )
+      )
   return tuple(units)
+
+
+def _label(site: Site, spec: Sites, edit: Intervention, head: tuple[str, int] | None) -> str:
+  """A row's (or column's) label: as `fl.sweep` names a head (`"block_0/attn head 2"`),
+  else the call, its side and its slice (`"block_0/attn/out:input[..., 2, :]"`)."""
+  if head is not None:
+    return f"{head[0]} head {head[1]}"
+  name = site.name + (":input" if spec.on == "input" else "")
+  if edit.index == MASK:
+    return name + "[mask]"
+  if edit.index is not None:
+    return name + index_text(edit.index, edit.where_arrays)
+  return name
 
 
 def _listed(names: list[str]) -> str:
@@ -239,10 +256,13 @@ def _check_reach(senders, receivers, sender_on, receiver_on, order, each_receive
       )
 
 
-def _plan(tree, senders: Sites, receivers: Sites, freeze: Any, each_receiver: bool) -> _Plan:
+def _plan(tree, senders: tuple, receivers: tuple, freeze: Any, each_receiver: bool) -> _Plan:
+  """The plan of a path patch; `senders` and `receivers` are `(Sites, heads)` pairs
+  (`_as_sites`)."""
   sites = sites_of(tree)
-  sending = _units(tree, sites, senders, "senders")
-  receiving = _units(tree, sites, receivers, "receivers")
+  sending = _units(tree, sites, *senders, "senders")
+  receiving = _units(tree, sites, *receivers, "receivers")
+  senders, receivers = senders[0], receivers[0]
   order = _order(tree)
   _check_reach(sending, receiving, senders.on, receivers.on, order, each_receiver)
   sides: dict[int, tuple[str, Any]] = {}
@@ -577,10 +597,15 @@ def path_patch(
     jit: compile (default); pass False inside your own `jax.jit`.
 
   Returns:
-    A `SweepResult`: `values` of shape `(senders, *metric shape)`, or
-    `(senders, receivers, *metric shape)` with `each_receiver`; `sites` names the senders
-    (`"Block_0/attn/out:input[..., 2, :]"`), `receivers` the receivers; `clean` and
-    `corrupted` hold the unpatched runs' metrics (so `normalised()` and the plot work).
+    A `SweepResult` with `measure="path"`: `values` (the metric of run 3) of shape
+    `(senders, *metric shape)`, or `(senders, receivers, *metric shape)` with
+    `each_receiver`; `sites` names the senders (`"Block_0/attn head 2"` for `fl.heads`,
+    `"Block_0/attn/out:input[..., 2, :]"` for an `fl.Sites` slice), `receivers` the
+    receivers; `clean` and `corrupted` hold the unpatched runs' metrics. Run 3 starts
+    from the clean run, so a sender with no effect leaves the clean metric:
+    `normalised()` is `(clean - patched) / (clean - corrupted)`, 0 for no effect and 1
+    where the path carries the whole effect (the corrupted metric); `p_values` test
+    `patched - clean`; the plot shows the same normalised effect.
 
   Raises:
     SelectionError: a site matches no call (closest names listed), a receiver is a
@@ -604,6 +629,10 @@ def path_patch(
     ...                        lambda out: out[0, 0])
     >>> result.sites, result.values.shape
     (('write_0', 'write_1', 'write_2'), (3,))
+    >>> clean_metric = model.apply(tree.export(), clean)[0, 0]
+    >>> effect = result.normalised()  # (clean - patched) / (clean - corrupted)
+    >>> bool(effect[0] == (clean_metric - result.values[0]) / (result.clean - result.corrupted))
+    True
   """
   check_tree(tree, "fl.path_patch")
   check_callable(metric, "metric", "fl.path_patch")
@@ -622,11 +651,19 @@ def path_patch(
   )
   run = _path_patch_compiled if jit else _path_patch
   values, (clean_metric, corrupted_metric) = run(tree, clean, corrupted, plan, metric, streams)
+  heads = tuple(u.head for u in plan.senders)
   result = SweepResult(
     values,
     tuple(u.name for u in plan.senders),
     receivers=tuple(u.name for u in plan.receivers),
+    measure="path",
+    heads=None if None in heads else heads,
   )
   return _statistics.with_runs(
-    result, clean_metric, corrupted_metric, per_example=per_example, where="fl.path_patch"
+    result,
+    clean_metric,
+    corrupted_metric,
+    per_example=per_example,
+    where="fl.path_patch",
+    arguments=[(name, tuple(x.shape)) for name, x in _budget.arrays_of(corrupted)],
   )
