@@ -327,8 +327,10 @@ class _Story:
         per_example=True,
       )
       effect = paths.normalised()
-    shares = ", ".join(f"{_short(s)} {e:.2f}" for s, e in zip(paths.sites, effect, strict=True))
-    self.say(f"share of the gap each head carries through Block_1's attention: {shares}")
+      low, high = paths.bootstrap(n=1000, normalised=True)
+    self.say("share of the gap each head carries through Block_1's attention, 95% interval:")
+    for i, site in enumerate(paths.sites):
+      self.say(f"  {_short(site)}: {effect[i]:.2f} [{low[i]:.2f}, {high[i]:.2f}]")
     # By hand for head 0: corrupt it in a clean run and record the receiver; then give a
     # clean run that receiver value.
     head = fl.heads(f"Block_0/{_ATTENTION}", 0)
