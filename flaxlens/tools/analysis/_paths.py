@@ -51,15 +51,14 @@ from flaxlens.tools.analysis._index import MASK, index_text
 from flaxlens.tools.analysis._interventions import (
   Intervention,
   Site,
-  _check_part,
   _make,
   _probes_for,
-  _set_part,
-  get_part,
+  check_part,
   select_sites,
   sites_of,
   where_mask,
 )
+from flaxlens.tools.analysis._parts import get_part, set_part
 from flaxlens.tools.analysis._sweeps import _UNREACHED_FIX, SweepResult, _metric_value
 
 # --- what the user names ------------------------------------------------------------------
@@ -188,7 +187,7 @@ def _units(tree: CallNode, sites: list[Site], spec: Sites, role: str) -> tuple[_
   for site in chosen:
     for where in spec.slices():
       edit = _make("zero", site.name, (), where, spec.on, spec.part)
-      _check_part(site, edit)
+      check_part(site, edit.part, spec.on, spec.at, sites)
       name = site.name + (":input" if spec.on == "input" else "")
       if edit.index == MASK:
         name += "[mask]"
@@ -369,7 +368,7 @@ def _on_part(fn: Callable[[Any], Any], part: Any, name: str, on: str) -> Callabl
     return fn
 
   def apply(value: Any) -> Any:
-    return _set_part(value, part, fn(get_part(value, part, name, on)))
+    return set_part(value, part, fn(get_part(value, part, name, on)))
 
   return apply
 

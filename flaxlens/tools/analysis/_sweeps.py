@@ -53,14 +53,13 @@ from flaxlens.tools.analysis._interventions import (
   Intervention,
   Site,
   _abstract_run,
-  _check_part,
-  _make,
   _probes_for,
-  get_part,
+  check_part,
   modify,
   select_sites,
   sites_of,
 )
+from flaxlens.tools.analysis._parts import checked_part, get_part
 
 # --- results ------------------------------------------------------------------------------
 
@@ -227,7 +226,7 @@ def _chosen(tree: CallNode, at: Any, part: Any) -> tuple[int, ...]:
   sites = sites_of(tree)
   chosen = select_sites(tree, tuple(at) if isinstance(at, list) else at, sites)
   for site in chosen:
-    _check_part(site, _make("zero", site.node, (), None, "output", part))
+    check_part(site, part, "output", at, sites)
   return tuple(sites.index(site) for site in chosen)
 
 
@@ -708,6 +707,7 @@ def sweep(
   """
   check_tree(tree, "fl.sweep")
   check_callable(metric, "metric", "fl.sweep")
+  part = checked_part(part, "fl.sweep")
   positions = _checked_positions(positions)
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ArgumentError(f"chunk_size= is a positive integer or None, got {chunk_size!r}.")
@@ -943,6 +943,7 @@ def attribute(
   """
   check_tree(tree, "fl.attribute")
   check_callable(metric, "metric", "fl.attribute")
+  part = checked_part(part, "fl.attribute")
   positions = _checked_positions(positions)
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
@@ -1043,6 +1044,7 @@ def grad_at(
   """
   check_tree(tree, "fl.grad_at")
   check_callable(metric, "metric", "fl.grad_at")
+  part = checked_part(part, "fl.grad_at")
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
   run = _grad_at_compiled if jit else _grad_at
