@@ -28,6 +28,7 @@ from flaxlens.errors import ArgumentError, UnsupportedFlaxFeatureError
 from flaxlens.tools.analysis._index import is_array
 from flaxlens.tools.analysis._interventions import (
   Site,
+  _Called,
   check_part,
   placed,
   select_sites,
@@ -42,7 +43,8 @@ class Splice(Struct):
 
   Attributes:
     module: the spliced module's converted tree (its calls are sites of the outer tree).
-    at: the replaced call's site name.
+    at: the replaced call, named by its site name alone (`_Called`: not a pattern,
+      which for a module's `__call__` would also name its other methods).
     name: the spliced module's name among the sites (`"<at>/<name>"`).
     reads: "output" (a sparse autoencoder reads the call's output) or "input" (a
       transcoder reads the call's first positional argument).
@@ -54,7 +56,7 @@ class Splice(Struct):
   """
 
   module: CallNode
-  at: str = static_field()
+  at: Any = static_field()
   name: str = static_field()
   reads: str = static_field(default="output")
   error: bool = static_field(default=True)
@@ -221,5 +223,7 @@ def splice(
     )
   args = (example,) if variables is None else (variables, example)
   converted = adapter.convert(module, *args)
-  edit = Splice(module=converted, at=site.name, name=name, reads=reads, error=error, part=part)
+  edit = Splice(
+    module=converted, at=_Called(site.name), name=name, reads=reads, error=error, part=part
+  )
   return placed(tree, (edit,), "fl.splice")
