@@ -637,7 +637,9 @@ def ablate(
     where: restrict the edit: a boolean mask that broadcasts to the value, or an index
       (`jnp.s_[:, 3]`: position 3; `jnp.s_[..., 2, :]`: head 2 of `(..., heads, dim)`).
     on: "output" (default) or "input" (the call's first positional argument).
-    part: for a structured value (a tuple, dict or dataclass), which part to edit.
+    part: for a structured value (a tuple, dict or dataclass), which part to edit: an
+      int (`part=0`: a Hugging Face block's hidden states) or a str
+      (docs/interventions.md, "Structured values: part=").
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp

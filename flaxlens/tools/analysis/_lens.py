@@ -187,7 +187,8 @@ def lens(
       (`["ln_f", "lm_head"]`; one site for a head of one call), or a function of the
       residual returning the logits.
     part: for sites returning a structured value, which part is the residual
-      (`part=0` for Hugging Face blocks, which return tuples).
+      (`part=0` for Hugging Face blocks, which return tuples; docs/interventions.md,
+      "Structured values: part=").
     top: how many top tokens to keep per site and position.
     index: keep `logits[index]` of each site (`jnp.s_[:, -1]`: the last position).
     random_streams: as for a tree call (Linen: `{"dropout": key}`).

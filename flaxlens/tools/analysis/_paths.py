@@ -77,7 +77,8 @@ class Sites:
       of a `(..., heads, head_dim)` value), or a list of them: each call then counts once
       per entry (one sender per head, say), in the list's order.
     part: for a call whose value is a tuple, dict or dataclass, which part (an index or
-      key).
+      key; `part=0` for a Hugging Face attention module's call, named
+      `"transformer/h/2/attn.__call__"`; docs/interventions.md, "Structured values: part=").
 
   Example:
     >>> import flaxlens as fl, jax.numpy as jnp

@@ -661,7 +661,7 @@ def sweep(
     axis: the axis of positions in each site's value (per iteration): 1 for
       `(batch, sequence, features)`.
     part: for sites returning a tuple, dict or dataclass, which part to patch (Hugging
-      Face blocks return tuples: `part=0`).
+      Face blocks return tuples: `part=0`; docs/interventions.md, "Structured values: part=").
     chunk_size: run the patched forwards in batches of this many (None: all at once).
     budget: the most bytes the patched forwards computed at once may take, or None:
       `chunk_size` is chosen as `budget // (bytes of one forward)`, one forward being
@@ -1027,7 +1027,8 @@ def grad_at(
     at: the sites, as `fl.run` takes them.
     metric: a function of the model's output returning a scalar (a loss, say).
     part: for sites returning a tuple, dict or dataclass, which part to differentiate
-      by (Hugging Face blocks return tuples: `part=0`).
+      by (Hugging Face blocks return tuples: `part=0`; docs/interventions.md,
+      "Structured values: part=").
     random_streams: as for a tree call.
     jit: compile (default); pass False inside your own `jax.jit`.
 
