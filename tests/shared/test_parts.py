@@ -104,9 +104,10 @@ class Structured:
       return self.sae.apply(self.sae_variables, x)
     return self.sae(x)
 
-  def splice(self, at, **options):
+  def splice(self, at, tree=None, **options):
+    """`fl.splice` of this SAE into `tree` (default: the model's tree)."""
     extra = () if self.sae_variables is None else (self.sae_variables,)
-    return fl.splice(self.tree, at, self.sae, *extra, **options)
+    return fl.splice(self.tree if tree is None else tree, at, self.sae, *extra, **options)
 
   def exported(self, tree, x):
     """`tree`'s export run natively."""
@@ -208,3 +209,55 @@ def test_every_tool_refuses_a_tuple_output_without_part_in_one_text(structured, 
     else:
       TOOLS[tool](structured.tree, BLOCK)
   assert str(refused.value) == expected
+
+
+class LinenArrayBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dense(4, name="write")(self.norm(x))
+
+  def norm(self, x):
+    return _norm(x)
+
+
+class LinenArrayModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3, name="out")(LinenArrayBlock(name="block")(x))
+
+
+class NNXArrayBlock(NNXBlock):
+  def __call__(self, x):
+    return x + self.write(self.norm(x))
+
+
+class NNXArrayModel(NNXModel):
+  def __init__(self, rngs):
+    self.block = NNXArrayBlock(rngs)
+    self.out = nnx.Linear(4, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.block(x))
+
+
+def test_splicing_a_modules_call_leaves_its_other_methods_alone(structured):
+  """`fl.splice(tree, "block.__call__", ...)` replaces the block's output only, not also
+  the output of `block.norm` (the site name of a `__call__`, `"block"`, names both)."""
+  if structured.fw is LINEN:
+    model = LinenArrayModel()
+    variables = model.init(jax.random.key(0), X)
+    tree = fl.unflaxify(model, variables, X)
+    params = variables["params"]
+
+    def block(x):
+      return LinenArrayBlock().apply({"params": params["block"]}, x)
+
+    def out(h):
+      return nn.Dense(3).apply({"params": params["out"]}, h)
+
+  else:
+    model = NNXArrayModel(nnx.Rngs(0))
+    tree, block, out = fl.unflaxify(model, X), model.block, model.out
+  spliced = structured.splice(BLOCK, error=False, tree=tree)
+  native = jax.jit(lambda x: out(structured.sae_native(block(x))))
+  assert_trees_equal(fl.run(spliced, X), native(X))

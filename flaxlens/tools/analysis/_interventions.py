@@ -1001,11 +1001,11 @@ def several_methods(at: Any, site: Site, sites: Sequence[Site]) -> str:
     >>> model, x = nn.Sequential([Twice(), nn.relu]), jnp.ones((1, 4))
     >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
     >>> sites = sites_of(tree)
-    >>> several_methods("layers_0", sites[1], sites)[-70:]
+    >>> several_methods("layers_0", sites[1], sites).split("ran: ")[1]
     "['layers_0', 'layers_0.half']. Give 'layers_0.__call__' to name its call alone."
   """
   path, _ = site.node.readable_path()
-  if not isinstance(at, str) or site.nested or not path or not path_matches(at, path):
+  if not isinstance(at, str) or _every_call(at) or site.nested or not path_matches(at, path):
     return ""
   methods: dict[str, str] = {}  # method: the site name of its first call
   for s in sites:

@@ -1250,9 +1250,10 @@ def harvest(
 
   Raises:
     SelectionError: a site matches no call.
-    ArgumentError: an option is of the wrong kind, or a site's output cannot be stored as
-      rows (not one array, no batch axis, a mask of another shape); in a multi-process
-      run, a batch of host arrays without `sharding=`, or variables on one process only.
+    ArgumentError: an option is of the wrong kind, or a site's output (its `part`) cannot
+      be stored as rows (not one array, no batch axis, a mask of another shape); in a
+      multi-process run, a batch of host arrays without `sharding=`, or variables on one
+      process only.
     BudgetError: `budget` does not hold the rows of one example, or a batch that needs
       splitting cannot be split (see `budget`).
     HarvestError: `path` cannot be written, holds another call's store (what differs is
