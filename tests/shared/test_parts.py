@@ -9,6 +9,8 @@ with the same edit or read written natively, piece by piece from the Flax submod
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -145,6 +147,13 @@ def test_harvest_takes_a_part_per_site(structured, tmp_path):
   assert_trees_equal(stored["block"][:], np.asarray(normed).reshape(-1, 4))
 
 
+def test_a_harvest_of_another_part_does_not_resume_a_store(structured, tmp_path):
+  path = str(tmp_path / "acts")
+  fl.harvest(structured.tree, [X], BLOCK, path, part=0)
+  with pytest.raises(fl.HarvestError, match="What differs: sites"):
+    fl.harvest(structured.tree, [X], BLOCK, path, part=1)
+
+
 def test_splice_replaces_the_part_of_a_tuple_output(structured):
   spliced = structured.splice(BLOCK, part=0, error=False)
   native = jax.jit(lambda x: structured.native(x, structured.sae_native))
@@ -261,3 +270,48 @@ def test_splicing_a_modules_call_leaves_its_other_methods_alone(structured):
   spliced = structured.splice(BLOCK, error=False, tree=tree)
   native = jax.jit(lambda x: out(structured.sae_native(block(x))))
   assert_trees_equal(fl.run(spliced, X), native(X))
+
+
+class Hidden(NamedTuple):
+  hidden: jax.Array
+  normed: jax.Array
+
+
+class LinenNamedBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    normed = _norm(x)
+    return Hidden(x + nn.Dense(4, name="write")(normed), normed)
+
+
+class LinenNamedModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return LinenNamedBlock(name="block")(x).hidden
+
+
+class NNXNamedBlock(NNXBlock):
+  def __call__(self, x):
+    normed = _norm(x)
+    return Hidden(x + self.write(normed), normed)
+
+
+class NNXNamedModel(nnx.Module):
+  def __init__(self, rngs):
+    self.block = NNXNamedBlock(rngs)
+
+  def __call__(self, x):
+    return self.block(x).hidden
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_a_named_tuples_field_is_a_part(fw):
+  if fw is LINEN:
+    model = LinenNamedModel()
+    tree = fl.unflaxify(model, model.init(jax.random.key(0), X), X)
+  else:
+    model = NNXNamedModel(nnx.Rngs(0))
+    tree = fl.unflaxify(model, X)
+  by_field = fl.run(tree, X, interventions=[fl.steer("block", VECTOR, 2.0, part="hidden")])
+  by_index = fl.run(tree, X, interventions=[fl.steer("block", VECTOR, 2.0, part=0)])
+  assert_trees_equal(by_field, by_index)
