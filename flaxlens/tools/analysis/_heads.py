@@ -46,12 +46,11 @@ from flaxlens.errors import ArgumentError, HeadsError
 from flaxlens.tools.analysis._interventions import (
   Intervention,
   Site,
-  _set_part,
-  get_part,
   modify,
   select_sites,
   sites_of,
 )
+from flaxlens.tools.analysis._parts import one_array, set_part
 from flaxlens.tools.analysis._sweeps import (
   _Copies,
   _iteration,
@@ -439,7 +438,7 @@ class HeadEdit(Struct):
   heads: tuple[int, ...] = static_field()
 
   def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
-    target = get_part(value, self.part, site, self.on)
+    target = one_array(value, self.part, site, self.on)
     headed = _headed(target, self.layout, site)
     if self.heads == tuple(range(self.layout.count)):
       new = self.intervention.edit(site, argument, headed)
@@ -447,7 +446,7 @@ class HeadEdit(Struct):
       chosen = np.asarray(self.heads)
       edited = self.intervention.edit(site, argument, headed[..., chosen, :])
       new = headed.at[..., chosen, :].set(edited)
-    return _set_part(value, self.part, new.reshape(target.shape))
+    return set_part(value, self.part, new.reshape(target.shape))
 
 
 class HeadCapture(Struct):

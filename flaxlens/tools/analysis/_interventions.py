@@ -11,12 +11,11 @@ by default. No Flax internals here.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -46,6 +45,7 @@ from flaxlens.tools.analysis import _budget
 from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.analysis._index import MASK, bounded, checked, is_array
 from flaxlens.tools.analysis._index import split as _split_index
+from flaxlens.tools.analysis._parts import checked_part, one_array, set_part
 
 # --- sites --------------------------------------------------------------------------------
 
@@ -291,30 +291,18 @@ class Intervention(Struct):
         f"{maker}: on= is 'output' or 'input' (the call's first positional argument), got"
         f" {self.on!r}. Pass one of these."
       )
-    if isinstance(self.part, bool | np.bool_ | float | np.floating):
-      raise ArgumentError(
-        f"{maker}: part={self.part!r} names no part (a bool or a float would pick the part"
-        " its value equals). Give an int (a tuple's index) or a str (a key, a field), or"
-        " leave part= out to edit the whole value."
-      )
-    if isinstance(self.part, np.integer):
-      object.__setattr__(self, "part", int(self.part))
+    object.__setattr__(self, "part", checked_part(self.part, maker))
     index = bounded(self.index, self.where_arrays, f"{maker}: where=")
     object.__setattr__(self, "index", index)  # the ranges of the arrays given
 
   def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
     """`value` (the call's output or first argument) with this intervention applied."""
-    target = get_part(value, self.part, site, self.on)
-    if not is_array(target):
-      raise ArgumentError(
-        f"{site}: the {self.on} is a {type(target).__name__}, not an array; pass part=..."
-        " (an index or key) to choose the array to edit."
-      )
+    target = one_array(value, self.part, site, self.on)
     new = self._compute(site, argument, target, self.placed_operands(site, target))
     if self.index is not None:
       mask = where_mask(self, site, target)
       new = jnp.where(mask, new, target)
-    return _set_part(value, self.part, new.astype(target.dtype))
+    return set_part(value, self.part, new.astype(target.dtype))
 
   def placed_operands(self, site: str, target: Any) -> tuple[Any, ...]:
     """The operands for editing `target` (the array edited at `site`): a patched value or
@@ -507,59 +495,6 @@ def _check_fits(
       )
 
 
-def get_part(value: Any, part: Any, site: str, on: str) -> Any:
-  if part is None:
-    return value
-  try:
-    if isinstance(part, int) or isinstance(value, Mapping):
-      return value[part]
-    return getattr(value, part)
-  except (IndexError, KeyError, AttributeError, TypeError):
-    pass
-  parts = _parts(value)
-  if parts is None:
-    shown = (
-      f"one array ({value.dtype}{list(value.shape)})"
-      if is_array(value)
-      else f"a {type(value).__name__}"
-    )
-    raise ArgumentError(
-      f"{site}: part={part!r}, but the {on} is {shown}, which has no parts. Leave out part="
-      " to edit it whole."
-    )
-  raise ArgumentError(
-    f"{site}: the {on} is a {type(value).__name__} without part {part!r}; its parts are"
-    f" {parts}. Pass one of them as part=."
-  )
-
-
-def _parts(value: Any) -> list[Any] | None:
-  """The parts `part=` may pick from `value` (keys, indices, fields), or None for a leaf."""
-  if isinstance(value, Mapping):
-    return list(value)
-  if isinstance(value, tuple | list):
-    return [*range(len(value)), *getattr(value, "_fields", ())]
-  if dataclasses.is_dataclass(value) and not isinstance(value, type):
-    return [f.name for f in dataclasses.fields(value)]
-  return None
-
-
-def _set_part(value: Any, part: Any, new: Any) -> Any:
-  if part is None:
-    return new
-  if isinstance(value, tuple):
-    items = list(value)
-    items[part] = new
-    return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-  if isinstance(value, list):
-    return [new if i == part else v for i, v in enumerate(value)]
-  if isinstance(value, Mapping):
-    copied = copy.copy(value)
-    copied[part] = new
-    return copied
-  return dataclasses.replace(value, **{part: new})
-
-
 def _array(x: Any, name: str, maker: str) -> Any:
   """`x` as a strongly typed JAX array; Python numbers get their default dtype.
 
@@ -702,7 +637,9 @@ def ablate(
     where: restrict the edit: a boolean mask that broadcasts to the value, or an index
       (`jnp.s_[:, 3]`: position 3; `jnp.s_[..., 2, :]`: head 2 of `(..., heads, dim)`).
     on: "output" (default) or "input" (the call's first positional argument).
-    part: for a structured value (a tuple, dict or dataclass), which part to edit.
+    part: for a structured value (a tuple, dict or dataclass), which part to edit: an
+      int (`part=0`: a Hugging Face block's hidden states) or a str
+      (docs/interventions.md, "Structured values: part=").
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
@@ -969,7 +906,7 @@ def _probes_for(
   for intervention in interventions:
     required = unreached == "raise" and not _every_call(intervention.at)
     for site, edit in _edits_of(tree, intervention, sites):
-      _check_part(site, edit)
+      check_part(site, edit.part, edit.on, intervention.at, sites)
       fields = probe(site)
       fields["edits"].append(edit)
       fields["required"] = fields.get("required", False) or required
@@ -1018,57 +955,71 @@ def _every_call(at: Any) -> bool:
   return at is True or (isinstance(at, str) and at in ("all", "**"))
 
 
-def _check_part(site: Site, intervention: Intervention) -> None:
-  """Refuses, before running, an intervention whose part the call does not have."""
-  signature = site.output if intervention.on == "output" else site.inputs
+def check_part(site: Site, part: Any, on: str, at: Any = None, sites: Sequence[Site] = ()) -> Any:
+  """The array `part` picks from the `on` ("output" or "input") of `site` as conversion
+  saw it (a `jax.ShapeDtypeStruct`), or None where conversion did not see it; refused,
+  before anything runs, where that is not one array (the `part=` rule, `_parts.py`).
+  Where `at`, the site pattern that chose the call, names a module path without a method
+  and so every method of that module that ran (`sites`), the refusal says so and gives
+  the pattern that names one method."""
+  signature = site.output if on == "output" else site.inputs
   if signature is None:
-    return
-  treedef, leaves = signature
-  value = jax.tree_util.tree_unflatten(treedef, leaves)
-  if intervention.on == "input":
+    return None
+  value = jax.tree_util.tree_unflatten(*signature)
+  if on == "input":
     args = value[0]
     if not args:
       raise ArgumentError(
-        f"{site.name}: on='input' edits the first positional argument, and this call takes"
-        " none (only keyword arguments). Intervene on the output of the call that computes"
-        " its argument instead."
+        f"{site.name}: on='input' is the first positional argument, and this call takes"
+        " none (only keyword arguments). Use the output of the call that computes its"
+        " argument instead."
       )
     value = args[0]
-  target = get_part(value, intervention.part, site.name, intervention.on)
-  if not isinstance(target, jax.ShapeDtypeStruct):
-    raise ArgumentError(
-      f"{site.name}: the {intervention.on} is {_describe(target)}, not one array; pass"
-      f" part= to choose the array to edit{_part_hint(target)}."
-    )
+  try:
+    return one_array(value, part, site.name, on)
+  except ArgumentError as e:
+    note = several_methods(at, site, sites)
+    if not note:
+      raise
+    raise ArgumentError(f"{e} {note}") from None
 
 
-def _describe(value: Any) -> str:
-  leaves = jax.tree_util.tree_leaves(value)
-  if isinstance(value, tuple | list) and len(value) <= 8:
-    parts = ", ".join(_short(x) for x in value)
-    return f"a {type(value).__name__} ({parts})"
-  if isinstance(value, dict) and len(value) <= 8:
-    parts = ", ".join(f"{k!r}: {_short(x)}" for k, x in value.items())
-    return f"a dict ({parts})"
-  return f"a {type(value).__name__} of {len(leaves)} leaves"
+def several_methods(at: Any, site: Site, sites: Sequence[Site]) -> str:
+  """Where the path pattern `at` names `site`'s module path, without a method, and so
+  every method of that module that ran (`attn.__call__` and `attn._split_heads`), a
+  sentence saying so and giving the pattern of one method; else "".
 
-
-def _short(value: Any) -> str:
-  if isinstance(value, jax.ShapeDtypeStruct | jax.Array | np.ndarray):
-    return f"{np.dtype(value.dtype).name}{list(value.shape)}"
-  return type(value).__name__
-
-
-def _part_hint(value: Any) -> str:
-  """How to choose a part of `value`: its first array's index or key, as an example."""
-  if isinstance(value, tuple | list) and value:
-    return (
-      " (part=0: the first, as Hugging Face blocks return (hidden_states, ...);"
-      " fl.sweep, fl.attribute and fl.grad_at take part= too)"
-    )
-  if isinstance(value, dict) and value:
-    return f" (an index or key: part={next(iter(value))!r})"
-  return " (an index or key)"
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> from flaxlens.tools.analysis._interventions import several_methods, sites_of
+    >>> class Twice(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return self.half(x) * 2
+    ...   def half(self, x):
+    ...     return x / 2
+    >>> model, x = nn.Sequential([Twice(), nn.relu]), jnp.ones((1, 4))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> sites = sites_of(tree)
+    >>> several_methods("layers_0", sites[1], sites).split("ran: ")[1]
+    "['layers_0', 'layers_0.half']. Give 'layers_0.__call__' to name its call alone."
+  """
+  path, _ = site.node.readable_path()
+  if not isinstance(at, str) or _every_call(at) or site.nested or not path_matches(at, path):
+    return ""
+  methods: dict[str, str] = {}  # method: the site name of its first call
+  for s in sites:
+    if not s.nested and s.node.readable_path()[0] == path:
+      methods.setdefault(s.node.readable_path()[1], s.name)
+  if len(methods) < 2:
+    return ""
+  method = "__call__" if "__call__" in methods else next(iter(methods))
+  alone = "its call alone" if method == "__call__" else "one method alone"
+  return (
+    f"The site {at!r} is a module path without a method, so it names every method of that"
+    f" module that ran: {list(methods.values())}. Give {at + '.' + method!r} to name"
+    f" {alone}."
+  )
 
 
 def _check_dtype(dtype: Any) -> None:

@@ -34,12 +34,13 @@ from flaxlens.tools.analysis._index import checked, is_array
 from flaxlens.tools.analysis._index import split as _split_index
 from flaxlens.tools.analysis._interventions import (
   Site,
-  get_part,
+  check_part,
   patch,
   run,
   select_sites,
   sites_of,
 )
+from flaxlens.tools.analysis._parts import checked_part, one_array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,13 +149,7 @@ def _named_head(tree: CallNode, head: Sequence[Any], sites: list[Site]) -> tuple
 
 
 def _residual(value: Any, part: Any, site: str) -> Any:
-  target = get_part(value, part, site, "output")
-  if not is_array(target):
-    raise ArgumentError(
-      f"fl.lens: the output of {site} is a {type(target).__name__}, not an array. Pass"
-      " part= (part=0 for a block returning a tuple, as Hugging Face blocks do)."
-    )
-  return target
+  return one_array(value, part, site, "output")
 
 
 @takes_model_arguments("fl.lens(tree, fl.ArgsAndKwargs.capture(ids, deterministic=True), 'h/*')")
@@ -192,7 +187,8 @@ def lens(
       (`["ln_f", "lm_head"]`; one site for a head of one call), or a function of the
       residual returning the logits.
     part: for sites returning a structured value, which part is the residual
-      (`part=0` for Hugging Face blocks, which return tuples).
+      (`part=0` for Hugging Face blocks, which return tuples; docs/interventions.md,
+      "Structured values: part=").
     top: how many top tokens to keep per site and position.
     index: keep `logits[index]` of each site (`jnp.s_[:, -1]`: the last position).
     random_streams: as for a tree call (Linen: `{"dropout": key}`).
@@ -244,6 +240,9 @@ def lens(
   random_streams = resolve_random_streams(random_streams, tree.where())
   sites = sites_of(tree)
   lensed = select_sites(tree, at, sites)
+  part = checked_part(part, "fl.lens")
+  for site in lensed:
+    check_part(site, part, "output", at, sites)
   if callable(head) and not isinstance(head, str | type | CallNode):
     ends = None
   else:

@@ -51,15 +51,14 @@ from flaxlens.tools.analysis._index import MASK, index_text
 from flaxlens.tools.analysis._interventions import (
   Intervention,
   Site,
-  _check_part,
   _make,
   _probes_for,
-  _set_part,
-  get_part,
+  check_part,
   select_sites,
   sites_of,
   where_mask,
 )
+from flaxlens.tools.analysis._parts import get_part, set_part
 from flaxlens.tools.analysis._sweeps import _UNREACHED_FIX, SweepResult, _metric_value
 
 # --- what the user names ------------------------------------------------------------------
@@ -78,7 +77,8 @@ class Sites:
       of a `(..., heads, head_dim)` value), or a list of them: each call then counts once
       per entry (one sender per head, say), in the list's order.
     part: for a call whose value is a tuple, dict or dataclass, which part (an index or
-      key).
+      key; `part=0` for a Hugging Face attention module's call, named
+      `"transformer/h/2/attn.__call__"`; docs/interventions.md, "Structured values: part=").
 
   Example:
     >>> import flaxlens as fl, jax.numpy as jnp
@@ -192,7 +192,7 @@ def _units(
   for site in chosen:
     for number, where in enumerate(spec.slices()):
       edit = _make("zero", site.name, (), where, spec.on, spec.part)
-      _check_part(site, edit)
+      check_part(site, edit.part, spec.on, spec.at, sites)
       head = heads[site.name][number] if site.name in heads else None
       units.append(
         _Unit(
@@ -389,7 +389,7 @@ def _on_part(fn: Callable[[Any], Any], part: Any, name: str, on: str) -> Callabl
     return fn
 
   def apply(value: Any) -> Any:
-    return _set_part(value, part, fn(get_part(value, part, name, on)))
+    return set_part(value, part, fn(get_part(value, part, name, on)))
 
   return apply
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from flaxlens.core._active import current_interceptor
@@ -27,7 +26,16 @@ from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._walk import own_call_nodes, pristine
 from flaxlens.errors import ArgumentError, UnsupportedFlaxFeatureError
 from flaxlens.tools.analysis._index import is_array
-from flaxlens.tools.analysis._interventions import placed, select_sites
+from flaxlens.tools.analysis._interventions import (
+  Site,
+  _Called,
+  check_part,
+  placed,
+  select_sites,
+  several_methods,
+  sites_of,
+)
+from flaxlens.tools.analysis._parts import checked_part, one_array, set_part
 
 
 class Splice(Struct):
@@ -35,16 +43,20 @@ class Splice(Struct):
 
   Attributes:
     module: the spliced module's converted tree (its calls are sites of the outer tree).
-    at: the replaced call's site name.
+    at: the replaced call, named by its site name alone (`_Called`: not a pattern,
+      which for a module's `__call__` would also name its other methods).
     name: the spliced module's name among the sites (`"<at>/<name>"`).
     reads: "output" (a sparse autoencoder reads the call's output) or "input" (a
       transcoder reads the call's first positional argument).
     error: whether the error term (the call's output minus the reconstruction) is added
       back, so that the output is unchanged until the module's calls are edited.
+    on: "output": the value replaced is the call's output.
+    part: which part of a structured output is replaced (and, for a sparse autoencoder,
+      read), or None for the whole output (the `part=` rule, `_parts.py`).
   """
 
   module: CallNode
-  at: str = static_field()
+  at: Any = static_field()
   name: str = static_field()
   reads: str = static_field(default="output")
   error: bool = static_field(default=True)
@@ -65,25 +77,26 @@ class Splice(Struct):
         " the error term cannot account for. Pass edits of its calls to fl.run"
         " (interventions=[...]) on the spliced tree instead."
       )
-    read = value if self.reads == "output" else argument.args[0]
-    edited = self._reconstruct(site, read, value)
+    target = one_array(value, self.part, site, self.on)
+    read = target if self.reads == "output" else argument.args[0]
+    edited = self._reconstruct(site, read, target)
     if not self.error:
-      return edited
+      return set_part(value, self.part, edited)
     if not self._edited():
       return value
     clean = run_tree(
       self.module, ArgsAndKwargs(args=(read,), kwargs={}), None, {}, probing=Probing({})
     )
-    return value - (clean - edited)
+    return set_part(value, self.part, target - (clean - edited))
 
   def _reconstruct(self, site: str, read: Any, value: Any) -> Any:
     out = self.module(ArgsAndKwargs(args=(read,), kwargs={}))
     if getattr(out, "shape", None) != value.shape or out.dtype != value.dtype:
       shown = f"{out.dtype}{list(out.shape)}" if is_array(out) else type(out).__name__
       raise ArgumentError(
-        f"{site}: the spliced module {self.name} returned {shown}, where the call's output"
-        f" is {value.dtype}{list(value.shape)}. Splice a module whose call returns the"
-        " reconstruction of the call's output (same shape and dtype)."
+        f"{site}: the spliced module {self.name} returned {shown}, where the value it"
+        f" replaces is {value.dtype}{list(value.shape)}. Splice a module whose call returns"
+        " the reconstruction of that value (same shape and dtype)."
       )
     return out
 
@@ -96,22 +109,14 @@ class Splice(Struct):
     return any(layer.edits and key in nodes for key, layer in probing.edits.items())
 
 
-def _example(site_name: str, signature: Any, what: str) -> Any:
-  """A zero array shaped as the call's value conversion saw (for converting the module)."""
-  if signature is None:
+def _example(site: Site, part: Any, on: str, at: Any, sites: list[Site]) -> Any:
+  """A zero array shaped as the array of the call's value (its `part`) that conversion
+  saw (for converting the module), refused where that is not one array."""
+  value = check_part(site, part, on, at, sites)
+  if value is None:
     raise ArgumentError(
-      f"fl.splice: conversion did not see the {what} of {site_name}, so the module cannot"
+      f"fl.splice: conversion did not see the {on} of {site.name}, so the module cannot"
       " be converted on it. Splice a call the tree's conversion made."
-    )
-  treedef, leaves = signature
-  value = jax.tree_util.tree_unflatten(treedef, leaves)
-  if what == "input":
-    args = value[0]
-    value = args[0] if args else None
-  if not isinstance(value, jax.ShapeDtypeStruct):
-    raise ArgumentError(
-      f"fl.splice: the {what} of {site_name} is not one array, so no module can reconstruct"
-      " it. Splice a call whose output (or first argument) is one array."
     )
   return jnp.zeros(value.shape, value.dtype)
 
@@ -126,6 +131,7 @@ def splice(
   error: bool = True,
   reads: str = "output",
   name: str | None = None,
+  part: Any = None,
 ) -> CallNode:
   """The tree with a call's output replaced by `module`'s output (a splice).
 
@@ -149,14 +155,19 @@ def splice(
     error: add the error term back (default), or use the reconstruction alone.
     reads: "output" (an SAE) or "input" (a transcoder: the call's first argument).
     name: the module's name among the sites (default "sae", or "transcoder").
+    part: for a call whose output is a tuple, dict or dataclass, which part is replaced
+      (and, with `reads="output"`, read): `part=0` for a Hugging Face block's
+      `(hidden_states, ...)`; the other parts are kept. None (default): the whole
+      output, which must be one array. A transcoder reads the call's first argument
+      whole. See docs/interventions.md, "Structured values: part=".
 
   Returns:
     A new tree; `tree` is not modified. Export refuses it, as any replaced call.
 
   Raises:
     SelectionError: `at` matches no call.
-    ArgumentError: `at` names several calls, the call's value is not one array, or the
-      module returns another shape or dtype than the call's output.
+    ArgumentError: `at` names several calls, the call's value (its `part`) is not one
+      array, or the module returns another shape or dtype than the value it replaces.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
@@ -190,15 +201,20 @@ def splice(
       f"fl.splice: name= is the spliced module's name among the sites, a non-empty str"
       f" without '/' or '.', got {name!r}."
     )
-  found = select_sites(tree, at)
+  part = checked_part(part, "fl.splice")
+  sites = sites_of(tree)
+  found = select_sites(tree, at, sites)
   if len(found) != 1:
+    several = several_methods(at, found[0], sites)
+    listed = "" if several else f" ({[s.name for s in found][:6]})"
     raise ArgumentError(
-      f"fl.splice: at={at!r} names {len(found)} calls ({[s.name for s in found][:6]}); a"
-      " spliced module reconstructs one call. Splice each call with its own module."
+      f"fl.splice: at={at!r} names {len(found)} calls{listed}; a spliced module"
+      " reconstructs one call."
+      + (f" {several}" if several else " Splice each call with its own module.")
     )
   site = found[0]
-  example = _example(site.name, site.inputs if reads == "input" else site.output, reads)
-  _example(site.name, site.output, "output")
+  output = _example(site, part, "output", at, sites)
+  example = output if reads == "output" else _example(site, None, "input", at, sites)
   adapter = next((a for a in registered_adapters() if a.accepts(module)), None)
   if adapter is None:
     raise ArgumentError(
@@ -207,5 +223,7 @@ def splice(
     )
   args = (example,) if variables is None else (variables, example)
   converted = adapter.convert(module, *args)
-  edit = Splice(module=converted, at=site.name, name=name, reads=reads, error=error)
+  edit = Splice(
+    module=converted, at=_Called(site.name), name=name, reads=reads, error=error, part=part
+  )
   return placed(tree, (edit,), "fl.splice")

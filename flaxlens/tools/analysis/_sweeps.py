@@ -53,14 +53,13 @@ from flaxlens.tools.analysis._interventions import (
   Intervention,
   Site,
   _abstract_run,
-  _check_part,
-  _make,
   _probes_for,
-  get_part,
+  check_part,
   modify,
   select_sites,
   sites_of,
 )
+from flaxlens.tools.analysis._parts import checked_part, get_part
 
 # --- results ------------------------------------------------------------------------------
 
@@ -268,7 +267,7 @@ def _chosen(tree: CallNode, at: Any, part: Any) -> tuple[int, ...]:
   sites = sites_of(tree)
   chosen = select_sites(tree, tuple(at) if isinstance(at, list) else at, sites)
   for site in chosen:
-    _check_part(site, _make("zero", site.node, (), None, "output", part))
+    check_part(site, part, "output", at, sites)
   return tuple(sites.index(site) for site in chosen)
 
 
@@ -703,7 +702,7 @@ def sweep(
     axis: the axis of positions in each site's value (per iteration): 1 for
       `(batch, sequence, features)`.
     part: for sites returning a tuple, dict or dataclass, which part to patch (Hugging
-      Face blocks return tuples: `part=0`).
+      Face blocks return tuples: `part=0`; docs/interventions.md, "Structured values: part=").
     chunk_size: run the patched forwards in batches of this many (None: all at once).
     budget: the most bytes the patched forwards computed at once may take, or None:
       `chunk_size` is chosen as `budget // (bytes of one forward)`, one forward being
@@ -749,6 +748,7 @@ def sweep(
   """
   check_tree(tree, "fl.sweep")
   check_callable(metric, "metric", "fl.sweep")
+  part = checked_part(part, "fl.sweep")
   positions = _checked_positions(positions)
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ArgumentError(f"chunk_size= is a positive integer or None, got {chunk_size!r}.")
@@ -985,6 +985,7 @@ def attribute(
   """
   check_tree(tree, "fl.attribute")
   check_callable(metric, "metric", "fl.attribute")
+  part = checked_part(part, "fl.attribute")
   positions = _checked_positions(positions)
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
@@ -1068,7 +1069,8 @@ def grad_at(
     at: the sites, as `fl.run` takes them.
     metric: a function of the model's output returning a scalar (a loss, say).
     part: for sites returning a tuple, dict or dataclass, which part to differentiate
-      by (Hugging Face blocks return tuples: `part=0`).
+      by (Hugging Face blocks return tuples: `part=0`; docs/interventions.md,
+      "Structured values: part=").
     random_streams: as for a tree call.
     jit: compile (default); pass False inside your own `jax.jit`.
 
@@ -1085,6 +1087,7 @@ def grad_at(
   """
   check_tree(tree, "fl.grad_at")
   check_callable(metric, "metric", "fl.grad_at")
+  part = checked_part(part, "fl.grad_at")
   chosen = _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
   run = _grad_at_compiled if jit else _grad_at

@@ -30,7 +30,6 @@ from flaxlens.tools.analysis._interventions import (
   Intervention,
   Site,
   checked_interventions,
-  get_part,
   maker_name,
   nodes_by_name,
   orthonormal_rows,
@@ -39,6 +38,7 @@ from flaxlens.tools.analysis._interventions import (
   sites_of,
   where_mask,
 )
+from flaxlens.tools.analysis._parts import get_part
 from flaxlens.tools.isolation._isolate import isolate
 from flaxlens.tools.isolation._replay import IsolatedSubmodel
 
@@ -100,7 +100,9 @@ def fold(
     call with no parameters of its own (a residual block: its input plus what its layers
     write) moves the steering onto the call inside it that writes the output last,
     found numerically: of the calls inside it with parameters, last first, the first
-    whose own steering gives the same model output on the example inputs.
+    whose own steering gives the same model output on the example inputs. Steering one
+    part of a structured output (`part=0` of a Hugging Face block's `(hidden_states,
+    ...)`) moves alike, onto the call that writes that array last.
   - `fl.low_rank_edit` on a call's output (`h ↦ h + Rᵀ(W h + b − R h)`, affine in `h`)
     maps the parameters that end in the feature axis (an affine call's kernel and bias)
     by the edit's matrix and adds its offset to the bias; a call that is not affine in
@@ -336,20 +338,22 @@ def _moved_steering(
 ) -> tuple[Intervention, CallNode]:
   """Steering of a call with no parameters of its own (a residual block's output: the
   sum of its input and what its layers write) moved onto the call inside it that last
-  writes its output, found numerically: of the calls made inside it, last first, the
-  first whose output steered alike gives the whole model's output of the original
-  steering (on the example inputs, within the tolerance) and has parameters."""
-  if intervention.on != "output" or intervention.part is not None:
+  writes its output (the steered part of it, with `part=`: a Hugging Face block's hidden
+  states), found numerically: of the calls made inside it, last first, the first whose
+  whole output, steered alike, gives the whole model's output of the original steering
+  (on the example inputs, within the tolerance) and has parameters."""
+  if intervention.on != "output":
     raise ExportError(
       f"{site.node.where()} has no parameters of its own to fold into; steering its"
-      " output (no part=) can move to the call inside it that writes the output last,"
-      " steering its input cannot"
+      " output (or a part of it, part=) can move to the call inside it that writes that"
+      " array last, steering its input cannot"
     )
 
-  def at(node: CallNode) -> Intervention:  # by name: a copy of the tree holds other nodes
-    return nodes_by_name(root, (dataclasses.replace(intervention, at=node),), None)[0][0]
+  def at(node: CallNode, part: Any) -> Intervention:  # by name: a copy holds other nodes
+    moved = dataclasses.replace(intervention, at=node, part=part)
+    return nodes_by_name(root, (moved,), None)[0][0]
 
-  here = at(site.node)
+  here = at(site.node, intervention.part)
   expected = run(_copy(root), _fresh(argument), interventions=[here], random_streams=streams)
   path = tuple(site.node.path)
   inside = [
@@ -361,7 +365,7 @@ def _moved_steering(
   ]
   tried = []
   for candidate in reversed(inside):
-    moved = at(candidate.node)
+    moved = at(candidate.node, None)  # the candidate's whole output: one array
     try:
       actual = run(_copy(root), _fresh(argument), interventions=[moved], random_streams=streams)
     except FlaxlensError:

@@ -53,7 +53,14 @@ from flaxlens.core._variables import (
 from flaxlens.errors import ArgumentError, BudgetError, HarvestError
 from flaxlens.tools.analysis import _budget
 from flaxlens.tools.analysis._calling import model_arguments
-from flaxlens.tools.analysis._interventions import nodes_by_name, run, select_sites
+from flaxlens.tools.analysis._interventions import (
+  check_part,
+  nodes_by_name,
+  run,
+  select_sites,
+  sites_of,
+)
+from flaxlens.tools.analysis._parts import checked_part, one_array
 from flaxlens.tools.harvest import _store
 from flaxlens.tools.harvest._store import Harvest
 
@@ -73,6 +80,7 @@ class _SitePlan:
   name: str
   rule: Any  # "all", "last", None, or a function of the batch giving a (batch, positions) mask
   dtype: Any  # the stored dtype, or None to keep the captured one
+  part: Any = None  # which part of a structured output is stored (the `part=` rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,21 +134,26 @@ def _check_dtype(dtype: Any) -> Any:
     ) from error
 
 
-def _plan(tree: CallNode, at: Any, positions: Any, dtype: Any, ids: Any) -> _Plan:
+def _plan(tree: CallNode, at: Any, positions: Any, dtype: Any, ids: Any, part: Any) -> _Plan:
   if isinstance(at, list):
     at = tuple(at)
-  names = [site.name for site in select_sites(tree, at)]
+  sites = sites_of(tree)
+  chosen = select_sites(tree, at, sites)
+  names = [site.name for site in chosen]
   _, capture = nodes_by_name(tree, (), at)
   rules = _per_site(positions, names, "positions", _check_rule)
   dtypes = _per_site(dtype, names, "dtype", _check_dtype)
+  parts = _per_site(part, names, "part", lambda p: checked_part(p, "fl.harvest"))
+  for site, site_part in zip(chosen, parts, strict=True):
+    check_part(site, site_part, "output", at, sites)
   if ids is not None and not callable(ids):
     raise ArgumentError(
       f"fl.harvest: ids= must be a function of the batch giving an integer array of shape"
       f" (batch,) or (batch, positions), got {type(ids).__name__}. For token ids:"
       " ids=lambda tokens: tokens."
     )
-  sites = tuple(_SitePlan(n, r, d) for n, r, d in zip(names, rules, dtypes, strict=True))
-  return _Plan(capture, sites, ids)
+  planned = zip(names, rules, dtypes, parts, strict=True)
+  return _Plan(capture, tuple(_SitePlan(*site) for site in planned), ids)
 
 
 # --- the compiled step: capture and select rows -------------------------------------------------
@@ -168,12 +181,11 @@ def _rows(
   found: dict[str, Any] = {}
   sizes, lengths = None, []
   for site in plan.sites:
-    value = captured[site.name]
-    if not isinstance(value, jax.Array) or value.ndim < (1 if site.rule is None else 2):
-      shape = f"shape {tuple(value.shape)}" if isinstance(value, jax.Array) else "no array"
+    value = one_array(captured[site.name], site.part, site.name, "output")
+    if value.ndim < (1 if site.rule is None else 2):
       raise ArgumentError(
-        f"{site.name}: fl.harvest stores a site's output as rows, and this output has {shape}"
-        f" ({type(value).__name__}). Give a site whose output is one array of shape (batch,"
+        f"{site.name}: fl.harvest stores a site's output as rows, and this output has shape"
+        f" {tuple(value.shape)}. Give a site whose output is one array of shape (batch,"
         " positions, ...) (or (batch, ...) with positions=None)."
       )
     size = value.shape[:1] if site.rule is None else value.shape[:2]
@@ -751,6 +763,7 @@ def _metadata(
           "name": site.name,
           "group": f"s{k}",
           "positions": _rule_text(site.rule),
+          **_part_entry(site),
           **{key: entry.get(key) for key in derived},
         }
       )
@@ -770,6 +783,7 @@ def _metadata(
         "name": site.name,
         "group": f"s{k}",
         "positions": _rule_text(site.rule),
+        **_part_entry(site),
         "dtype": dtype.name,
         "features": _features(found),
         "chunk": _store.chunk_rows(
@@ -805,6 +819,12 @@ def _metadata(
   if updates:
     found["updates"] = list(updates)  # state a run updates: skipped batches are run again
   return found
+
+
+def _part_entry(site: _SitePlan) -> dict[str, Any]:
+  """A site's `part` in the metadata: absent for the whole output (as stores made before
+  `part=` existed record it), so that their fingerprints stay theirs."""
+  return {} if site.part is None else {"part": site.part}
 
 
 def _variables(tree: CallNode) -> list[tuple[str, Any]]:
@@ -1159,6 +1179,7 @@ def harvest(
   positions: Any = "all",
   dtype: Any = None,
   ids: Callable[[Any], Any] | None = None,
+  part: Any = None,
   random_streams: Any = None,
   progress: bool | None = None,
   overwrite: bool = False,
@@ -1198,6 +1219,10 @@ def harvest(
     ids: a function of the batch giving one integer id per example `(batch,)` or per
       position `(batch, positions)` (token ids: `lambda tokens: tokens`), stored beside
       each row; None: none.
+    part: for a site whose output is a tuple, dict or dataclass, which part is stored
+      (`part=0`: a Hugging Face block's hidden states); None (default): the whole output,
+      which must then be one array. A dict `{site pattern: part}` gives one per site.
+      See docs/interventions.md, "Structured values: part=".
     random_streams: as for a tree call (Linen: `{"dropout": key}`), the same for every
       batch.
     progress: show a progress bar (batches, examples, tokens/s, bytes written) on
@@ -1225,9 +1250,10 @@ def harvest(
 
   Raises:
     SelectionError: a site matches no call.
-    ArgumentError: an option is of the wrong kind, or a site's output cannot be stored as
-      rows (not one array, no batch axis, a mask of another shape); in a multi-process
-      run, a batch of host arrays without `sharding=`, or variables on one process only.
+    ArgumentError: an option is of the wrong kind, or a site's output (its `part`) cannot
+      be stored as rows (not one array, no batch axis, a mask of another shape); in a
+      multi-process run, a batch of host arrays without `sharding=`, or variables on one
+      process only.
     BudgetError: `budget` does not hold the rows of one example, or a batch that needs
       splitting cannot be split (see `budget`).
     HarvestError: `path` cannot be written, holds another call's store (what differs is
@@ -1260,7 +1286,7 @@ def harvest(
     )
   if progress not in (None, True, False):
     raise ArgumentError(f"fl.harvest: progress= is True, False or None, got {progress!r}.")
-  plan = _plan(tree, at, positions, dtype, ids)
+  plan = _plan(tree, at, positions, dtype, ids, part)
   random_streams = resolve_random_streams(random_streams, tree.where())
   budget = _budget.checked_budget(budget, "fl.harvest")
   total = _length(batches)
