@@ -289,6 +289,8 @@ class _Story:
       low, high = swept.bootstrap(n=1000, normalised=True)
     grid = np.asarray(effect).reshape(2, -1)
     legend = "share of the clean-corrupted gap each head restores"
+    columns = "".join(f"h{h:<2}" for h in range(grid.shape[1])).rstrip()
+    self.say(f"  {'':<7}  {columns}")  # over the cells, three characters a head
     for line in text_heatmap(grid, ["Block_0", "Block_1"], legend, width=3):
       self.say(f"  {line}")
     sure = [i for i in range(len(swept.sites)) if low[i] > 0]

@@ -113,7 +113,8 @@ def test_the_readme_excerpt_is_what_demo_prints_in_that_order(demo_run):
     # Numbers (`2.1326`, compilations read from the cache) may differ with the JAX
     # version and the cache; their place may not. A line ending in `…` is cut there.
     shown = line.removesuffix("…")
-    pattern = re.sub(r"\d+(?:\\\.\d+)?", r"\\d+(?:\\.\\d+)?", re.escape(shown))
+    # A number near 0 may print with either sign.
+    pattern = re.sub(r"(?:\\-)?\d+(?:\\\.\d+)?", r"-?\\d+(?:\\.\\d+)?", re.escape(shown))
     matches = re.match if shown != line else re.fullmatch
     assert any(matches(pattern, printed_line) for printed_line in printed), line
 
