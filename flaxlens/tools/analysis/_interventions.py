@@ -301,6 +301,13 @@ class Intervention(Struct):
       object.__setattr__(self, "part", int(self.part))
     index = bounded(self.index, self.where_arrays, f"{maker}: where=")
     object.__setattr__(self, "index", index)  # the ranges of the arrays given
+    unfit = non_finite(self)
+    if unfit is not None:
+      raise ArgumentError(
+        f"{maker}: {unfit}. Give finite values (jnp.isfinite(x) shows where they are not;"
+        " a nan usually comes from where the array was computed: a division by zero, a"
+        " log of 0, an overflow)."
+      )
 
   def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
     """`value` (the call's output or first argument) with this intervention applied."""
@@ -385,6 +392,41 @@ class Intervention(Struct):
         f" {tuple(target.shape)}. Return an array of the same shape."
       )
     return out
+
+
+# How the makers name the operands of each kind, by position ("modify": "operand n").
+OPERAND_NAMES = {
+  "patch": ("value",),
+  "mean": ("reference",),
+  "resample": ("reference",),
+  "steer": ("vector", "alpha"),
+  "scale": ("factor",),
+  "low_rank": ("projection", "weight", "bias"),
+  "interchange": ("rotation", "source", "swapped"),
+}
+
+
+def non_finite(intervention: Intervention) -> str | None:
+  """What of `intervention`'s operands holds nan or inf (`"its factor holds nan or
+  inf"`), or None where all are finite; checked for every intervention made (its maker
+  refuses it) and by `fl.fold`.
+
+  Only concrete arrays are checked, each by one reduction on its device: an operand that
+  is a traced value (an intervention made inside `jax.jit`, `jax.vmap` or `jax.grad`, or
+  rebuilt inside a compiled run) has no values yet, so it is not checked and nothing
+  waits for it. Operands left out (None: `fl.train_interventions`' frames) are skipped.
+  """
+  names = OPERAND_NAMES.get(intervention.kind, ())
+  for n, operand in enumerate(intervention.operands):
+    if operand is None or isinstance(operand, jax.core.Tracer):
+      continue
+    with jax.ensure_compile_time_eval():  # a concrete array inside a trace stays concrete
+      operand = jnp.asarray(operand)
+      if not jnp.issubdtype(operand.dtype, jnp.inexact) or bool(jnp.isfinite(operand).all()):
+        continue
+    name = names[n] if n < len(names) else f"operand {n}"
+    return f"its {name} holds nan or inf"
+  return None
 
 
 def _function_name(fn: Any) -> str:
