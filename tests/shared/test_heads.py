@@ -652,3 +652,25 @@ def test_grouped_query_attention_without_a_head_dim_setting_asks_for_the_count()
   _, _, x, tree = _grouped(None)
   with pytest.raises(fl.HeadsError, match=r"two head counts, 4 heads and num_kv_heads=2"):
     fl.capture(tree, x, at=fl.heads("attn/q_proj"))
+
+
+# --- the output of an output projection holds no heads -----------------------------------
+
+
+def test_heads_on_a_flax_out_projections_output_are_refused_showing_the_input_form(setup):
+  # Linen's nn.MultiHeadDotProductAttention and NNX's nnx.MultiHeadAttention: `out`
+  # contracts (heads, head_dim); its output is the merged features.
+  out = f"{setup.attn(1)}/out"
+  says = rf"^{out}: .* its output holds no heads.* fl\.heads\('{out}', \[1\], on='input'\)\."
+  with pytest.raises(fl.HeadsError, match=says):
+    fl.run(setup.tree, X, interventions=[fl.ablate(fl.heads(out, 1))])
+  # The form it shows runs, as the native edit of out's input.
+  shown = fl.run(setup.tree, X, interventions=[fl.ablate(fl.heads(out, [1], on="input"))])
+  _bits_equal(shown, setup.native(X, {1: lambda v: v.at[..., 1, :].set(0.0)}))
+
+
+def test_heads_on_a_merged_out_projections_output_are_refused(merged):
+  # c_proj, the last projection of the module with the head count, merges its heads.
+  tree, _ = merged
+  with pytest.raises(fl.HeadsError, match=r"^c_proj: it is the last projection of .* on='input'"):
+    fl.capture(tree, X, at=fl.heads("c_proj", heads=HEADS))
