@@ -329,7 +329,8 @@ class Intervention(Struct):
     that region of `target`'s shape (`_into_region`), the others as given."""
     ops = self.operands
     if self.index is not None and self.index != MASK and self.kind in _REGION_KINDS:
-      ops = (_into_region(self, site, target, ops[0]), *ops[1:])
+      n = _REGION_KINDS[self.kind][0]
+      ops = (*ops[:n], _into_region(self, site, target, ops[n]), *ops[n + 1 :])
     return ops
 
   def _compute(self, site: str, argument: ArgsAndKwargs, target: Any, ops: tuple) -> Any:
@@ -497,9 +498,14 @@ def where_mask(intervention: Intervention, site: str, target: Any) -> Any:
   return jnp.zeros(shape, bool).at[index].set(True)
 
 
-# Kinds whose value (patched value, steering vector) may be given shaped like the region
-# an index `where=` selects, as `fl.capture(index=)` gives it.
-_REGION_KINDS = {"patch": "the patched value", "steer": "the steering vector"}
+# Kinds whose value (patched value, steering vector, interchange source) may be given
+# shaped like the region an index `where=` selects, as `fl.capture(index=)` gives it: its
+# position among the operands, and its name.
+_REGION_KINDS = {
+  "patch": (0, "the patched value"),
+  "steer": (0, "the steering vector"),
+  "interchange": (1, "the source"),
+}
 
 
 def _into_region(intervention: Intervention, site: str, target: Any, operand: Any) -> Any:
@@ -515,11 +521,32 @@ def _into_region(intervention: Intervention, site: str, target: Any, operand: An
     intervention.index, intervention.where_arrays, shape, f"{site}: where=", intervention.on
   )
   region = jax.eval_shape(lambda t: t[index], jax.ShapeDtypeStruct(shape, target.dtype)).shape
+  what = _REGION_KINDS[intervention.kind][1]
   if tuple(np.shape(operand)) != tuple(region) or not is_array(operand):
-    what = _REGION_KINDS[intervention.kind]
     _check_fits(site, operand, target, what, intervention.on, region=tuple(region))
     return operand
+  if intervention.kind == "interchange" and not _keeps_last_axis(intervention.index, len(shape)):
+    raise ArgumentError(
+      f"{site}: {what} has the shape {tuple(region)} of the region where= selects, and"
+      " where= selects part of the last (feature) axis, which the rotation mixes: the"
+      " source of the features left out is not known. Give the source of the whole"
+      f" {intervention.on}, {shape}, or a where= that keeps the last axis whole"
+      " (jnp.s_[:, 3] picks positions)."
+    )
   return jnp.zeros(shape, operand.dtype).at[index].set(operand)
+
+
+def _keeps_last_axis(index: Any, ndim: int) -> bool:
+  """Whether an index (its static structure, `_index.split`) takes the last axis whole."""
+  entries = [e for e in index[1:] if e[0] != "newaxis"]
+  kinds = [e[0] for e in entries]
+  after = entries[kinds.index("ellipsis") + 1 :] if "ellipsis" in kinds else None
+  if after is None:
+    axes = [e for e in entries if e[0] in ("int", "slice", "array")]
+    last = axes[-1] if len(axes) == ndim else None
+  else:
+    last = after[-1] if after else None
+  return last is None or last == ("slice", None, None, None)
 
 
 def _check_fits(
@@ -934,7 +961,9 @@ def interchange(
   `(d, d)` matrix on the last axis, size `d`) made orthogonal (QR, signs fixed: an
   orthogonal `rotation` is `Q` itself, to rounding), so training `rotation` freely
   (`fl.train_interventions`) keeps `Q` orthogonal. `swapped` is an int `k` (the first
-  `k` coordinates) or a boolean mask of shape `(d,)`.
+  `k` coordinates) or a boolean mask of shape `(d,)`. With an index `where=`, `source`
+  may also have the shape of the region it selects (a capture made with the same
+  `index=`), where that region keeps the last axis whole.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
