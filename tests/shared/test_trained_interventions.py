@@ -447,7 +447,7 @@ def test_an_interchange_on_a_head_site_trains_and_runs_as_it_reported():
   np.testing.assert_allclose(loss(out, target), reported[0], rtol=1e-5)
 
 
-@pytest.mark.parametrize("bad", [0, 1, 3, STEPS - 1], ids=lambda k: f"step_{k}")
+@pytest.mark.parametrize("bad", [0, 1, 3, STEPS + 1], ids=lambda k: f"step_{k}")
 @pytest.mark.parametrize("fw", BOTH)
 def test_a_loss_that_becomes_nan_stops_at_its_step_keeping_the_last_good_parameters(
   corpora, fw, bad
