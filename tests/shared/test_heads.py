@@ -674,3 +674,22 @@ def test_heads_on_a_merged_out_projections_output_are_refused(merged):
   tree, _ = merged
   with pytest.raises(fl.HeadsError, match=r"^c_proj: it is the last projection of .* on='input'"):
     fl.capture(tree, X, at=fl.heads("c_proj", heads=HEADS))
+
+
+def test_a_sweep_of_a_list_mixing_heads_and_sites_equals_patching_each_natively(setup):
+  query = f"{setup.attn(0)}/query"
+  sites = [query, fl.heads(setup.attn(1), [0, 2])]
+
+  def metric(out):
+    return out[:, -1, 0].sum()
+
+  result = fl.sweep(setup.tree, X2, X, sites, metric)
+  assert result.sites == (query, f"{setup.attn(1)} head 0", f"{setup.attn(1)} head 2")
+  _, clean = fl.capture(setup.tree, X2, at=[query, fl.heads(setup.attn(1))])
+  heads = clean[f"{setup.attn(1)}:heads"]
+  expected = [metric(setup.native_output(X, 0, "query", lambda q: clean[query]))]
+  for h in (0, 2):
+    expected.append(
+      metric(setup.native(X, {1: lambda v, h=h: v.at[..., h, :].set(heads[..., h, :])}))
+    )
+  np.testing.assert_allclose(result.values, np.stack(expected), rtol=1e-6, atol=1e-6)

@@ -654,7 +654,9 @@ def sweep(
     clean: the clean run's model arguments, as `fl.run` takes them: one value, a tuple
       of positional arguments, or `fl.ArgsAndKwargs` (keyword arguments too).
     corrupted: the corrupted run's arguments, alike.
-    at: the sites, as `fl.run` takes them (`"h/*"`, `"**/mlp"`, a module class, ...).
+    at: the sites, as `fl.run` takes them (`"h/*"`, `"**/mlp"`, a module class, ...),
+      an `fl.heads` (one row per head), or a list mixing these: its rows in the list's
+      order (each `fl.heads`, and each run of other sites, swept as one sweep).
     metric: a function of the model's output returning an array (a scalar, say: the
       logit difference of two answers).
     positions: patch one position at a time, for each of these integers (for example
@@ -708,6 +710,13 @@ def sweep(
   """
   check_tree(tree, "fl.sweep")
   check_callable(metric, "metric", "fl.sweep")
+  if isinstance(at, list | tuple) and any(hasattr(a, "sweep_units") for a in at):
+    # One sweep per site of many units (fl.heads) and per run of other sites, rows joined.
+    options = dict(positions=positions, axis=axis, part=part, chunk_size=chunk_size)
+    options.update(budget=budget, per_example=per_example, share_prefix=share_prefix)
+    options.update(random_streams=random_streams, jit=jit)
+    groups = _site_groups(at)
+    return _joined([sweep(tree, clean, corrupted, g, metric, **options) for g in groups])
   positions = _checked_positions(positions)
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ArgumentError(f"chunk_size= is a positive integer or None, got {chunk_size!r}.")
@@ -786,6 +795,35 @@ def sweep(
     per_example=per_example,
     where="fl.sweep",
     arguments=arguments,
+  )
+
+
+def _site_groups(at: list | tuple) -> list[Any]:
+  """The sites of a list holding sites of many units (`fl.heads`): each such site alone,
+  and each run of other sites between them as one list, in the list's order."""
+  groups: list[Any] = []
+  for a in at:
+    if hasattr(a, "sweep_units"):
+      groups.append(a)
+    elif groups and isinstance(groups[-1], list):
+      groups[-1].append(a)
+    else:
+      groups.append([a])
+  return groups
+
+
+def _joined(results: list[SweepResult]) -> SweepResult:
+  """The rows of `results` (sweeps of the same runs and options) as one result; the clean
+  and corrupted metrics are the first sweep's."""
+  first = results[0]
+  per_example = first.per_example
+  if per_example is not None:
+    per_example = jnp.concatenate([r.per_example for r in results])
+  return dataclasses.replace(
+    first,
+    values=jnp.concatenate([r.values for r in results]),
+    sites=tuple(name for r in results for name in r.sites),
+    per_example=per_example,
   )
 
 
