@@ -212,7 +212,9 @@ class TrainingError(FlaxlensError):
   """A training run (`fl.train_interventions`) stopped: its loss became nan or inf.
 
   Attributes:
-    step: the step (from 0) whose loss was not finite.
+    step: the step (from 0) training stopped at: the step whose loss was not finite, or,
+      where the last step's update made the learned arrays nan or inf, the step that
+      would have started from them (the number of steps taken).
     trained: the interventions with the last parameters whose loss was finite (those step
       `step - 1` started from; the interventions as given where `step` is 0), in the
       order given, as `fl.train_interventions` returns them.

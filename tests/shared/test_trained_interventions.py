@@ -503,3 +503,35 @@ def test_a_loss_that_overflows_stops_before_the_parameters_do():
     vector = optax.apply_updates(vector, updates)
   assert raised.value.step == len(history)
   np.testing.assert_allclose(raised.value.trained[0].operands[0], history[-1], rtol=1e-5)
+
+
+def test_a_last_update_that_makes_the_parameters_nan_stops_after_the_last_step():
+  # The last batch's loss adds sqrt(|y - y|), 0 with a nan gradient: every loss is finite,
+  # and the last update makes the vector nan. The error keeps what the native loop has
+  # before that update.
+  model, x = nn.Dense(2), jnp.ones((4, 3))
+  variables = model.init(jax.random.key(0), x)
+  optimizer = optax.sgd(0.1)
+  batches = [(x, (jnp.zeros((4, 2)), jnp.float32(flag))) for flag in (0, 0, 1)]
+
+  def loss(output, data):
+    target, flag = data
+    nan_gradient = lambda y: jnp.sqrt(jnp.abs(y[0, 0] - y[0, 0]))  # noqa: E731
+    return _loss(output, target) + jax.lax.cond(flag > 0, nan_gradient, lambda y: 0.0, output)
+
+  edit = fl.steer("Dense.__call__", jnp.ones(2))
+  with pytest.raises(fl.TrainingError, match="update of step 2 made the learned arrays nan") as e:
+    fl.train_interventions(fl.unflaxify(model, variables, x), [edit], batches, loss, optimizer)
+
+  vector, state, losses = jnp.ones(2), optimizer.init(jnp.ones(2)), []
+  for _, data in batches[:2]:
+    value, grads = jax.value_and_grad(lambda v, d=data: loss(model.apply(variables, x) + v, d))(
+      vector
+    )
+    updates, state = optimizer.update(grads, state, vector)
+    vector = optax.apply_updates(vector, updates)
+    losses.append(value)
+  assert e.value.step == 3
+  np.testing.assert_allclose(e.value.trained[0].operands[0], vector, rtol=1e-5)
+  assert len(e.value.losses) == 3 and np.all(np.isfinite(e.value.losses))
+  np.testing.assert_allclose(e.value.losses[:2], losses, rtol=1e-5)

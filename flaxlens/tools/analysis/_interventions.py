@@ -415,12 +415,15 @@ def non_finite(intervention: Intervention) -> str | None:
   Only concrete arrays are checked, each by one reduction on its device: an operand that
   is a traced value (an intervention made inside `jax.jit`, `jax.vmap` or `jax.grad`, or
   rebuilt inside a compiled run) has no values yet, so it is not checked and nothing
-  waits for it. Operands left out (None: `fl.train_interventions`' frames) are skipped.
+  waits for it. Operands left out (None: `fl.train_interventions`' frames) or abstract
+  (`jax.ShapeDtypeStruct`) are skipped.
   """
   names = OPERAND_NAMES.get(intervention.kind, ())
   for n, operand in enumerate(intervention.operands):
-    if operand is None or isinstance(operand, jax.core.Tracer):
-      continue
+    if isinstance(operand, jax.core.Tracer) or not isinstance(
+      operand, jax.Array | np.ndarray | np.generic | float | complex
+    ):
+      continue  # traced, left out (None), or abstract (a jax.ShapeDtypeStruct)
     with jax.ensure_compile_time_eval():  # a concrete array inside a trace stays concrete
       operand = jnp.asarray(operand)
       if not jnp.issubdtype(operand.dtype, jnp.inexact) or bool(jnp.isfinite(operand).all()):

@@ -294,7 +294,8 @@ def train_interventions(
     parameters, state, value = step(tree, parameters, state, args, data, source)
     losses.append(value)
     if number and not np.isfinite(losses[-2]):
-      raise _diverged(given, where, losses[:-1], started[0])
+      step_said = f"the loss of step {number - 1} is {float(losses[-2])}"
+      raise _diverged(given, where, losses[:-2], started[0], step_said)
   if not losses:
     raise ArgumentError(
       f"{where}: batches gave no batch (an empty dataset, or a generator already used up),"
@@ -302,7 +303,12 @@ def train_interventions(
       " a generator yields its batches once, so make a new one for every call."
     )
   if not np.isfinite(losses[-1]):
-    raise _diverged(given, where, losses, started[-2] if len(started) > 1 else started[0])
+    good = started[-2] if len(started) > 1 else started[0]
+    said = f"the loss of step {len(losses) - 1} is {float(losses[-1])}"
+    raise _diverged(given, where, losses[:-1], good, said)
+  if not all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(parameters)):
+    said = f"the update of step {len(losses) - 1} made the learned arrays nan or inf"
+    raise _diverged(given, where, losses, started[-1], said)
   trained = _joined(_split(given, where)[1], parameters)
   return list(trained), _host(losses)
 
@@ -311,11 +317,12 @@ def _host(losses: list[Any]) -> np.ndarray:
   return np.asarray(jax.device_get(losses), dtype=np.float32).reshape(-1)
 
 
-def _diverged(given: tuple, where: str, losses: list[Any], good: tuple) -> TrainingError:
-  """The error stopping a run whose last loss in `losses` is not finite; `good`: the
-  parameters the step before it started from (the start, for step 0)."""
-  step = len(losses) - 1
-  before = _host(losses[:-1])
+def _diverged(given: tuple, where: str, losses: list[Any], good: tuple, said: str) -> TrainingError:
+  """The error stopping a run at step `len(losses)` (`losses`: the finite losses before
+  it), where `said` what went wrong; `good`: the parameters the step before it started
+  from (the start, for step 0)."""
+  step = len(losses)
+  before = _host(losses)
   trained = list(_joined(_split(given, where)[1], good))
   kept = (
     f"the parameters step {step - 1} started from (loss {before[-1]:.6g}), the last whose"
@@ -324,11 +331,11 @@ def _diverged(given: tuple, where: str, losses: list[Any], good: tuple) -> Train
     else "the interventions as given"
   )
   return TrainingError(
-    f"{where}: the loss of step {step} is {float(losses[-1])}, so training stopped there."
-    f" The error's .trained holds the interventions with {kept}, and .losses the losses"
-    f" of the {step} step(s) before. Lower the learning rate, clip the gradients"
-    " (optax.chain(optax.clip_by_global_norm(1.0), ...)), or check the loss and the data"
-    f" of step {step}'s batch for a division by zero or a log of 0.",
+    f"{where}: {said}, so training stopped there. The error's .trained holds the"
+    f" interventions with {kept}, and .losses the losses of the {step} step(s) before."
+    " Lower the learning rate, clip the gradients (optax.chain(optax.clip_by_global_norm"
+    "(1.0), ...)), or check the loss and the data of that step's batch for a division by"
+    " zero or a log of 0.",
     step,
     trained,
     before,
