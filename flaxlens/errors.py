@@ -27,7 +27,7 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   `fl.capture`, `fl.sweep`, `fl.attribute`, `fl.grad_at`, `fl.fold`,
   `fl.check_equivalence`) called with the model's arguments spread over its own, an
   intervention's operand that is no value or holds nan or inf (named with its maker and
-  site: `fl.steer('Block_0'): alpha='big' ...`, `fl.scale('mlp'): its factor holds nan
+  site: `fl.steer('Block_0'): alpha='big' ...`, `fl.scale('mlp'): factor holds nan
   or inf. ...`), or a value, mask or index that does not fit
   its site: a `where=` or `index=` that reaches outside the value or selects nothing is
   refused naming the site, the axis, its size and the positions it allows

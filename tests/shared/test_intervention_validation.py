@@ -395,7 +395,7 @@ NON_FINITE = {
 @pytest.mark.parametrize("name", sorted(NON_FINITE))
 def test_an_operand_holding_nan_or_inf_is_refused_when_made_naming_maker_site_and_fix(name):
   make, maker, operand = NON_FINITE[name]
-  expected = rf"^fl\.{maker}\('Block_0'\): its {operand} holds nan or inf\. Give finite values"
+  expected = rf"^fl\.{maker}\('Block_0'\): {operand} holds nan or inf\. Give finite values"
   with pytest.raises(fl.ArgumentError, match=expected):
     make()
 

@@ -46,9 +46,9 @@ from flaxlens.errors import ArgumentError, HeadsError
 from flaxlens.tools.analysis._interventions import (
   Intervention,
   Site,
+  _make,
   _set_part,
   get_part,
-  modify,
   select_sites,
   sites_of,
 )
@@ -987,13 +987,14 @@ def _sweep_heads(tree, clean, corrupted, spec, metric, positions, axis, chunk_si
     unit, position = unit_and_position
     copy, fresh = copies.fresh()
     edits = tuple(
-      modify(
+      _make(
+        "modify",
         site.node,
-        _HeadPatcher(s.name, base, lead, _layout(s), s.heads, positions, axis),
-        value,
-        unit,
-        position,
-        on=s.on,
+        (value, unit, position),
+        None,
+        s.on,
+        None,
+        fn=_HeadPatcher(s.name, base, lead, _layout(s), s.heads, positions, axis),
       )
       for site, s, base, lead, value in zip(fresh, splits, bases, leads, clean_values, strict=False)
     )

@@ -301,13 +301,6 @@ class Intervention(Struct):
       object.__setattr__(self, "part", int(self.part))
     index = bounded(self.index, self.where_arrays, f"{maker}: where=")
     object.__setattr__(self, "index", index)  # the ranges of the arrays given
-    unfit = non_finite(self)
-    if unfit is not None:
-      raise ArgumentError(
-        f"{maker}: {unfit}. Give finite values (jnp.isfinite(x) shows where they are not;"
-        " a nan usually comes from where the array was computed: a division by zero, a"
-        " log of 0, an overflow)."
-      )
 
   def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
     """`value` (the call's output or first argument) with this intervention applied."""
@@ -409,28 +402,32 @@ OPERAND_NAMES = {
 
 def non_finite(intervention: Intervention) -> str | None:
   """What of `intervention`'s operands holds nan or inf (`"its factor holds nan or
-  inf"`), or None where all are finite; checked for every intervention made (its maker
-  refuses it) and by `fl.fold`.
-
-  Only concrete arrays are checked, each by one reduction on its device: an operand that
-  is a traced value (an intervention made inside `jax.jit`, `jax.vmap` or `jax.grad`, or
-  rebuilt inside a compiled run) has no values yet, so it is not checked and nothing
-  waits for it. Operands left out (None: `fl.train_interventions`' frames) or abstract
-  (`jax.ShapeDtypeStruct`) are skipped.
-  """
+  inf"`), or None; for an intervention not made by its maker here (made under tracing,
+  loaded from a file), as `fl.fold` checks it. See `holds_non_finite`."""
   names = OPERAND_NAMES.get(intervention.kind, ())
   for n, operand in enumerate(intervention.operands):
-    if isinstance(operand, jax.core.Tracer) or not isinstance(
-      operand, jax.Array | np.ndarray | np.generic | float | complex
-    ):
-      continue  # traced, left out (None), or abstract (a jax.ShapeDtypeStruct)
-    with jax.ensure_compile_time_eval():  # a concrete array inside a trace stays concrete
-      operand = jnp.asarray(operand)
-      if not jnp.issubdtype(operand.dtype, jnp.inexact) or bool(jnp.isfinite(operand).all()):
-        continue
-    name = names[n] if n < len(names) else f"operand {n}"
-    return f"its {name} holds nan or inf"
+    if holds_non_finite(operand):
+      return f"its {names[n] if n < len(names) else f'operand {n}'} holds nan or inf"
   return None
+
+
+def holds_non_finite(x: Any) -> bool:
+  """Whether `x`, a concrete floating array or number, holds nan or inf: the one check of
+  the operands users give, run by every maker on each operand (`_array`) and by
+  `non_finite`.
+
+  Only concrete values are checked, by one reduction on their device: a traced value (an
+  intervention made inside `jax.jit`, `jax.vmap` or `jax.grad`) has no values yet, so it
+  is not checked and nothing waits for it; nor are abstract values
+  (`jax.ShapeDtypeStruct`) and operands left out (None).
+  """
+  if isinstance(x, jax.core.Tracer) or not isinstance(
+    x, jax.Array | np.ndarray | np.generic | float | complex
+  ):
+    return False
+  with jax.ensure_compile_time_eval():  # a concrete array inside a trace stays concrete
+    x = jnp.asarray(x)
+    return jnp.issubdtype(x.dtype, jnp.inexact) and not bool(jnp.isfinite(x).all())
 
 
 def _function_name(fn: Any) -> str:
@@ -633,7 +630,9 @@ def _set_part(value: Any, part: Any, new: Any) -> Any:
 
 
 def _array(x: Any, name: str, maker: str) -> Any:
-  """`x` as a strongly typed JAX array; Python numbers get their default dtype.
+  """`x` as a strongly typed JAX array; Python numbers get their default dtype. Refuses
+  values that are no array or number, that JAX's dtype would change, or that hold nan or
+  inf (`holds_non_finite`).
 
   A Python float, a weakly typed `jnp.array(2.0)` and a float32 array then trace alike
   (changing one for another does not recompile) and save alike (`fl.save_interventions`).
@@ -641,7 +640,7 @@ def _array(x: Any, name: str, maker: str) -> Any:
   """
   if isinstance(x, bool | int | float | complex):
     _check_representable(np.asarray(x), jax.dtypes.canonicalize_dtype(type(x)), name, maker)
-    return jnp.asarray(x, dtype=jax.dtypes.canonicalize_dtype(type(x)))
+    x = jnp.asarray(x, dtype=jax.dtypes.canonicalize_dtype(type(x)))
   if isinstance(x, np.generic | np.ndarray) and x.dtype.kind in "iuf":
     _check_representable(np.asarray(x), jax.dtypes.canonicalize_dtype(x.dtype), name, maker)
   if isinstance(x, np.generic) or is_array(x):
@@ -652,7 +651,14 @@ def _array(x: Any, name: str, maker: str) -> Any:
         f"{maker}: {name} is an array of dtype {x.dtype}, which JAX does not compute with."
         f" Give {name} as a number or a numeric array."
       ) from None
-    return jnp.asarray(x, dtype=x.dtype) if x.weak_type else x
+    x = jnp.asarray(x, dtype=x.dtype) if x.weak_type else x
+    if holds_non_finite(x):
+      raise ArgumentError(
+        f"{maker}: {name} holds nan or inf. Give finite values (jnp.isfinite(x) shows"
+        " where they are not; a nan usually comes from where the array was computed: a"
+        " division by zero, a log of 0, an overflow)."
+      )
+    return x
   shown = repr(x) if len(repr(x)) <= 40 else f"{repr(x)[:37]}..."
   raise ArgumentError(
     f"{maker}: {name}={shown} is a {type(x).__name__}, not an array or a number. Give {name}"

@@ -57,7 +57,6 @@ from flaxlens.tools.analysis._interventions import (
   _make,
   _probes_for,
   get_part,
-  modify,
   select_sites,
   sites_of,
 )
@@ -512,13 +511,14 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
     unit, position = unit_and_position
     copy, sites = copies.fresh()
     edits = tuple(
-      modify(
+      _make(
+        "modify",
         site.node,
-        _patcher(site.name, base, lead, positions, axis),
-        value,
-        unit,
-        position,
-        part=part,
+        (value, unit, position),
+        None,
+        "output",
+        part,
+        fn=_patcher(site.name, base, lead, positions, axis),
       )
       for site, base, lead, value in zip(sites, bases, leads, clean_values, strict=False)
     )
@@ -538,13 +538,14 @@ def _shared_prefix_sweep(tree, clean, corrupted, chosen, metric, positions, axis
   def patched(*inputs: Any) -> Any:
     copy, sites = copies.fresh()
     edits = tuple(
-      modify(
+      _make(
+        "modify",
         site.node,
-        _patcher(site.name, 0, lead, positions, axis),
-        value,
-        inputs[2 * k],
-        inputs[2 * k + 1],
-        part=part,
+        (value, inputs[2 * k], inputs[2 * k + 1]),
+        None,
+        "output",
+        part,
+        fn=_patcher(site.name, 0, lead, positions, axis),
       )
       for k, (site, lead, value) in enumerate(zip(sites, leads, clean_values, strict=True))
     )
@@ -881,7 +882,7 @@ def _with_deltas(copies: _Copies, leads: list, part: Any, deltas: list, capture:
   """A fresh copy of the tree, the edits adding `deltas` at its sites, and what to capture."""
   tree, sites = copies.fresh()
   edits = tuple(
-    modify(site.node, _adder(site.name, lead), delta, part=part)
+    _make("modify", site.node, (delta,), None, "output", part, fn=_adder(site.name, lead))
     for site, lead, delta in zip(sites, leads, deltas, strict=True)
   )
   return tree, sites, edits, tuple(s.node for s in sites) if capture else None
