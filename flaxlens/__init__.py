@@ -122,6 +122,7 @@ from flaxlens.errors import CallStructureError as CallStructureError
 from flaxlens.errors import ReplacementError as ReplacementError
 from flaxlens.errors import SelectionError as SelectionError
 from flaxlens.errors import StatisticsError as StatisticsError
+from flaxlens.errors import TrainingError as TrainingError
 from flaxlens.errors import UnsupportedFlaxFeatureError as UnsupportedFlaxFeatureError
 from flaxlens.errors import VariableError as VariableError
 from flaxlens.errors import MetricRetraceWarning as MetricRetraceWarning
@@ -229,6 +230,7 @@ __all__ = [
   "ReplacementError",
   "SelectionError",
   "StatisticsError",
+  "TrainingError",
   "UnsupportedFlaxFeatureError",
   "VariableError",
   "MetricRetraceWarning",

@@ -26,8 +26,9 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   non-tree where a tool takes a tree, interventions or a metric, a tool (`fl.run`,
   `fl.capture`, `fl.sweep`, `fl.attribute`, `fl.grad_at`, `fl.fold`,
   `fl.check_equivalence`) called with the model's arguments spread over its own, an
-  intervention's operand that is no value (named with its maker and site:
-  `fl.steer('Block_0'): alpha='big' ...`), or a value, mask or index that does not fit
+  intervention's operand that is no value or holds nan or inf (named with its maker and
+  site: `fl.steer('Block_0'): alpha='big' ...`, `fl.scale('mlp'): factor holds nan
+  or inf. ...`), or a value, mask or index that does not fit
   its site: a `where=` or `index=` that reaches outside the value or selects nothing is
   refused naming the site, the axis, its size and the positions it allows
   (docs/interventions.md, index rules). Also: clean and corrupted arguments of
@@ -88,6 +89,12 @@ the class subclasses that built-in too, so older `except` clauses keep working.
   `per_example=True` and a metric returning one value per example, sweep more examples,
   keep the examples whose corruption moves the metric, or bootstrap the raw values
   (docs/sweeps.md, how sure are we).
+- `TrainingError`: `fl.train_interventions` stopped because the loss of a step became
+  nan or inf. The message names the step; the error holds the step (`step`), the
+  interventions with the last parameters whose loss was finite (`trained`) and the
+  losses before it (`losses`). Fix: a smaller learning rate, gradient clipping
+  (`optax.clip_by_global_norm`), or a loss that cannot divide by zero or take a log of 0
+  on that step's batch.
 - `ModelCallError` (also the class of the error it reports): a call of a converted tree
   failed inside the model's own code (Flax's or yours), for example token ids of another
   rank or a sequence longer than a positional table, which raise a bare `IndexError` or
@@ -206,6 +213,29 @@ class StatisticsError(FlaxlensError, ValueError):
   or would not be finite and meaningful: no per-example values, no clean and corrupted
   metrics, clean equal to corrupted (in the sample or in a resample), values that are
   not finite, too few examples for the confidence asked, or bad settings."""
+
+
+class TrainingError(FlaxlensError):
+  """A training run (`fl.train_interventions`) stopped: its loss became nan or inf.
+
+  Attributes:
+    step: the step (from 0) training stopped at: the step whose loss was not finite, or,
+      where the last step's update made the learned arrays nan or inf, the step that
+      would have started from them (the number of steps taken).
+    trained: the interventions with the last parameters whose loss was finite (those step
+      `step - 1` started from; the interventions as given where `step` is 0), in the
+      order given, as `fl.train_interventions` returns them.
+    losses: the loss of each step before `step` (a NumPy array, all finite).
+  """
+
+  def __init__(self, message: str, step: int, trained: list[Any], losses: Any):
+    super().__init__(message)
+    self.step = step
+    self.trained = trained
+    self.losses = losses
+
+  def __reduce__(self) -> Any:
+    return (type(self), (str(self), self.step, self.trained, self.losses))
 
 
 class MetricRetraceWarning(UserWarning):

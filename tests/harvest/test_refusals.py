@@ -134,3 +134,10 @@ def test_a_sharding_that_is_no_sharding_is_refused_before_the_store_is_made(mode
   with pytest.raises(fl.ArgumentError, match="sharding= holds str, not a jax.sharding.Sharding"):
     fl.harvest(model.tree, BATCHES, model.sites, tmp_path / "s", sharding="data")
   assert not (tmp_path / "s").exists()
+
+
+def test_float_ids_are_refused_naming_the_site(linen_model, tmp_path):
+  ids = lambda tokens: tokens.astype(np.float32)  # noqa: E731
+  with pytest.raises(fl.ArgumentError, match=r"^Block_0: ids= gave an array of float32"):
+    fl.harvest(linen_model.tree, BATCHES, "Block_0", tmp_path / "s", ids=ids)
+  assert not (tmp_path / "s").exists()

@@ -665,3 +665,44 @@ def test_grouped_query_attention_without_a_head_dim_setting_asks_for_the_count()
   _, _, x, tree = _grouped(None)
   with pytest.raises(fl.HeadsError, match=r"two head counts, 4 heads and num_kv_heads=2"):
     fl.capture(tree, x, at=fl.heads("attn/q_proj"))
+
+
+# --- the output of an output projection holds no heads -----------------------------------
+
+
+def test_heads_on_a_flax_out_projections_output_are_refused_showing_the_input_form(setup):
+  # Linen's nn.MultiHeadDotProductAttention and NNX's nnx.MultiHeadAttention: `out`
+  # contracts (heads, head_dim); its output is the merged features.
+  out = f"{setup.attn(1)}/out"
+  says = rf"^{out}: .* its output holds no heads.* fl\.heads\('{out}', \[1\], on='input'\)\."
+  with pytest.raises(fl.HeadsError, match=says):
+    fl.run(setup.tree, X, interventions=[fl.ablate(fl.heads(out, 1))])
+  # The form it shows runs, as the native edit of out's input.
+  shown = fl.run(setup.tree, X, interventions=[fl.ablate(fl.heads(out, [1], on="input"))])
+  _bits_equal(shown, setup.native(X, {1: lambda v: v.at[..., 1, :].set(0.0)}))
+
+
+def test_heads_on_a_merged_out_projections_output_are_refused(merged):
+  # c_proj, the last projection of the module with the head count, merges its heads.
+  tree, _ = merged
+  with pytest.raises(fl.HeadsError, match=r"^c_proj: it is the last projection of .* on='input'"):
+    fl.capture(tree, X, at=fl.heads("c_proj", heads=HEADS))
+
+
+def test_a_sweep_of_a_list_mixing_heads_and_sites_equals_patching_each_natively(setup):
+  query = f"{setup.attn(0)}/query"
+  sites = [query, fl.heads(setup.attn(1), [0, 2])]
+
+  def metric(out):
+    return out[:, -1, 0].sum()
+
+  result = fl.sweep(setup.tree, X2, X, sites, metric)
+  assert result.sites == (query, f"{setup.attn(1)} head 0", f"{setup.attn(1)} head 2")
+  _, clean = fl.capture(setup.tree, X2, at=[query, fl.heads(setup.attn(1))])
+  heads = clean[f"{setup.attn(1)}:heads"]
+  expected = [metric(setup.native_output(X, 0, "query", lambda q: clean[query]))]
+  for h in (0, 2):
+    expected.append(
+      metric(setup.native(X, {1: lambda v, h=h: v.at[..., h, :].set(heads[..., h, :])}))
+    )
+  np.testing.assert_allclose(result.values, np.stack(expected), rtol=1e-6, atol=1e-6)

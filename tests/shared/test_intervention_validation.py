@@ -356,3 +356,63 @@ def test_an_operand_that_is_no_value_is_refused_naming_the_site_and_the_fix(name
 def test_a_refused_operand_names_a_site_given_as_a_class_or_a_list(at, shown):
   with pytest.raises(fl.ArgumentError, match=rf"^fl\.scale\({re.escape(shown)}\): factor="):
     fl.scale(at, "half")
+
+
+NON_FINITE = {
+  "patch_nan": (lambda: fl.patch("Block_0", jnp.full((2, 4), jnp.nan)), "patch", "value"),
+  "steer_inf_vector": (
+    lambda: fl.steer("Block_0", jnp.ones(4).at[1].set(jnp.inf)),
+    "steer",
+    "vector",
+  ),
+  "steer_nan_alpha": (
+    lambda: fl.steer("Block_0", jnp.ones(4), alpha=float("nan")),
+    "steer",
+    "alpha",
+  ),
+  "scale_minus_inf": (lambda: fl.scale("Block_0", -np.inf), "scale", "factor"),
+  "mean_nan_reference": (
+    lambda: fl.ablate("Block_0", "mean", jnp.ones((3, 4)).at[0, 0].set(jnp.nan)),
+    "ablate",
+    "reference",
+  ),
+  "low_rank_nan_bias": (
+    lambda: fl.low_rank_edit("Block_0", jnp.eye(2, 4), bias=jnp.array([0.0, jnp.nan])),
+    "low_rank_edit",
+    "bias",
+  ),
+  "interchange_inf_source": (
+    lambda: fl.interchange("Block_0", jnp.eye(4), jnp.full(4, jnp.inf), 2),
+    "interchange",
+    "source",
+  ),
+  "modify_nan_operand": (
+    lambda: fl.modify("Block_0", lambda argument, y, b: y + b, jnp.nan),
+    "modify",
+    "operand 0",
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NON_FINITE))
+def test_an_operand_holding_nan_or_inf_is_refused_when_made_naming_maker_site_and_fix(name):
+  make, maker, operand = NON_FINITE[name]
+  expected = rf"^fl\.{maker}\('Block_0'\): {operand} holds nan or inf\. Give finite values"
+  with pytest.raises(fl.ArgumentError, match=expected):
+    make()
+
+
+def test_a_traced_operand_is_not_checked_and_its_run_is_the_native_one():
+  # Inside jax.jit the vector has no values yet: the intervention is made, unchecked, and
+  # the run gives what Flax gives with the same value added by hand (nan included).
+  model, x = nn.Dense(3), jnp.ones((1, 2))
+  variables = model.init(jax.random.key(0), x)
+  tree = fl.unflaxify(model, variables, x)
+
+  @jax.jit
+  def steered(vector):
+    edit = fl.steer("Dense.__call__", vector)
+    return fl.run(tree, x, interventions=[edit], jit=False)
+
+  vector = jnp.array([1.0, jnp.nan, 2.0])
+  np.testing.assert_array_equal(steered(vector), model.apply(variables, x) + vector)

@@ -134,3 +134,48 @@ def test_a_value_captured_with_an_index_patches_back_at_that_index(batch, where)
   expected_steer = native(clean, lambda out: out.at[index].add(2.0 * vector))
   assert_trees_equal(patched, expected_patch)
   assert_trees_equal(steered, expected_steer)
+
+
+@pytest.mark.parametrize("where", ["last", "positions"])
+def test_an_interchange_source_captured_with_an_index_swaps_at_that_index(where):
+  """An interchange's source shaped like the region `where=` selects (as `fl.capture(index=)`
+  gives it) is the source of that region, as a patch's value is: the native edit rotates
+  the base and the source value there, takes the swapped coordinates from the source and
+  rotates back, leaving the other positions."""
+  index = jnp.s_[:, -1] if where == "last" else jnp.s_[:, jnp.array([0, 2, 4])]
+  model, base = _TwoLayers(), jax.random.normal(jax.random.key(1), (2, 5, 3))
+  variables = model.init(jax.random.key(0), base)
+  tree = fl.unflaxify(model, variables, base)
+  source_input = -2.0 * base
+  _, cache = fl.capture(tree, source_input, at="hidden", index=index)
+  q, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(3), (8, 8)))
+  q = q * jnp.where(jnp.diag(jnp.linalg.qr(q)[1]) < 0, -1.0, 1.0)  # signs as R's diagonal > 0
+  swapped = jnp.arange(8) < 3
+  edit = fl.interchange("hidden", q, cache["hidden"], swapped, where=index)
+  ours = fl.run(tree, base, interventions=[edit])
+
+  _, sown = model.apply(
+    variables, source_input, capture_intermediates=True, mutable=["intermediates"]
+  )
+  source = sown["intermediates"]["hidden"]["__call__"][0][index]
+
+  def swap(out):
+    rotated = jnp.where(swapped, source @ q.T, out[index] @ q.T)
+    return out.at[index].set(rotated @ q)
+
+  def intercept(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    return swap(out) if context.module.name == "hidden" else out
+
+  with nn.intercept_methods(intercept):
+    expected = model.apply(variables, base)
+  assert jnp.allclose(ours, expected, atol=1e-6), float(jnp.abs(ours - expected).max())
+
+
+def test_an_interchange_source_of_a_region_cutting_the_feature_axis_is_refused():
+  # The rotation mixes every feature: a source of some features only cannot be rotated.
+  model, base = _TwoLayers(), jnp.ones((2, 5, 3))
+  tree = fl.unflaxify(model, model.init(jax.random.key(0), base), base)
+  edit = fl.interchange("hidden", jnp.eye(8), jnp.ones((2, 5, 2)), 1, where=jnp.s_[..., 2:4])
+  with pytest.raises(fl.ArgumentError, match=r"^hidden: the source has the shape \(2, 5, 2\).*"):
+    fl.run(tree, base, interventions=[edit])

@@ -477,6 +477,104 @@ def test_per_example_path_patch_refuses_a_metric_whose_leading_axis_is_not_the_b
     )
 
 
+def _head_and_mlp_to_query_head(native, clean, corrupted, sender):
+  """Senders: head 1 of block_0's attention (its slice of the out projection's input) and
+  block_0's mlp (its output); receiver: head 0 of block_1's query projection. In each
+  sender's forward the other sender's call is frozen clean, the query recorded and then
+  frozen; run 3 patches the query's head 0 with the recorded one."""
+  paths = ["block_0/attn/out", "block_0/mlp", "block_1/attn/query"]
+  c, k = _values(native, clean, paths), _values(native, corrupted, paths)
+  recorded = {}
+
+  def out(call, first):
+    heads = c["block_0/attn/out:input"]
+    if sender == "head":
+      heads = heads.at[..., 1, :].set(k["block_0/attn/out:input"][..., 1, :])
+    return call(heads)
+
+  def receiver(call, first):
+    recorded["query"] = call(first)
+    return c["block_1/attn/query"]
+
+  mlp = k["block_0/mlp"] if sender == "mlp" else c["block_0/mlp"]
+  hooks = {
+    "block_0/attn/out": out,
+    "block_0/mlp": lambda call, first: mlp,
+    "block_1/attn/query": receiver,
+  }
+  native.run(clean, hooks)
+
+  def patched(call, first):
+    return call(first).at[..., 0, :].set(recorded["query"][..., 0, :])
+
+  return _metric(native.run(clean, {"block_1/attn/query": patched}))
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_senders_mixing_heads_and_sites_of_other_layers_equal_the_three_runs_natively(framework):
+  native, clean = _transformer(framework)
+  corrupted = -clean
+  tree = native.tree(clean)
+  senders = [fl.heads("block_0/attn", 1), fl.Sites("block_0/mlp")]
+  receiver = fl.Sites("block_1/attn/query", where=jnp.s_[..., 0, :])
+  result = fl.path_patch(tree, clean, corrupted, senders, receiver, _metric)
+  expected = np.stack(
+    [_head_and_mlp_to_query_head(native, clean, corrupted, s) for s in ("head", "mlp")]
+  )
+  assert result.sites == ("block_0/attn head 1", "block_0/mlp")
+  assert not np.allclose(expected, _metric(native.run(clean)), atol=1e-4)
+  np.testing.assert_allclose(result.values, expected, rtol=1e-5, atol=1e-6)
+
+
+def _mlp_to_head_and_mlp(native, clean, corrupted):
+  """Sender: block_0's mlp; receivers, one at a time: head 0 of block_1's attention (its
+  out projection's input) and block_1's mlp output, each recorded in run 2 and then
+  frozen clean; run 3 patches one receiver with what was recorded."""
+  paths = ["block_0/mlp", "block_1/attn/out", "block_1/mlp"]
+  c, k = _values(native, clean, paths), _values(native, corrupted, paths)
+  recorded = {}
+
+  def out(call, first):
+    recorded["heads"] = first
+    return call(c["block_1/attn/out:input"])
+
+  def mlp(call, first):
+    recorded["mlp"] = call(first)
+    return c["block_1/mlp"]
+
+  hooks = {"block_0/mlp": lambda call, first: k["block_0/mlp"], "block_1/attn/out": out}
+  native.run(clean, {**hooks, "block_1/mlp": mlp})
+  head = native.run(
+    clean,
+    {
+      "block_1/attn/out": lambda call, first: call(
+        first.at[..., 0, :].set(recorded["heads"][..., 0, :])
+      )
+    },
+  )
+  whole = native.run(clean, {"block_1/mlp": lambda call, first: recorded["mlp"]})
+  return np.stack([_metric(head), _metric(whole)])[None]  # (senders, receivers, ...)
+
+
+@pytest.mark.parametrize("framework", [LINEN, NNX])
+def test_receivers_mixing_heads_and_sites_equal_the_three_runs_natively(framework):
+  native, clean = _transformer(framework)
+  tree = native.tree(clean)
+  receivers = [fl.heads("block_1/attn", 0), fl.Sites("block_1/mlp")]
+  result = fl.path_patch(tree, clean, -clean, "block_0/mlp", receivers, _metric, each_receiver=True)
+  expected = _mlp_to_head_and_mlp(native, clean, -clean)
+  assert result.receivers == ("block_1/attn head 0", "block_1/mlp")
+  assert not np.allclose(expected[0, 0], _metric(native.run(clean)), atol=1e-4)
+  np.testing.assert_allclose(result.values, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_call_named_on_two_sides_by_one_role_is_refused():
+  native, clean = _transformer(LINEN)
+  senders = [fl.heads("block_0/attn", 1), fl.Sites("block_0/attn/out")]
+  with pytest.raises(fl.SelectionError, match=r"senders: block_0/attn/out is named on two sides"):
+    fl.path_patch(native.tree(clean), clean, -clean, senders, "readout", _metric)
+
+
 # --- sweeps and grids ---------------------------------------------------------------------
 
 

@@ -445,3 +445,93 @@ def test_an_interchange_on_a_head_site_trains_and_runs_as_it_reported():
   )
   out = fl.run(tree, base, interventions=[filled])
   np.testing.assert_allclose(loss(out, target), reported[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, 1, 3, STEPS + 1], ids=lambda k: f"step_{k}")
+@pytest.mark.parametrize("fw", BOTH)
+def test_a_loss_that_becomes_nan_stops_at_its_step_keeping_the_last_good_parameters(
+  corpora, fw, bad
+):
+  # Step `bad`'s target holds a nan, so its loss (and only its) is nan. The error names
+  # the step and holds what the native loop has after the steps before the last finite
+  # loss: the parameters that loss was computed with.
+  steps = STEPS + 2
+  case = corpora[fw]["mlp"]
+  path, features = SITES[fw]
+  made, native_edit, start = _steer(features)
+  targets = _targets(fw, case, steps)
+  targets[bad] = targets[bad].at[0, 0].set(jnp.nan)
+  optimizer = optax.adam(0.05)
+  batches = [(fw.argument(case), target) for target in targets]
+
+  with pytest.raises(fl.TrainingError, match=rf"the loss of step {bad} is nan") as raised:
+    fl.train_interventions(fw.convert(case), [made(path)], batches, _loss, optimizer)
+
+  good = max(bad - 1, 0)
+  expected, expected_losses = _native_training(
+    fw, case, path, native_edit, start, targets[:good], optimizer
+  )
+  _, all_losses = _native_training(fw, case, path, native_edit, start, targets[:bad], optimizer)
+  assert raised.value.step == bad
+  (trained,) = raised.value.trained
+  _assert_trained((trained.operands[0], raised.value.losses), (expected[0], all_losses[:bad]))
+  assert trained.kind == "steer" and np.all(np.isfinite(raised.value.losses))
+
+
+def test_a_loss_that_overflows_stops_before_the_parameters_do():
+  # Plain SGD with a learning rate far too large: the steering vector grows each step
+  # until the squared error overflows float32 to inf.
+  model, x = nn.Dense(2), jnp.ones((4, 3))
+  variables = model.init(jax.random.key(0), x)
+  target = jnp.zeros((4, 2))
+  optimizer = optax.sgd(1e3)
+  edit = fl.steer("Dense.__call__", jnp.ones(2))
+  batches = [(x, target)] * 40
+
+  with pytest.raises(fl.TrainingError, match="is inf") as raised:
+    fl.train_interventions(fl.unflaxify(model, variables, x), [edit], batches, _loss, optimizer)
+
+  vector, state = jnp.ones(2), optimizer.init(jnp.ones(2))
+  objective = jax.value_and_grad(lambda v: _loss(model.apply(variables, x) + v, target))
+  history = []
+  for _ in range(40):
+    loss, grads = objective(vector)
+    if not np.isfinite(loss):
+      break
+    history.append(vector)
+    updates, state = optimizer.update(grads, state, vector)
+    vector = optax.apply_updates(vector, updates)
+  assert raised.value.step == len(history)
+  np.testing.assert_allclose(raised.value.trained[0].operands[0], history[-1], rtol=1e-5)
+
+
+def test_a_last_update_that_makes_the_parameters_nan_stops_after_the_last_step():
+  # The last batch's loss adds sqrt(|y - y|), 0 with a nan gradient: every loss is finite,
+  # and the last update makes the vector nan. The error keeps what the native loop has
+  # before that update.
+  model, x = nn.Dense(2), jnp.ones((4, 3))
+  variables = model.init(jax.random.key(0), x)
+  optimizer = optax.sgd(0.1)
+  batches = [(x, (jnp.zeros((4, 2)), jnp.float32(flag))) for flag in (0, 0, 1)]
+
+  def loss(output, data):
+    target, flag = data
+    nan_gradient = lambda y: jnp.sqrt(jnp.abs(y[0, 0] - y[0, 0]))  # noqa: E731
+    return _loss(output, target) + jax.lax.cond(flag > 0, nan_gradient, lambda y: 0.0, output)
+
+  edit = fl.steer("Dense.__call__", jnp.ones(2))
+  with pytest.raises(fl.TrainingError, match="update of step 2 made the learned arrays nan") as e:
+    fl.train_interventions(fl.unflaxify(model, variables, x), [edit], batches, loss, optimizer)
+
+  vector, state, losses = jnp.ones(2), optimizer.init(jnp.ones(2)), []
+  for _, data in batches[:2]:
+    value, grads = jax.value_and_grad(lambda v, d=data: loss(model.apply(variables, x) + v, d))(
+      vector
+    )
+    updates, state = optimizer.update(grads, state, vector)
+    vector = optax.apply_updates(vector, updates)
+    losses.append(value)
+  assert e.value.step == 3
+  np.testing.assert_allclose(e.value.trained[0].operands[0], vector, rtol=1e-5)
+  assert len(e.value.losses) == 3 and np.all(np.isfinite(e.value.losses))
+  np.testing.assert_allclose(e.value.losses[:2], losses, rtol=1e-5)

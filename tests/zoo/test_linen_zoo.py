@@ -123,3 +123,28 @@ def test_gpt2_ids_it_cannot_take_raise_its_own_error_naming_the_shapes(gpt2, bad
   shown = ", ".join([f"int32{list(ids.shape)}"] * 3)
   assert f"got ({shown}, deterministic=False); at conversion it got (" in str(ours.value)
   assert "int32[2, 8], int32[2, 8], int32[2, 8], deterministic=False)" in str(ours.value)
+
+
+def test_gpt2_heads_on_the_attention_output_projections_output_are_refused(gpt2):
+  # c_proj merges GPT-2's n_head=2 heads: its output holds none. The refusal shows the
+  # form that names them, on its input, which equals zeroing head 1's columns natively.
+  inputs = gpt2.args
+  variables = gpt2.variables
+  tree = fl.unflaxify(gpt2.module, variables, *inputs, deterministic=True)
+  path = "transformer/h/0/attn/c_proj"
+  shown = rf"fl\.heads\('{path}', \[1\], on='input'\)"
+  with pytest.raises(fl.HeadsError, match=rf"^{path}: .*holds no heads.*{shown}"):
+    fl.run(tree, inputs, interventions=[fl.ablate(fl.heads(path, 1))])
+
+  def zero_head_1(next_fun, args, kwargs, context):
+    if context.module.path == tuple(path.split("/")):
+      return next_fun(args[0].at[..., 16:32].set(0.0), *args[1:], **kwargs)
+    return next_fun(*args, **kwargs)
+
+  def native(variables, *inputs):
+    with nn.intercept_methods(zero_head_1):
+      return gpt2.module.apply(variables, *inputs, deterministic=True)
+
+  edit = fl.ablate(fl.heads(path, [1], on="input"))
+  out = fl.run(tree, fl.ArgsAndKwargs.capture(*inputs, deterministic=True), interventions=[edit])
+  assert_trees_equal(out.logits, jax.jit(native)(variables, *inputs).logits)

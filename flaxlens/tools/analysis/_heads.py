@@ -46,7 +46,7 @@ from flaxlens.errors import ArgumentError, HeadsError
 from flaxlens.tools.analysis._interventions import (
   Intervention,
   Site,
-  modify,
+  _make,
   select_sites,
   sites_of,
 )
@@ -148,9 +148,10 @@ def _setting(holder: Any, keys: tuple[str, ...]) -> tuple[str, int] | None:
   return None
 
 
-def _settings_with_count(sites: list[Site], site: Site) -> tuple[int, Any] | None:
-  """The head count in the settings of `site`'s module or the nearest enclosing one, and
-  the settings (a dict or a config object) that hold it."""
+def _count_holder(sites: list[Site], site: Site) -> tuple[Site, Any, tuple[str, int]] | None:
+  """The call of `site`'s module or of the nearest enclosing one whose settings (a dict,
+  or a config object under `config`) set a head count: that call, the settings holding
+  it, and `(key, count)`."""
   path = tuple(site.node.path)
   enclosing = [s for s in sites if tuple(s.node.path) == path[: len(s.node.path)]]
   for outer in sorted(enclosing, key=lambda s: -len(s.node.path)):
@@ -158,8 +159,15 @@ def _settings_with_count(sites: list[Site], site: Site) -> tuple[int, Any] | Non
     for holder in (settings, settings.get("config")):
       found = _setting(holder, _COUNTS)
       if found is not None:
-        return found[1], holder
+        return outer, holder, found
   return None
+
+
+def _settings_with_count(sites: list[Site], site: Site) -> tuple[int, Any] | None:
+  """The head count in the settings of `site`'s module or the nearest enclosing one, and
+  the settings (a dict or a config object) that hold it."""
+  found = _count_holder(sites, site)
+  return None if found is None else (found[2][1], found[1])
 
 
 def _count_from_settings(sites: list[Site], site: Site) -> int | None:
@@ -276,6 +284,13 @@ def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
     return _Split(site.name, out, "input", count, False, heads, tuple(value.shape))
   on = on or "output"
   _check_not_attention(sites, site, on)
+  merged_by = _merges_heads(sites, site) if on == "output" else None
+  if merged_by is not None:
+    on_input = dataclasses.replace(spec, at=site.name, on="input")
+    raise HeadsError(
+      f"{site.name}: {merged_by}, so its output holds no heads: they exist only on its"
+      f" input, where they are still apart. Name them there: {on_input!r}."
+    )
   value = _value_spec(site, on)
   if not isinstance(value, jax.ShapeDtypeStruct) or not value.shape:
     shown = "nothing" if value is None else type(value).__name__
@@ -334,6 +349,37 @@ def _check_not_attention(sites: list[Site], site: Site, on: str) -> None:
     f" them: the input of its output projection, fl.heads('{out}', h,"
     " on='input'), or a query/key/value projection's output."
   )
+
+
+def _merges_heads(sites: list[Site], site: Site) -> str | None:
+  """Why the structure of the model says `site`'s call merges heads (an attention
+  output projection), or None. Two signs, either enough: its module declares its
+  input's last two axes as the axes it contracts (a `DenseGeneral`/`LinearGeneral`
+  with `axis=(-2, -1)`: `(heads, head_dim)` in, features out); or it is the last call
+  holding parameters that the module with the head-count setting around it makes (that
+  module computes the heads from its input and merges them in its last projection, as
+  Flax's and Hugging Face's attention modules do)."""
+  value = _value_spec(site, "input")
+  ndim = len(value.shape) if isinstance(value, jax.ShapeDtypeStruct) else 0
+  if ndim >= 2 and (_declared_axes(site, "input", ndim) or 0) >= 2:
+    axes = site.node.settings().get("axis")
+    return f"its {site.node.module_type.__name__} contracts its input's axes {axes}"
+  found = _count_holder(sites, site)
+  if found is None or tuple(found[0].node.path) == tuple(site.node.path):
+    return None
+  outer, _, (key, count) = found
+  made = [
+    layer
+    for node in _own_calls(outer.node)
+    for layer in node.submodule_calls.values()
+    if isinstance(layer, CallNode) and layer.scope_data.parameters
+  ]
+  if made and made[-1] is site.node:
+    return (
+      f"it is the last projection of {outer.name}, the module whose {key}={count} setting"
+      " gives the head count (such a module merges its heads in its last projection)"
+    )
+  return None
 
 
 def _declared_axes(site: Site, on: str, ndim: int) -> int | None:
@@ -652,7 +698,8 @@ def heads(at: Any, which: Any = None, *, heads: int | None = None, on: str | Non
   Raises:
     HeadsError: (when the run is traced, before anything runs) a head count that does
       not divide the feature axis or disagrees with the module, a head out of range,
-      or no head count known.
+      no head count known, or the output of a call that merges heads (an attention
+      output projection: its heads are on its input, `on="input"`).
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
@@ -943,13 +990,14 @@ def _sweep_heads(tree, clean, corrupted, spec, metric, positions, axis, chunk_si
     unit, position = unit_and_position
     copy, fresh = copies.fresh()
     edits = tuple(
-      modify(
+      _make(
+        "modify",
         site.node,
-        _HeadPatcher(s.name, base, lead, _layout(s), s.heads, positions, axis),
-        value,
-        unit,
-        position,
-        on=s.on,
+        (value, unit, position),
+        None,
+        s.on,
+        None,
+        fn=_HeadPatcher(s.name, base, lead, _layout(s), s.heads, positions, axis),
       )
       for site, s, base, lead, value in zip(fresh, splits, bases, leads, clean_values, strict=False)
     )

@@ -310,7 +310,8 @@ class Intervention(Struct):
     that region of `target`'s shape (`_into_region`), the others as given."""
     ops = self.operands
     if self.index is not None and self.index != MASK and self.kind in _REGION_KINDS:
-      ops = (_into_region(self, site, target, ops[0]), *ops[1:])
+      n = _REGION_KINDS[self.kind][0]
+      ops = (*ops[:n], _into_region(self, site, target, ops[n]), *ops[n + 1 :])
     return ops
 
   def _compute(self, site: str, argument: ArgsAndKwargs, target: Any, ops: tuple) -> Any:
@@ -373,6 +374,48 @@ class Intervention(Struct):
         f" {tuple(target.shape)}. Return an array of the same shape."
       )
     return out
+
+
+# How the makers name the operands of each kind, by position ("modify": "operand n").
+OPERAND_NAMES = {
+  "patch": ("value",),
+  "mean": ("reference",),
+  "resample": ("reference",),
+  "steer": ("vector", "alpha"),
+  "scale": ("factor",),
+  "low_rank": ("projection", "weight", "bias"),
+  "interchange": ("rotation", "source", "swapped"),
+}
+
+
+def non_finite(intervention: Intervention) -> str | None:
+  """What of `intervention`'s operands holds nan or inf (`"its factor holds nan or
+  inf"`), or None; for an intervention not made by its maker here (made under tracing,
+  loaded from a file), as `fl.fold` checks it. See `holds_non_finite`."""
+  names = OPERAND_NAMES.get(intervention.kind, ())
+  for n, operand in enumerate(intervention.operands):
+    if holds_non_finite(operand):
+      return f"its {names[n] if n < len(names) else f'operand {n}'} holds nan or inf"
+  return None
+
+
+def holds_non_finite(x: Any) -> bool:
+  """Whether `x`, a concrete floating array or number, holds nan or inf: the one check of
+  the operands users give, run by every maker on each operand (`_array`) and by
+  `non_finite`.
+
+  Only concrete values are checked, by one reduction on their device: a traced value (an
+  intervention made inside `jax.jit`, `jax.vmap` or `jax.grad`) has no values yet, so it
+  is not checked and nothing waits for it; nor are abstract values
+  (`jax.ShapeDtypeStruct`) and operands left out (None).
+  """
+  if isinstance(x, jax.core.Tracer) or not isinstance(
+    x, jax.Array | np.ndarray | np.generic | float | complex
+  ):
+    return False
+  with jax.ensure_compile_time_eval():  # a concrete array inside a trace stays concrete
+    x = jnp.asarray(x)
+    return jnp.issubdtype(x.dtype, jnp.inexact) and not bool(jnp.isfinite(x).all())
 
 
 def _function_name(fn: Any) -> str:
@@ -443,9 +486,14 @@ def where_mask(intervention: Intervention, site: str, target: Any) -> Any:
   return jnp.zeros(shape, bool).at[index].set(True)
 
 
-# Kinds whose value (patched value, steering vector) may be given shaped like the region
-# an index `where=` selects, as `fl.capture(index=)` gives it.
-_REGION_KINDS = {"patch": "the patched value", "steer": "the steering vector"}
+# Kinds whose value (patched value, steering vector, interchange source) may be given
+# shaped like the region an index `where=` selects, as `fl.capture(index=)` gives it: its
+# position among the operands, and its name.
+_REGION_KINDS = {
+  "patch": (0, "the patched value"),
+  "steer": (0, "the steering vector"),
+  "interchange": (1, "the source"),
+}
 
 
 def _into_region(intervention: Intervention, site: str, target: Any, operand: Any) -> Any:
@@ -461,11 +509,32 @@ def _into_region(intervention: Intervention, site: str, target: Any, operand: An
     intervention.index, intervention.where_arrays, shape, f"{site}: where=", intervention.on
   )
   region = jax.eval_shape(lambda t: t[index], jax.ShapeDtypeStruct(shape, target.dtype)).shape
+  what = _REGION_KINDS[intervention.kind][1]
   if tuple(np.shape(operand)) != tuple(region) or not is_array(operand):
-    what = _REGION_KINDS[intervention.kind]
     _check_fits(site, operand, target, what, intervention.on, region=tuple(region))
     return operand
+  if intervention.kind == "interchange" and not _keeps_last_axis(intervention.index, len(shape)):
+    raise ArgumentError(
+      f"{site}: {what} has the shape {tuple(region)} of the region where= selects, and"
+      " where= selects part of the last (feature) axis, which the rotation mixes: the"
+      " source of the features left out is not known. Give the source of the whole"
+      f" {intervention.on}, {shape}, or a where= that keeps the last axis whole"
+      " (jnp.s_[:, 3] picks positions)."
+    )
   return jnp.zeros(shape, operand.dtype).at[index].set(operand)
+
+
+def _keeps_last_axis(index: Any, ndim: int) -> bool:
+  """Whether an index (its static structure, `_index.split`) takes the last axis whole."""
+  entries = [e for e in index[1:] if e[0] != "newaxis"]
+  kinds = [e[0] for e in entries]
+  after = entries[kinds.index("ellipsis") + 1 :] if "ellipsis" in kinds else None
+  if after is None:
+    axes = [e for e in entries if e[0] in ("int", "slice", "array")]
+    last = axes[-1] if len(axes) == ndim else None
+  else:
+    last = after[-1] if after else None
+  return last is None or last == ("slice", None, None, None)
 
 
 def _check_fits(
@@ -496,7 +565,9 @@ def _check_fits(
 
 
 def _array(x: Any, name: str, maker: str) -> Any:
-  """`x` as a strongly typed JAX array; Python numbers get their default dtype.
+  """`x` as a strongly typed JAX array; Python numbers get their default dtype. Refuses
+  values that are no array or number, that JAX's dtype would change, or that hold nan or
+  inf (`holds_non_finite`).
 
   A Python float, a weakly typed `jnp.array(2.0)` and a float32 array then trace alike
   (changing one for another does not recompile) and save alike (`fl.save_interventions`).
@@ -504,7 +575,7 @@ def _array(x: Any, name: str, maker: str) -> Any:
   """
   if isinstance(x, bool | int | float | complex):
     _check_representable(np.asarray(x), jax.dtypes.canonicalize_dtype(type(x)), name, maker)
-    return jnp.asarray(x, dtype=jax.dtypes.canonicalize_dtype(type(x)))
+    x = jnp.asarray(x, dtype=jax.dtypes.canonicalize_dtype(type(x)))
   if isinstance(x, np.generic | np.ndarray) and x.dtype.kind in "iuf":
     _check_representable(np.asarray(x), jax.dtypes.canonicalize_dtype(x.dtype), name, maker)
   if isinstance(x, np.generic) or is_array(x):
@@ -515,7 +586,14 @@ def _array(x: Any, name: str, maker: str) -> Any:
         f"{maker}: {name} is an array of dtype {x.dtype}, which JAX does not compute with."
         f" Give {name} as a number or a numeric array."
       ) from None
-    return jnp.asarray(x, dtype=x.dtype) if x.weak_type else x
+    x = jnp.asarray(x, dtype=x.dtype) if x.weak_type else x
+    if holds_non_finite(x):
+      raise ArgumentError(
+        f"{maker}: {name} holds nan or inf. Give finite values (jnp.isfinite(x) shows"
+        " where they are not; a nan usually comes from where the array was computed: a"
+        " division by zero, a log of 0, an overflow)."
+      )
+    return x
   shown = repr(x) if len(repr(x)) <= 40 else f"{repr(x)[:37]}..."
   raise ArgumentError(
     f"{maker}: {name}={shown} is a {type(x).__name__}, not an array or a number. Give {name}"
@@ -829,7 +907,9 @@ def interchange(
   `(d, d)` matrix on the last axis, size `d`) made orthogonal (QR, signs fixed: an
   orthogonal `rotation` is `Q` itself, to rounding), so training `rotation` freely
   (`fl.train_interventions`) keeps `Q` orthogonal. `swapped` is an int `k` (the first
-  `k` coordinates) or a boolean mask of shape `(d,)`.
+  `k` coordinates) or a boolean mask of shape `(d,)`. With an index `where=`, `source`
+  may also have the shape of the region it selects (a capture made with the same
+  `index=`), where that region keeps the last axis whole.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp

@@ -110,14 +110,28 @@ class Sites:
     return tuple(self.where) if isinstance(self.where, list) else (self.where,)
 
 
-def _as_sites(value: Any, tree: CallNode) -> tuple[Sites, dict[str, list[tuple[str, int]]]]:
-  """`value` as `Sites`, and the heads its slices are (`{call: [(site, head), ...]}`, one
-  per slice, empty but for `fl.heads`); a site object that knows its slices says them."""
-  as_sites = getattr(value, "path_sites", None)
-  if as_sites is not None:
-    at, on, where, heads = as_sites(tree)
-    return Sites(at, on=on, where=where), heads
-  return (value if isinstance(value, Sites) else Sites(value)), {}
+_Heads = dict[str, list[tuple[str, int]]]  # {call: [(site, head), ...]}, one per slice
+
+
+def _as_sites(value: Any, tree: CallNode) -> tuple[tuple[Sites, _Heads], ...]:
+  """`value` as a tuple of `(Sites, heads)` pairs: the heads are those its slices are
+  (empty but for `fl.heads`; a site object that knows its slices says them). A list
+  holding `fl.Sites` or such objects is one pair per element, in the list's order (each
+  may name other calls, sides and slices); any other value, a plain list of sites
+  included, is one pair."""
+
+  def one(element: Any) -> tuple[Sites, _Heads]:
+    as_sites = getattr(element, "path_sites", None)
+    if as_sites is not None:
+      at, on, where, heads = as_sites(tree)
+      return Sites(at, on=on, where=where), heads
+    return (element if isinstance(element, Sites) else Sites(element)), {}
+
+  if isinstance(value, list | tuple) and any(
+    isinstance(e, Sites) or hasattr(e, "path_sites") for e in value
+  ):
+    return tuple(one(e) for e in value)
+  return (one(value),)
 
 
 class _Unit(NamedTuple):
@@ -126,6 +140,8 @@ class _Unit(NamedTuple):
   site: int  # index among sites_of(tree)
   where: Intervention | None
   name: str  # the row's label: `"block_0/attn head 2"` for a head, else the call and slice
+  on: str  # the side of the call: "output" or "input"
+  part: Any
   head: tuple[str, int] | None  # the (site, head) of a head named by `fl.heads`
 
 
@@ -134,8 +150,6 @@ class _Plan(NamedTuple):
 
   senders: tuple[_Unit, ...]
   receivers: tuple[_Unit, ...]
-  sender_side: tuple[str, Any]  # (on, part)
-  receiver_side: tuple[str, Any]
   sides: tuple[tuple[int, str, Any], ...]  # every component: (site, on, part) it is frozen on
   frozen: tuple[tuple[bool, ...], ...]  # [sender][component]: frozen in that sender's forward
   each_receiver: bool
@@ -182,22 +196,34 @@ def _order(tree: CallNode) -> _Order:
 
 
 def _units(
-  tree: CallNode, sites: list[Site], spec: Sites, heads: dict, role: str
+  tree: CallNode, sites: list[Site], specs: tuple[tuple[Sites, _Heads], ...], role: str
 ) -> tuple[_Unit, ...]:
-  try:
-    chosen = select_sites(tree, spec.at, sites)
-  except SelectionError as e:
-    raise SelectionError(f"fl.path_patch {role}: {e}") from None
+  """The units of `specs` (`_as_sites`), in their order (each one's calls in call order);
+  refuses a call that two of them name on different sides or parts."""
   units = []
-  for site in chosen:
-    for number, where in enumerate(spec.slices()):
-      edit = _make("zero", site.name, (), where, spec.on, spec.part)
-      check_part(site, edit.part, spec.on, spec.at, sites)
-      head = heads[site.name][number] if site.name in heads else None
-      units.append(
-        _Unit(
-          sites.index(site), None if where is None else edit, _label(site, spec, edit, head), head
-        )
+  for spec, heads in specs:
+    try:
+      chosen = select_sites(tree, spec.at, sites)
+    except SelectionError as e:
+      raise SelectionError(f"fl.path_patch {role}: {e}") from None
+    for site in chosen:
+      for number, where in enumerate(spec.slices()):
+        edit = _make("zero", site.name, (), where, spec.on, spec.part)
+        check_part(site, edit.part, spec.on, spec.at, sites)
+        head = heads[site.name][number] if site.name in heads else None
+        label = _label(site, spec, edit, head)
+        where_edit = None if where is None else edit
+        units.append(_Unit(sites.index(site), where_edit, label, spec.on, spec.part, head))
+  for unit in units:
+    other = next(
+      (u for u in units if u.site == unit.site and (u.on, u.part) != (unit.on, unit.part)), None
+    )
+    if other is not None:
+      raise SelectionError(
+        f"fl.path_patch {role}: {sites[unit.site].name} is named on two sides or parts"
+        f" ({unit.name}, on={unit.on!r}, part={unit.part!r}; {other.name}, on={other.on!r},"
+        f" part={other.part!r}), and a call takes one role on one side. Name each call's"
+        f" {role} on one side and part (a list of slices in one fl.Sites)."
       )
   return tuple(units)
 
@@ -219,12 +245,12 @@ def _listed(names: list[str]) -> str:
   return f"{names[:6]}{' ...' if len(names) > 6 else ''}"
 
 
-def _check_reach(senders, receivers, sender_on, receiver_on, order, each_receiver) -> None:
+def _check_reach(senders, receivers, order, each_receiver) -> None:
   """Refuses a receiver that is a sender, and senders that reach no receiver (and, with
   `each_receiver`, receivers that no sender reaches), by call order."""
   for s in senders:
     for r in receivers:
-      if s.site == r.site and sender_on == receiver_on:
+      if s.site == r.site and s.on == r.on:
         raise SelectionError(
           f"fl.path_patch: the receiver {r.name} is the sender {s.name}'s own call and side:"
           " a path from a value to itself is activation patching. Use fl.sweep for that, or"
@@ -232,7 +258,7 @@ def _check_reach(senders, receivers, sender_on, receiver_on, order, each_receive
         )
 
   def reaches(s: _Unit, r: _Unit) -> bool:
-    return order.time(r.site, receiver_on) > order.time(s.site, sender_on)
+    return order.time(r.site, r.on) > order.time(s.site, s.on)
 
   fix = (
     " Choose senders that run before the receivers (a list of the earlier layers'"
@@ -257,19 +283,15 @@ def _check_reach(senders, receivers, sender_on, receiver_on, order, each_receive
 
 
 def _plan(tree, senders: tuple, receivers: tuple, freeze: Any, each_receiver: bool) -> _Plan:
-  """The plan of a path patch; `senders` and `receivers` are `(Sites, heads)` pairs
-  (`_as_sites`)."""
+  """The plan of a path patch; `senders` and `receivers` as `_as_sites` gives them."""
   sites = sites_of(tree)
-  sending = _units(tree, sites, *senders, "senders")
-  receiving = _units(tree, sites, *receivers, "receivers")
-  senders, receivers = senders[0], receivers[0]
+  sending = _units(tree, sites, senders, "senders")
+  receiving = _units(tree, sites, receivers, "receivers")
   order = _order(tree)
-  _check_reach(sending, receiving, senders.on, receivers.on, order, each_receiver)
+  _check_reach(sending, receiving, order, each_receiver)
   sides: dict[int, tuple[str, Any]] = {}
-  for unit in sending:
-    sides.setdefault(unit.site, (senders.on, senders.part))
-  for unit in receiving:
-    sides.setdefault(unit.site, (receivers.on, receivers.part))
+  for unit in (*sending, *receiving):
+    sides.setdefault(unit.site, (unit.on, unit.part))
   if freeze is not None:
     try:
       frozen_sites = select_sites(tree, freeze, sites)
@@ -282,15 +304,7 @@ def _plan(tree, senders: tuple, receivers: tuple, freeze: Any, each_receiver: bo
     tuple(not order.nested(k, unit.site) or k == unit.site for k, _, _ in components)
     for unit in sending
   )
-  return _Plan(
-    sending,
-    receiving,
-    (senders.on, senders.part),
-    (receivers.on, receivers.part),
-    components,
-    frozen,
-    each_receiver,
-  )
+  return _Plan(sending, receiving, components, frozen, each_receiver)
 
 
 # --- running ------------------------------------------------------------------------------
@@ -410,9 +424,7 @@ def _forward_edits(
 ) -> Callable:
   """The edits of run (2) for the sender numbered `sender` (traced): the sender corrupted,
   the frozen components clean, each receiver recorded before its own edit."""
-  sender_on, _ = plan.sender_side
-  receiver_on, receiver_part = plan.receiver_side
-  receiving = {u.site for u in plan.receivers}
+  receiving = {u.site: (u.on, u.part) for u in plan.receivers}
   table = jnp.asarray(np.asarray(plan.frozen, bool).reshape(len(plan.senders), -1))
 
   def edits(sites: list[Site]) -> dict[int, list[_SideEdit]]:
@@ -432,6 +444,7 @@ def _forward_edits(
       if k not in receiving:
         out.setdefault(k, []).append(_SideEdit(on, role))
         continue
+      receiver_on, receiver_part = receiving[k]
       record = _on_part(lambda v, name=name: _record(name, v) or v, receiver_part, name, "")
       if receiver_on == on:
         out.setdefault(k, []).append(_SideEdit(on, lambda v, role=role, rec=record: role(rec(v))))
@@ -466,13 +479,13 @@ def _forward_edits(
 def _receiver_edits(plan: _Plan, recorded: dict, column: Any) -> Callable:
   """The edits of run (3): the receivers' values set to those recorded (with
   `each_receiver`, only the receiver numbered `column`)."""
-  on, part = plan.receiver_side
 
   def edits(sites: list[Site]) -> dict[int, list[_SideEdit]]:
     out = {}
     for k in dict.fromkeys(u.site for u in plan.receivers):
       name = sites[k].name
       units = [(i, u) for i, u in enumerate(plan.receivers) if u.site == k]
+      on, part = units[0][1].on, units[0][1].part
 
       def patch(value: Any, units=units, name=name) -> Any:
         if plan.each_receiver:
@@ -498,12 +511,11 @@ def _path_patch(tree, clean, corrupted, plan: _Plan, metric, streams):
     value = _side(clean_cache, sites[k], on)
     clean_values[k, on] = value if part is None else get_part(value, part, sites[k].name, on)
     clean_outputs[k] = clean_cache[sites[k].name]
-  sender_on, sender_part = plan.sender_side
-  sending = list(dict.fromkeys(u.site for u in plan.senders))
-  _, corrupted_cache, corrupted_output = runs.capture(corrupted, sending)
+  sending = {u.site: (u.on, u.part) for u in plan.senders}
+  _, corrupted_cache, corrupted_output = runs.capture(corrupted, list(sending))
   corrupted_values = {
-    k: get_part(_side(corrupted_cache, sites[k], sender_on), sender_part, sites[k].name, sender_on)
-    for k in sending
+    k: get_part(_side(corrupted_cache, sites[k], on), part, sites[k].name, on)
+    for k, (on, part) in sending.items()
   }
 
   def per_sender(sender: Any) -> Any:
@@ -580,8 +592,10 @@ def path_patch(
     clean: the clean run's model arguments, as `fl.run` takes them: one value, a tuple of
       positional arguments, or `fl.ArgsAndKwargs`.
     corrupted: the corrupted run's arguments, alike.
-    senders: the senders: sites as `fl.run` takes them (one sender per call), or an
-      `fl.Sites` (a side, slices: one sender per call and slice).
+    senders: the senders: sites as `fl.run` takes them (one sender per call), an
+      `fl.Sites` (a side, slices: one sender per call and slice), an `fl.heads` (one
+      sender per head), or a list mixing these (each element's senders in the list's
+      order, each with its own side, part and slices; one call takes one side and part).
     receivers: the receivers, alike: all patched together in run (3), or one at a time
       with `each_receiver=True`.
     metric: a function of the model's output returning an array.
@@ -608,9 +622,10 @@ def path_patch(
     `patched - clean`; the plot shows the same normalised effect.
 
   Raises:
-    SelectionError: a site matches no call (closest names listed), a receiver is a
-      sender's own call and side, a sender runs after every receiver (or, with
-      `each_receiver`, a receiver before every sender).
+    SelectionError: a site matches no call (closest names listed), a list names one
+      call on two sides or parts for one role, a receiver is a sender's own call and
+      side, a sender runs after every receiver (or, with `each_receiver`, a receiver
+      before every sender).
     ArgumentError: a part, slice or metric does not fit its value, or the clean and
       corrupted arguments differ in structure or shapes.
     UnsupportedFlaxFeatureError: a component runs inside an `nn.scan`/`nnx.scan` body.

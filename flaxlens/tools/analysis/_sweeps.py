@@ -53,9 +53,9 @@ from flaxlens.tools.analysis._interventions import (
   Intervention,
   Site,
   _abstract_run,
+  _make,
   _probes_for,
   check_part,
-  modify,
   select_sites,
   sites_of,
 )
@@ -552,13 +552,14 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
     unit, position = unit_and_position
     copy, sites = copies.fresh()
     edits = tuple(
-      modify(
+      _make(
+        "modify",
         site.node,
-        _patcher(site.name, base, lead, positions, axis),
-        value,
-        unit,
-        position,
-        part=part,
+        (value, unit, position),
+        None,
+        "output",
+        part,
+        fn=_patcher(site.name, base, lead, positions, axis),
       )
       for site, base, lead, value in zip(sites, bases, leads, clean_values, strict=False)
     )
@@ -578,13 +579,14 @@ def _shared_prefix_sweep(tree, clean, corrupted, chosen, metric, positions, axis
   def patched(*inputs: Any) -> Any:
     copy, sites = copies.fresh()
     edits = tuple(
-      modify(
+      _make(
+        "modify",
         site.node,
-        _patcher(site.name, 0, lead, positions, axis),
-        value,
-        inputs[2 * k],
-        inputs[2 * k + 1],
-        part=part,
+        (value, inputs[2 * k], inputs[2 * k + 1]),
+        None,
+        "output",
+        part,
+        fn=_patcher(site.name, 0, lead, positions, axis),
       )
       for k, (site, lead, value) in enumerate(zip(sites, leads, clean_values, strict=True))
     )
@@ -694,7 +696,9 @@ def sweep(
     clean: the clean run's model arguments, as `fl.run` takes them: one value, a tuple
       of positional arguments, or `fl.ArgsAndKwargs` (keyword arguments too).
     corrupted: the corrupted run's arguments, alike.
-    at: the sites, as `fl.run` takes them (`"h/*"`, `"**/mlp"`, a module class, ...).
+    at: the sites, as `fl.run` takes them (`"h/*"`, `"**/mlp"`, a module class, ...),
+      an `fl.heads` (one row per head), or a list mixing these: its rows in the list's
+      order (each `fl.heads`, and each run of other sites, swept as one sweep).
     metric: a function of the model's output returning an array (a scalar, say: the
       logit difference of two answers).
     positions: patch one position at a time, for each of these integers (for example
@@ -749,6 +753,13 @@ def sweep(
   check_tree(tree, "fl.sweep")
   check_callable(metric, "metric", "fl.sweep")
   part = checked_part(part, "fl.sweep")
+  if isinstance(at, list | tuple) and any(hasattr(a, "sweep_units") for a in at):
+    # One sweep per site of many units (fl.heads) and per run of other sites, rows joined.
+    options = dict(positions=positions, axis=axis, part=part, chunk_size=chunk_size)
+    options.update(budget=budget, per_example=per_example, share_prefix=share_prefix)
+    options.update(random_streams=random_streams, jit=jit)
+    groups = _site_groups(at)
+    return _joined([sweep(tree, clean, corrupted, g, metric, **options) for g in groups])
   positions = _checked_positions(positions)
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ArgumentError(f"chunk_size= is a positive integer or None, got {chunk_size!r}.")
@@ -831,6 +842,40 @@ def sweep(
   )
 
 
+def _site_groups(at: list | tuple) -> list[Any]:
+  """The sites of a list holding sites of many units (`fl.heads`): each such site alone,
+  and each run of other sites between them as one list, in the list's order."""
+  groups: list[Any] = []
+  for a in at:
+    if hasattr(a, "sweep_units"):
+      groups.append(a)
+    elif groups and isinstance(groups[-1], list):
+      groups[-1].append(a)
+    else:
+      groups.append([a])
+  return groups
+
+
+def _joined(results: list[SweepResult]) -> SweepResult:
+  """The rows of `results` (sweeps of the same runs and options) as one result; the clean
+  and corrupted metrics are the first sweep's. The rows are heads (`heads`, drawn as a
+  grid) only where every sweep's rows are."""
+  first = results[0]
+  per_example = first.per_example
+  if per_example is not None:
+    per_example = jnp.concatenate([r.per_example for r in results])
+  heads = None
+  if all(r.heads is not None for r in results):
+    heads = tuple(head for r in results for head in r.heads)
+  return dataclasses.replace(
+    first,
+    values=jnp.concatenate([r.values for r in results]),
+    sites=tuple(name for r in results for name in r.sites),
+    per_example=per_example,
+    heads=heads,
+  )
+
+
 def _shares_by_default(sweeps_itself: Any, chunk_size: Any, budget: Any) -> bool:
   """Whether a sweep shares prefixes when not told: for calls (not `fl.heads` units),
   with no `chunk_size` or `budget`, on CPU, where one patched forward at a time with its
@@ -885,7 +930,7 @@ def _with_deltas(copies: _Copies, leads: list, part: Any, deltas: list, capture:
   """A fresh copy of the tree, the edits adding `deltas` at its sites, and what to capture."""
   tree, sites = copies.fresh()
   edits = tuple(
-    modify(site.node, _adder(site.name, lead), delta, part=part)
+    _make("modify", site.node, (delta,), None, "output", part, fn=_adder(site.name, lead))
     for site, lead, delta in zip(sites, leads, deltas, strict=True)
   )
   return tree, sites, edits, tuple(s.node for s in sites) if capture else None

@@ -12,6 +12,7 @@ never written, and runs it on every batch. optax is imported on first use
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Sequence
@@ -30,7 +31,13 @@ from flaxlens.core._variables import (
   unbind_variables,
   variables_in,
 )
-from flaxlens.errors import ArgumentError, FlaxlensError, error_text, model_call_error
+from flaxlens.errors import (
+  ArgumentError,
+  FlaxlensError,
+  TrainingError,
+  error_text,
+  model_call_error,
+)
 from flaxlens.tools.analysis._interventions import (
   LEARNED,
   Intervention,
@@ -170,6 +177,11 @@ def train_interventions(
       `fl.interchange` (or one names several calls), the run updates state variables,
       or optax is not installed.
     SelectionError: a site matches no call.
+    TrainingError: the loss of a step is nan or inf: training stops there, and the error
+      holds the step (`step`), the interventions with the last parameters whose loss was
+      finite (`trained`: those the step before it started from) and the losses before
+      it (`losses`). The losses are checked one step behind, so the host never waits for
+      the device between steps.
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp, optax
@@ -271,18 +283,63 @@ def train_interventions(
 
   state = optimizer.init(parameters)
   losses = []
+  # The parameters the last three steps started from. The loss of a step is checked
+  # once the next step is under way, so the host never waits for the device between
+  # steps; a step whose loss is not finite leaves the parameters the step before it
+  # started from as the last good ones.
+  started: collections.deque = collections.deque(maxlen=3)
   for number, batch in enumerate(itertools.islice(batches, steps)):
     args, data, source = _batch(batch, number, where)
+    started.append(parameters)
     parameters, state, value = step(tree, parameters, state, args, data, source)
     losses.append(value)
+    if number and not np.isfinite(losses[-2]):
+      step_said = f"the loss of step {number - 1} is {float(losses[-2])}"
+      raise _diverged(given, where, losses[:-2], started[0], step_said)
   if not losses:
     raise ArgumentError(
       f"{where}: batches gave no batch (an empty dataset, or a generator already used up),"
       " so nothing would be trained. Give an iterable of at least one (args, data) tuple;"
       " a generator yields its batches once, so make a new one for every call."
     )
+  if not np.isfinite(losses[-1]):
+    good = started[-2] if len(started) > 1 else started[0]
+    said = f"the loss of step {len(losses) - 1} is {float(losses[-1])}"
+    raise _diverged(given, where, losses[:-1], good, said)
+  if not all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(parameters)):
+    said = f"the update of step {len(losses) - 1} made the learned arrays nan or inf"
+    raise _diverged(given, where, losses, started[-1], said)
   trained = _joined(_split(given, where)[1], parameters)
-  return list(trained), np.asarray(jax.device_get(losses), dtype=np.float32).reshape(-1)
+  return list(trained), _host(losses)
+
+
+def _host(losses: list[Any]) -> np.ndarray:
+  return np.asarray(jax.device_get(losses), dtype=np.float32).reshape(-1)
+
+
+def _diverged(given: tuple, where: str, losses: list[Any], good: tuple, said: str) -> TrainingError:
+  """The error stopping a run at step `len(losses)` (`losses`: the finite losses before
+  it), where `said` what went wrong; `good`: the parameters the step before it started
+  from (the start, for step 0)."""
+  step = len(losses)
+  before = _host(losses)
+  trained = list(_joined(_split(given, where)[1], good))
+  kept = (
+    f"the parameters step {step - 1} started from (loss {before[-1]:.6g}), the last whose"
+    " loss was finite"
+    if step
+    else "the interventions as given"
+  )
+  return TrainingError(
+    f"{where}: {said}, so training stopped there. The error's .trained holds the"
+    f" interventions with {kept}, and .losses the losses of the {step} step(s) before."
+    " Lower the learning rate, clip the gradients (optax.chain(optax.clip_by_global_norm"
+    "(1.0), ...)), or check the loss and the data of that step's batch for a division by"
+    " zero or a log of 0.",
+    step,
+    trained,
+    before,
+  )
 
 
 def _called(loss: Callable[..., Any], output: Any, data: Any, where: str) -> Any:

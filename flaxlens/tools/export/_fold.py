@@ -27,11 +27,13 @@ from flaxlens.errors import ExportError, FlaxlensError
 from flaxlens.tools._compare import EquivalenceReport, compare_trees
 from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.analysis._interventions import (
+  OPERAND_NAMES,
   Intervention,
   Site,
   checked_interventions,
   maker_name,
   nodes_by_name,
+  non_finite,
   orthonormal_rows,
   run,
   select_sites,
@@ -42,11 +44,6 @@ from flaxlens.tools.analysis._parts import get_part
 from flaxlens.tools.isolation._isolate import isolate
 from flaxlens.tools.isolation._replay import IsolatedSubmodel
 
-_OPERANDS = {  # as the makers name them
-  "steer": ("vector", "alpha"),
-  "scale": ("factor",),
-  "low_rank": ("projection", "weight", "bias"),
-}
 _NOT_WEIGHTS = {
   "patch": "it sets the value to given activations, which depend on other inputs",
   "mean": "it sets the value to the mean of other activations, which no weight holds",
@@ -252,12 +249,9 @@ def _fold_one(
     raise ExportError(_NOT_WEIGHTS[intervention.kind])
   if hasattr(intervention.at, "splits"):  # fl.heads: a view of another call's value
     raise ExportError(_heads_refusal(root, intervention))
-  names = _OPERANDS.get(intervention.kind, ())
-  for name, operand in zip(names, intervention.operands, strict=True):
-    if not bool(jnp.all(jnp.isfinite(operand))):
-      raise ExportError(
-        f"its {name} holds nan or inf, and fold writes only finite weights; give a finite {name}"
-      )
+  unfit = non_finite(intervention)  # made under tracing, its operands were not checked
+  if unfit is not None:
+    raise ExportError(f"{unfit}, and fold writes only finite weights; give finite values")
   sites = sites_of(root)
   chosen = select_sites(root, intervention.at, sites)
   edits: dict[str, Any] = {}
@@ -305,7 +299,7 @@ def _heads_refusal(root: CallNode, intervention: Intervention) -> str:
   at = intervention.at
   splits = at.splits(root)
   split = splits[0]
-  operands = "".join(f"{name}, " for name in _OPERANDS.get(intervention.kind, ()))
+  operands = "".join(f"{name}, " for name in OPERAND_NAMES.get(intervention.kind, ()))
   each = ""
   if not split.merged:
     where = f"jnp.s_[..., {split.heads[0] if len(split.heads) == 1 else list(split.heads)}, :]"

@@ -172,11 +172,6 @@ def _rows(
     tree, model_arguments(batch), capture=plan.capture, jit=False, random_streams=random_streams
   )
   ids = None if plan.ids is None else jnp.asarray(plan.ids(batch))
-  if ids is not None and not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise ArgumentError(
-      f"fl.harvest: ids= gave an array of {ids.dtype}, where ids are integers (an example's"
-      " number, a token id). Return an integer array (.astype(jnp.int32))."
-    )
   masks: dict[int, Any] = {}
   found: dict[str, Any] = {}
   sizes, lengths = None, []
@@ -284,6 +279,11 @@ def _masked(
 def _ids_of(site: _SitePlan, ids: Any, examples: int, length: int | None) -> Any:
   if ids is None:
     return None
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ArgumentError(
+      f"{site.name}: ids= gave an array of {ids.dtype}, where the site's rows take integer"
+      " ids (an example's number, a token id). Return an integer array (.astype(jnp.int32))."
+    )
   if ids.shape == (examples,) and length is not None:
     return jnp.broadcast_to(ids[:, None], (examples, length))
   if ids.shape == ((examples,) if length is None else (examples, length)):
