@@ -281,8 +281,8 @@ def _ids_of(site: _SitePlan, ids: Any, examples: int, length: int | None) -> Any
     return None
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ArgumentError(
-      f"{site.name}: ids= gave an array of {ids.dtype}, where the site's rows take integer"
-      " ids (an example's number, a token id). Return an integer array (.astype(jnp.int32))."
+      f"{site.name}: ids= gave an array of {ids.dtype}, where ids are integers"
+      " (an example's number, a token id). Return an integer array (.astype(jnp.int32))."
     )
   if ids.shape == (examples,) and length is not None:
     return jnp.broadcast_to(ids[:, None], (examples, length))
