@@ -59,6 +59,7 @@ def inspect(
   import json
   import os
   import shutil
+  import textwrap
 
   import flaxlens as fl
   from flaxlens._target import load, said, sentence
@@ -109,9 +110,13 @@ def inspect(
     data = {"target": target, "framework": loaded.framework, **table.as_dict()}
     print(json.dumps(data, indent=1))
   else:
-    print(f"{target}: {loaded.framework} model, {len(table.rows)} calls\n")
     # The terminal's width ($COLUMNS first); none when the output goes to a file or a pipe.
-    print(table.text(shutil.get_terminal_size((0, 0)).columns or None))
+    width = shutil.get_terminal_size((0, 0)).columns or None
+    heading = f"{target}: {loaded.framework} model, {len(table.rows)} calls"
+    # A long target path breaks at a slash (or anywhere) rather than pass the width.
+    print("\n".join(textwrap.wrap(heading, width, break_on_hyphens=False)) if width else heading)
+    print()
+    print(table.text(width))
   if html_path is not None:
     print(f"\nwrote {html_path}", file=sys.stderr if as_json else sys.stdout)
   return 0

@@ -446,6 +446,19 @@ def test_inspect_folds_the_table_to_the_terminals_width_losing_nothing(capsys, m
   assert shown == [["".join((row[f] or "<root>").split()) for f in fields] for row in rows]
 
 
+def test_inspect_folds_a_heading_longer_than_the_terminal(tmp_path, capsys, monkeypatch):
+  folder = tmp_path / ("a_folder_whose_name_is_long_" * 3)
+  folder.mkdir()
+  target = folder / "inspect_targets.py"
+  target.write_text(EXAMPLES.read_text())
+  monkeypatch.setenv("COLUMNS", "80")
+  assert cli.main(["inspect", f"{target}:linen_lm"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert max(len(line) for line in lines) <= 80
+  heading = "".join(lines[: lines.index("")]).replace(" ", "")  # folded, nothing lost
+  assert heading == f"{target}:linen_lm: Linen model, 27 calls".replace(" ", "")
+
+
 def test_inspect_html_writes_the_web_page(tmp_path, capsys):
   page = tmp_path / "view.html"
   assert cli.main(["inspect", f"{EXAMPLES}:nnx_mlp", "--html", str(page)]) == 0
