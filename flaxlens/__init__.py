@@ -57,15 +57,15 @@ from flaxlens.tools.view._summary import summary as summary
 from flaxlens.tools.view._html import to_html as to_html
 
 # Capturing and intervening.
-from flaxlens.tools.analysis._interventions import run as run
-from flaxlens.tools.analysis._interventions import capture as capture
-from flaxlens.tools.analysis._interventions import Intervention as Intervention
+from flaxlens.tools.base._probed import run as run
+from flaxlens.tools.base._probed import capture as capture
+from flaxlens.tools.base._intervention import Intervention as Intervention
 from flaxlens.tools.analysis._interventions import ablate as ablate
 from flaxlens.tools.analysis._interventions import patch as patch
 from flaxlens.tools.analysis._interventions import steer as steer
 from flaxlens.tools.analysis._interventions import scale as scale
 from flaxlens.tools.analysis._interventions import modify as modify
-from flaxlens.tools.analysis._interventions import place as place
+from flaxlens.tools.base._probed import place as place
 from flaxlens.core._edit import EditedCall as EditedCall
 from flaxlens.tools.analysis._heads import heads as heads
 from flaxlens.tools.analysis._heads import Heads as Heads
@@ -88,7 +88,7 @@ from flaxlens.tools.analysis._splice import splice as splice
 # Exporting and comparing.
 from flaxlens.tools.export._fold import fold as fold
 from flaxlens.tools.export._equivalence import check_equivalence as check_equivalence
-from flaxlens.tools._compare import EquivalenceReport as EquivalenceReport
+from flaxlens.tools.base._compare import EquivalenceReport as EquivalenceReport
 from flaxlens.tools.export._saving import save_exported as save_exported
 from flaxlens.tools.export._saving import load_exported as load_exported
 

@@ -186,13 +186,10 @@ def _layer(module: str) -> str:
 
 
 def _unit(module: str) -> str:
-  """The package a private name may not leave: a layer, or one job of `tools`
-  (`tools.analysis`, `tools.files`, ...)."""
-  layer = _layer(module)
-  parts = module.split(".")
-  if layer == "tools" and len(parts) > 3:
-    return f"tools.{parts[2]}"
-  return layer
+  """The unit a private name may not leave: a layer (`core`, `linen`, `nnx`, the root), or,
+  inside `tools`, the module itself: the tools share what they share through the public
+  names of `tools.base`, so a private name there is one module's own."""
+  return module if _layer(module) == "tools" else _layer(module)
 
 
 def _all(imports: dict[str, list[Import]]) -> list[Import]:
@@ -281,7 +278,8 @@ class Access:
 
 
 def _private(name: str) -> bool:
-  return name.startswith("_") and not name.startswith("__")
+  """`_name`, but not `__name` nor a display protocol's `_repr_html_` (IPython's)."""
+  return name.startswith("_") and not name.startswith("__") and not name.endswith("_")
 
 
 def _on_self(node: ast.AST) -> bool:
@@ -507,6 +505,24 @@ def test_each_rule_finds_its_violation_in_a_package_that_breaks_it(tmp_path):
   ]
   assert list(map(str, adapters_imported_by_neutral_layers(imports))) == [
     "flaxlens.core._a:3 imports flaxlens.linen._x._p"
+  ]
+
+
+def test_inside_tools_a_private_name_stays_in_its_module(tmp_path):
+  """Two modules of one `tools` job share public names only; the job's own `__init__`
+  taking a private module is no crossing."""
+  source = _write(
+    tmp_path,
+    {
+      "__init__.py": "",
+      "tools/__init__.py": "",
+      "tools/job/__init__.py": "from flaxlens.tools.job import _a\n",
+      "tools/job/_a.py": "_helper = 1\nshared = 2\n",
+      "tools/job/_b.py": "from flaxlens.tools.job._a import _helper, shared\n",
+    },
+  )
+  assert list(map(str, private_names_across_packages(read_imports(source)))) == [
+    "flaxlens.tools.job._b:1 imports flaxlens.tools.job._a._helper"
   ]
 
 

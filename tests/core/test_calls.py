@@ -15,7 +15,7 @@ from replacements import PlusOne
 import flaxlens as fl
 from flaxlens.core._export import replaced_calls
 from flaxlens.core._walk import own_call_nodes
-from flaxlens.tools.analysis._interventions import sites_of
+from flaxlens.tools.base._sites import sites_of
 
 from .models import X, scanned_tree
 

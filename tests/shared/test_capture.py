@@ -16,7 +16,7 @@ from comparisons import assert_trees_equal
 from frameworks import FRAMEWORKS
 
 import flaxlens as fl
-from flaxlens.tools.analysis._interventions import sites_of
+from flaxlens.tools.base._sites import sites_of
 
 
 def _native_key(site, root) -> tuple:

@@ -21,7 +21,7 @@ from linen import corpus as linen_corpus
 from nnx import corpus as nnx_corpus
 
 import flaxlens as fl
-from flaxlens.tools.analysis._interventions import sites_of
+from flaxlens.tools.base._sites import sites_of
 
 X = jax.random.normal(jax.random.key(0), (2, 4))
 

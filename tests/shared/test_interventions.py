@@ -16,7 +16,7 @@ from comparisons import assert_trees_equal
 from frameworks import FRAMEWORKS, Wrap
 
 import flaxlens as fl
-from flaxlens.tools.analysis._interventions import sites_of
+from flaxlens.tools.base._sites import sites_of
 
 CASES = [(fw, name) for fw in FRAMEWORKS.values() for name in fw.corpus.NAMES]
 # The native reference wraps a module's class in a subclass; nnx.capture inside this

@@ -8,7 +8,7 @@ import pytest
 from comparisons import assert_trees_equal
 
 import flaxlens as fl
-from flaxlens.tools.analysis._interventions import sites_of
+from flaxlens.tools.base._sites import sites_of
 
 pytestmark = pytest.mark.slow
 

@@ -43,24 +43,19 @@ from flaxlens.core._node import CallNode
 from flaxlens.core._probes import active_probing
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.errors import ArgumentError, HeadsError
-from flaxlens.tools.analysis._interventions import (
-  Intervention,
-  Site,
-  _make,
-  select_sites,
-  sites_of,
-)
-from flaxlens.tools.analysis._parts import one_array, set_part
 from flaxlens.tools.analysis._sweeps import (
-  _Copies,
-  _iteration,
-  _metric_value,
-  _position_mask,
-  _rows,
-  _run,
+  Copies,
+  indexed_run,
+  metric_value,
   patched_forwards,
+  position_mask,
+  row_labels,
+  scan_iteration,
   with_clean,
 )
+from flaxlens.tools.base._intervention import Intervention, make_intervention
+from flaxlens.tools.base._parts import one_array, set_part
+from flaxlens.tools.base._sites import Site, select_sites, sites_of
 
 ATTENTION = (nn.MultiHeadDotProductAttention, nnx.MultiHeadAttention)
 _COUNTS = ("num_heads", "n_head", "num_attention_heads")
@@ -954,7 +949,7 @@ class _HeadPatcher:
 
   def __call__(self, argument: Any, value: Any, clean: Any, unit: Any, at: Any) -> Any:
     del argument
-    found = _iteration(self.name, self.lead)
+    found = scan_iteration(self.name, self.lead)
     if found is None:
       return value
     iterations, number = found
@@ -966,7 +961,7 @@ class _HeadPatcher:
     head = jnp.asarray(self.heads)[jnp.clip(rel, 0, n - 1)]
     chosen = ((rel >= 0) & (rel < n)) & (jnp.arange(self.layout.count) == head)[:, None]
     if self.positions is not None:
-      chosen = chosen & _position_mask(self.name, headed, self.axis, self.positions, at)
+      chosen = chosen & position_mask(self.name, headed, self.axis, self.positions, at)
     return jnp.where(chosen, clean, headed).reshape(value.shape)
 
 
@@ -974,9 +969,11 @@ def _sweep_heads(tree, clean, corrupted, spec, metric, positions, axis, chunk_si
   sites = sites_of(tree)
   splits = spec.splits(tree, sites)
   chosen = tuple(sites.index(s.site) for s in splits)
-  copies = _Copies(tree, chosen)
+  copies = Copies(tree, chosen)
   copy, _ = copies.fresh()
-  clean_output, cache = _run(copy, clean, (), (dataclasses.replace(spec, which=None),), streams)
+  clean_output, cache = indexed_run(
+    copy, clean, (), (dataclasses.replace(spec, which=None),), streams
+  )
   leads, clean_values = [], []
   for split in splits:
     value = cache[f"{split.name}:heads"]
@@ -990,7 +987,7 @@ def _sweep_heads(tree, clean, corrupted, spec, metric, positions, axis, chunk_si
     unit, position = unit_and_position
     copy, fresh = copies.fresh()
     edits = tuple(
-      _make(
+      make_intervention(
         "modify",
         site.node,
         (value, unit, position),
@@ -1001,11 +998,11 @@ def _sweep_heads(tree, clean, corrupted, spec, metric, positions, axis, chunk_si
       )
       for site, s, base, lead, value in zip(fresh, splits, bases, leads, clean_values, strict=False)
     )
-    output, _ = _run(copy, corrupted, edits, None, streams)
-    return _metric_value(metric, with_clean(unit, clean_output, output), scalar=False)
+    output, _ = indexed_run(copy, corrupted, edits, None, streams)
+    return metric_value(metric, with_clean(unit, clean_output, output), scalar=False)
 
   values, baselines = patched_forwards(patched, bases[-1], positions, chunk_size)
-  rows = _rows([(*lead, len(s.heads)) for s, lead in zip(splits, leads, strict=True)])
+  rows = row_labels([(*lead, len(s.heads)) for s, lead in zip(splits, leads, strict=True)])
   return values, rows, baselines
 
 

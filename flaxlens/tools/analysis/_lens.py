@@ -29,18 +29,13 @@ from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._variables import bind_variables, unbind_variables
 from flaxlens.errors import ArgumentError, SelectionError
-from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
-from flaxlens.tools.analysis._index import checked, is_array
-from flaxlens.tools.analysis._index import split as _split_index
-from flaxlens.tools.analysis._interventions import (
-  Site,
-  check_part,
-  patch,
-  run,
-  select_sites,
-  sites_of,
-)
-from flaxlens.tools.analysis._parts import checked_part, one_array
+from flaxlens.tools.analysis._interventions import patch
+from flaxlens.tools.base._calling import model_arguments, takes_model_arguments
+from flaxlens.tools.base._index import checked, is_array
+from flaxlens.tools.base._index import split as _split_index
+from flaxlens.tools.base._parts import checked_part, one_array
+from flaxlens.tools.base._probed import run
+from flaxlens.tools.base._sites import Site, check_part, select_sites, sites_of
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,26 +40,20 @@ from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._variables import bind_variables, unbind_variables
 from flaxlens.core._walk import Relation, calls
 from flaxlens.errors import ArgumentError, SelectionError, UnsupportedFlaxFeatureError
-from flaxlens.tools.analysis import _budget, _statistics
-from flaxlens.tools.analysis._calling import (
+from flaxlens.tools.analysis import _statistics
+from flaxlens.tools.analysis._sweeps import UNREACHED_FIX, SweepResult, metric_value
+from flaxlens.tools.base import _budget
+from flaxlens.tools.base._calling import (
   check_callable,
   check_matching_runs,
   model_arguments,
   takes_model_arguments,
 )
-from flaxlens.tools.analysis._index import MASK, index_text
-from flaxlens.tools.analysis._interventions import (
-  Intervention,
-  Site,
-  _make,
-  _probes_for,
-  check_part,
-  select_sites,
-  sites_of,
-  where_mask,
-)
-from flaxlens.tools.analysis._parts import get_part, set_part
-from flaxlens.tools.analysis._sweeps import _UNREACHED_FIX, SweepResult, _metric_value
+from flaxlens.tools.base._index import MASK, index_text
+from flaxlens.tools.base._intervention import Intervention, make_intervention, where_mask
+from flaxlens.tools.base._parts import get_part, set_part
+from flaxlens.tools.base._probed import edited_calls
+from flaxlens.tools.base._sites import Site, check_part, select_sites, sites_of
 
 # --- what the user names ------------------------------------------------------------------
 
@@ -208,7 +202,7 @@ def _units(
       raise SelectionError(f"fl.path_patch {role}: {e}") from None
     for site in chosen:
       for number, where in enumerate(spec.slices()):
-        edit = _make("zero", site.name, (), where, spec.on, spec.part)
+        edit = make_intervention("zero", site.name, (), where, spec.on, spec.part)
         check_part(site, edit.part, spec.on, spec.at, sites)
         head = heads[site.name][number] if site.name in heads else None
         label = _label(site, spec, edit, head)
@@ -369,7 +363,7 @@ class _Run:
     run's output."""
     tree, sites = self.fresh()
     nodes = tuple(sites[k].node for k in indices)
-    probing = Probing(_probes_for(tree, (), nodes, True, None), unreached_fix=_UNREACHED_FIX)
+    probing = Probing(edited_calls(tree, (), nodes, True, None), unreached_fix=UNREACHED_FIX)
     output = run_tree(tree, argument, self.streams, {}, probing=probing, probing_key=nodes)
     return sites, probing.captured, output
 
@@ -384,7 +378,7 @@ class _Run:
       )
       for k, e in by_site.items()
     }
-    probing = Probing(layers, indexed=True, unreached_fix=_UNREACHED_FIX)
+    probing = Probing(layers, indexed=True, unreached_fix=UNREACHED_FIX)
     probing.capturing = True  # edits record the receivers' values (`_record`)
     key = tuple(e for es in by_site.values() for e in es)
     output = run_tree(tree, argument, self.streams, {}, probing=probing, probing_key=key)
@@ -543,7 +537,7 @@ def _path_patch(tree, clean, corrupted, plan: _Plan, metric, streams):
     clean_output,
     corrupted_output,
   )
-  values = jax.vmap(lambda out: _metric_value(metric, out, scalar=False))(both)
+  values = jax.vmap(lambda out: metric_value(metric, out, scalar=False))(both)
   return values[:grid].reshape(*shape, *values.shape[1:]), (values[grid], values[grid + 1])
 
 

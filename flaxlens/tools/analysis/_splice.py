@@ -25,17 +25,17 @@ from flaxlens.core._runtime import run_tree
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._walk import own_call_nodes, pristine
 from flaxlens.errors import ArgumentError, UnsupportedFlaxFeatureError
-from flaxlens.tools.analysis._index import is_array
-from flaxlens.tools.analysis._interventions import (
+from flaxlens.tools.base._index import is_array
+from flaxlens.tools.base._parts import checked_part, one_array, set_part
+from flaxlens.tools.base._probed import placed
+from flaxlens.tools.base._sites import (
+  Called,
   Site,
-  _Called,
   check_part,
-  placed,
   select_sites,
   several_methods,
   sites_of,
 )
-from flaxlens.tools.analysis._parts import checked_part, one_array, set_part
 
 
 class Splice(Struct):
@@ -43,7 +43,7 @@ class Splice(Struct):
 
   Attributes:
     module: the spliced module's converted tree (its calls are sites of the outer tree).
-    at: the replaced call, named by its site name alone (`_Called`: not a pattern,
+    at: the replaced call, named by its site name alone (`Called`: not a pattern,
       which for a module's `__call__` would also name its other methods).
     name: the spliced module's name among the sites (`"<at>/<name>"`).
     reads: "output" (a sparse autoencoder reads the call's output) or "input" (a
@@ -224,6 +224,6 @@ def splice(
   args = (example,) if variables is None else (variables, example)
   converted = adapter.convert(module, *args)
   edit = Splice(
-    module=converted, at=_Called(site.name), name=name, reads=reads, error=error, part=part
+    module=converted, at=Called(site.name), name=name, reads=reads, error=error, part=part
   )
   return placed(tree, (edit,), "fl.splice")

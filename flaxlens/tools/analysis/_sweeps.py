@@ -42,24 +42,18 @@ from flaxlens.core._probes import Probing, scan_iterations
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._variables import bind_variables, unbind_variables
 from flaxlens.errors import ArgumentError, BudgetError, UnsupportedFlaxFeatureError
-from flaxlens.tools.analysis import _budget, _plot, _shared_prefix, _statistics
-from flaxlens.tools.analysis._calling import (
+from flaxlens.tools.analysis import _plot, _shared_prefix, _statistics
+from flaxlens.tools.base import _budget
+from flaxlens.tools.base._calling import (
   check_callable,
   check_matching_runs,
   model_arguments,
   takes_model_arguments,
 )
-from flaxlens.tools.analysis._interventions import (
-  Intervention,
-  Site,
-  _abstract_run,
-  _make,
-  _probes_for,
-  check_part,
-  select_sites,
-  sites_of,
-)
-from flaxlens.tools.analysis._parts import checked_part, get_part
+from flaxlens.tools.base._intervention import Intervention, make_intervention
+from flaxlens.tools.base._parts import checked_part, get_part
+from flaxlens.tools.base._probed import abstract_run, edited_calls
+from flaxlens.tools.base._sites import Site, check_part, select_sites, sites_of
 
 # --- results ------------------------------------------------------------------------------
 
@@ -271,7 +265,7 @@ def _chosen(tree: CallNode, at: Any, part: Any) -> tuple[int, ...]:
   return tuple(sites.index(site) for site in chosen)
 
 
-class _Copies:
+class Copies:
   """Fresh copies of a tree, each with variables of its own (runs leave the tree alone)."""
 
   def __init__(self, tree: CallNode, chosen: tuple[int, ...]):
@@ -284,7 +278,7 @@ class _Copies:
     return copy, [sites[k] for k in self.chosen]
 
 
-def _run(
+def indexed_run(
   tree: CallNode,
   argument: ArgsAndKwargs,
   edits: tuple[Intervention, ...],
@@ -293,24 +287,24 @@ def _run(
 ) -> tuple[Any, dict[str, Any]]:
   """Runs `tree` with `edits`, capturing `capture`; edits may read `scan_iterations()`."""
   probing = Probing(
-    _probes_for(tree, edits, capture, False, None), indexed=True, unreached_fix=_UNREACHED_FIX
+    edited_calls(tree, edits, capture, False, None), indexed=True, unreached_fix=UNREACHED_FIX
   )
   key = (edits, capture)
   output = run_tree(tree, argument, random_streams, {}, probing=probing, probing_key=key)
   return output, probing.captured
 
 
-_UNREACHED_FIX = (
+UNREACHED_FIX = (
   "Choose sites that every run makes (the clean and the corrupted one), or convert with"
   " example arguments that take this branch."
 )
 
 
-def _captured(copies: _Copies, argument: ArgsAndKwargs, part: Any, random_streams: Any) -> tuple:
+def _captured(copies: Copies, argument: ArgsAndKwargs, part: Any, random_streams: Any) -> tuple:
   """The output of a run on `argument` and the chosen sites' values (their `part`) in it,
   stacked over scans."""
   tree, sites = copies.fresh()
-  output, cache = _run(tree, argument, (), tuple(s.node for s in sites), random_streams)
+  output, cache = indexed_run(tree, argument, (), tuple(s.node for s in sites), random_streams)
   return output, [get_part(cache[s.name], part, s.name, "output") for s in sites]
 
 
@@ -323,7 +317,7 @@ def _lead(site: Site, value: Any, part: Any) -> tuple[int, ...]:
   return tuple(value.shape[: value.ndim - len(once.shape)])
 
 
-def _iteration(name: str, lead: tuple[int, ...]) -> tuple[tuple[Any, ...], Any] | None:
+def scan_iteration(name: str, lead: tuple[int, ...]) -> tuple[tuple[Any, ...], Any] | None:
   """The scan iterations the current call runs in, and their number in row-major order.
 
   None in a trace Flax makes of a scan body to learn its shapes (it sees no iteration
@@ -344,7 +338,7 @@ def _iteration(name: str, lead: tuple[int, ...]) -> tuple[tuple[Any, ...], Any] 
   return iterations, number
 
 
-def _position_mask(name: str, value: Any, axis: int, positions: tuple[int, ...], at: Any) -> Any:
+def position_mask(name: str, value: Any, axis: int, positions: tuple[int, ...], at: Any) -> Any:
   """A boolean mask, broadcasting to `value`, true at position `at` along `axis`."""
   if not _is_axis(axis, value.ndim):
     raise ArgumentError(
@@ -381,7 +375,7 @@ def _units(names: list[str], leads: list[tuple[int, ...]]) -> tuple[str, ...]:
   return tuple(out)
 
 
-def _rows(leads: list[tuple[int, ...]]) -> tuple[Any, ...]:
+def row_labels(leads: list[tuple[int, ...]]) -> tuple[Any, ...]:
   """Each site's row numbers in the values, shaped as its scan axes (`()` for none)."""
   rows, start = [], 0
   for lead in leads:
@@ -433,7 +427,7 @@ def _checked_positions(positions: Any) -> tuple[int, ...] | None:
   return out
 
 
-def _metric_value(
+def metric_value(
   metric: Callable[[Any], Any],
   output: Any,
   scalar: bool,
@@ -485,7 +479,7 @@ def _patcher(name: str, base: int, lead: tuple[int, ...], positions: Any, axis: 
 
   def patch_if_chosen(argument: Any, value: Any, clean: Any, unit: Any, at: Any) -> Any:
     del argument
-    found = _iteration(name, lead)
+    found = scan_iteration(name, lead)
     if found is None:
       return value
     iterations, number = found
@@ -493,7 +487,7 @@ def _patcher(name: str, base: int, lead: tuple[int, ...], positions: Any, axis: 
       clean = clean[tuple(iterations)]
     chosen = unit == base + number
     if positions is not None:
-      chosen = chosen & _position_mask(name, value, axis, positions, at)
+      chosen = chosen & position_mask(name, value, axis, positions, at)
     return jnp.where(chosen, clean, value)
 
   return patch_if_chosen
@@ -534,10 +528,10 @@ def patched_forwards(
   return values, baselines
 
 
-def _clean_run(tree, chosen, clean, part, streams) -> tuple[_Copies, Any, list, list]:
+def _clean_run(tree, chosen, clean, part, streams) -> tuple[Copies, Any, list, list]:
   """What every sweep starts from: the copies of the tree, the clean run's output and the
   chosen sites' clean values, and each site's scan axes (`_lead`)."""
-  copies = _Copies(tree, chosen)
+  copies = Copies(tree, chosen)
   clean_output, clean_values = _captured(copies, clean, part, streams)
   _, sites = copies.fresh()
   leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
@@ -552,7 +546,7 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
     unit, position = unit_and_position
     copy, sites = copies.fresh()
     edits = tuple(
-      _make(
+      make_intervention(
         "modify",
         site.node,
         (value, unit, position),
@@ -563,11 +557,11 @@ def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_
       )
       for site, base, lead, value in zip(sites, bases, leads, clean_values, strict=False)
     )
-    output, _ = _run(copy, corrupted, edits, None, streams)
-    return _metric_value(metric, with_clean(unit, clean_output, output), scalar=False)
+    output, _ = indexed_run(copy, corrupted, edits, None, streams)
+    return metric_value(metric, with_clean(unit, clean_output, output), scalar=False)
 
   values, baselines = patched_forwards(patched, bases[-1], positions, chunk_size)
-  return values, _rows(leads), baselines
+  return values, row_labels(leads), baselines
 
 
 def _shared_prefix_sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, streams):
@@ -579,7 +573,7 @@ def _shared_prefix_sweep(tree, clean, corrupted, chosen, metric, positions, axis
   def patched(*inputs: Any) -> Any:
     copy, sites = copies.fresh()
     edits = tuple(
-      _make(
+      make_intervention(
         "modify",
         site.node,
         (value, inputs[2 * k], inputs[2 * k + 1]),
@@ -590,9 +584,9 @@ def _shared_prefix_sweep(tree, clean, corrupted, chosen, metric, positions, axis
       )
       for k, (site, lead, value) in enumerate(zip(sites, leads, clean_values, strict=True))
     )
-    output, _ = _run(copy, corrupted, edits, None, streams)
+    output, _ = indexed_run(copy, corrupted, edits, None, streams)
     # The last input is CLEAN_UNIT for the clean baseline's unit: the metric is traced once.
-    return _metric_value(metric, with_clean(inputs[-1], clean_output, output), scalar=False)
+    return metric_value(metric, with_clean(inputs[-1], clean_output, output), scalar=False)
 
   # Each input pair (iteration, position) belongs to one site; a unit sets its site's
   # pair and leaves every other at the base pair (-1: no iteration, so nothing patched).
@@ -620,7 +614,7 @@ def _shared_prefix_sweep(tree, clean, corrupted, chosen, metric, positions, axis
   values, clean_metric = values[:-1], values[-1]
   if positions is not None:
     values = values.reshape(-1, count, *values.shape[1:])
-  return values, _rows(leads), (clean_metric, corrupted_metric)
+  return values, row_labels(leads), (clean_metric, corrupted_metric)
 
 
 _sweep_compiled = jit_keyed_on_function(_sweep, "metric", "fl.sweep")
@@ -636,8 +630,8 @@ def _forwards_in(tree: CallNode, corrupted: ArgsAndKwargs, metric: Callable, str
     BudgetError: one forward does not fit; the largest calls are named.
   """
   rest = ((), True, False, None, None, streams, "ignore")
-  (output, captured), _ = _abstract_run(tree, corrupted, rest)
-  value = jax.eval_shape(lambda out: _metric_value(metric, out, scalar=False), output)
+  (output, captured), _ = abstract_run(tree, corrupted, rest)
+  value = jax.eval_shape(lambda out: metric_value(metric, out, scalar=False), output)
   per_forward = _budget.nbytes(captured) + _budget.nbytes(value)
   if per_forward > budget:
     sizes = {name: _budget.nbytes(v) for name, v in captured.items()}
@@ -917,7 +911,7 @@ def _adder(name: str, lead: tuple[int, ...]) -> Callable:
 
   def add_delta(argument: Any, value: Any, delta: Any) -> Any:
     del argument
-    found = _iteration(name, lead)
+    found = scan_iteration(name, lead)
     if found is None:
       return value
     iterations, _ = found
@@ -926,11 +920,13 @@ def _adder(name: str, lead: tuple[int, ...]) -> Callable:
   return add_delta
 
 
-def _with_deltas(copies: _Copies, leads: list, part: Any, deltas: list, capture: bool) -> tuple:
+def _with_deltas(copies: Copies, leads: list, part: Any, deltas: list, capture: bool) -> tuple:
   """A fresh copy of the tree, the edits adding `deltas` at its sites, and what to capture."""
   tree, sites = copies.fresh()
   edits = tuple(
-    _make("modify", site.node, (delta,), None, "output", part, fn=_adder(site.name, lead))
+    make_intervention(
+      "modify", site.node, (delta,), None, "output", part, fn=_adder(site.name, lead)
+    )
     for site, lead, delta in zip(sites, leads, deltas, strict=True)
   )
   return tree, sites, edits, tuple(s.node for s in sites) if capture else None
@@ -960,7 +956,7 @@ def _reduce(contribution: Any, lead: int, positions: Any, axis: int, name: str) 
 
 
 def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, streams):
-  copies = _Copies(tree, chosen)
+  copies = Copies(tree, chosen)
   clean_output, clean_values = _captured(copies, clean, part, streams)
   _, sites = copies.fresh()
   _check_differentiable(sites, clean_values, part, "fl.attribute")
@@ -968,9 +964,9 @@ def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, st
 
   def corrupted_metric(deltas: list) -> Any:
     copy, sites, edits, capture = _with_deltas(copies, leads, part, deltas, capture=True)
-    output, cache = _run(copy, corrupted, edits, capture, streams)
+    output, cache = indexed_run(copy, corrupted, edits, capture, streams)
     values = [get_part(cache[s.name], part, s.name, "output") for s in sites]
-    return _metric_value(metric, output, scalar=True), values
+    return metric_value(metric, output, scalar=True), values
 
   zeros = [jnp.zeros_like(v) for v in clean_values]
   (corrupted_metric_value, corrupted_values), grads = jax.value_and_grad(
@@ -982,8 +978,8 @@ def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, st
     )
     for s, lead, c, x, g in zip(sites, leads, clean_values, corrupted_values, grads, strict=True)
   ]
-  baselines = (_metric_value(metric, clean_output, scalar=True), corrupted_metric_value)
-  return jnp.concatenate(values), _rows(leads), baselines
+  baselines = (metric_value(metric, clean_output, scalar=True), corrupted_metric_value)
+  return jnp.concatenate(values), row_labels(leads), baselines
 
 
 _attribute_compiled = jit_keyed_on_function(_attribute, "metric", "fl.attribute")
@@ -1063,11 +1059,11 @@ def attribute(
 
 
 def _grad_at(tree, argument, chosen, loss, part, streams):
-  copies = _Copies(tree, chosen)
+  copies = Copies(tree, chosen)
 
   def values() -> list:
     copy, sites = copies.fresh()
-    _, cache = _run(copy, argument, (), tuple(s.node for s in sites), streams)
+    _, cache = indexed_run(copy, argument, (), tuple(s.node for s in sites), streams)
     return [get_part(cache[s.name], part, s.name, "output") for s in sites]
 
   shapes = jax.eval_shape(values)
@@ -1077,8 +1073,8 @@ def _grad_at(tree, argument, chosen, loss, part, streams):
 
   def loss_of(deltas: list) -> Any:
     copy, _, edits, _ = _with_deltas(copies, leads, part, deltas, capture=False)
-    output, _ = _run(copy, argument, edits, None, streams)
-    return _metric_value(loss, output, scalar=True)
+    output, _ = indexed_run(copy, argument, edits, None, streams)
+    return metric_value(loss, output, scalar=True)
 
   zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
   value, grads = jax.value_and_grad(loss_of)(zeros)

@@ -38,16 +38,10 @@ from flaxlens.errors import (
   error_text,
   model_call_error,
 )
-from flaxlens.tools.analysis._interventions import (
-  LEARNED,
-  Intervention,
-  checked_interventions,
-  nodes_by_name,
-  run,
-  select_sites,
-  sites_of,
-)
-from flaxlens.tools.analysis._sweeps import _metric_value
+from flaxlens.tools.analysis._sweeps import metric_value
+from flaxlens.tools.base._intervention import LEARNED, Intervention
+from flaxlens.tools.base._probed import checked_interventions, nodes_by_name, run
+from flaxlens.tools.base._sites import select_sites, sites_of
 
 
 def _optax() -> Any:
@@ -245,7 +239,7 @@ def train_interventions(
         " frozen model's state must not change while interventions train. Run the model in"
         " a mode that updates no state (train=False, model.eval())."
       )
-    return _metric_value(lambda out: _called(loss, out, data, where), output, True, "loss", where)
+    return metric_value(lambda out: _called(loss, out, data, where), output, True, "loss", where)
 
   def sourced(tree: CallNode, edits: tuple, source: Any) -> tuple:
     if not swaps:

@@ -21,8 +21,8 @@ from flaxlens.core._node import CallNode
 from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._variables import Parameter, Uninitialized, variables_in
 from flaxlens.errors import ArgumentError, FlaxlensError, error_text, model_call_error
-from flaxlens.tools._compare import EquivalenceReport, compare_states, compare_trees
-from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
+from flaxlens.tools.base._calling import model_arguments, takes_model_arguments
+from flaxlens.tools.base._compare import EquivalenceReport, compare_states, compare_trees
 
 
 @takes_model_arguments(

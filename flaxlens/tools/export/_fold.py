@@ -24,23 +24,19 @@ from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._variables import Parameter, bind_variables, unbind_variables, variables_in
 from flaxlens.errors import ExportError, FlaxlensError
-from flaxlens.tools._compare import EquivalenceReport, compare_trees
-from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
-from flaxlens.tools.analysis._interventions import (
+from flaxlens.tools.base._calling import model_arguments, takes_model_arguments
+from flaxlens.tools.base._compare import EquivalenceReport, compare_trees
+from flaxlens.tools.base._intervention import (
   OPERAND_NAMES,
   Intervention,
-  Site,
-  checked_interventions,
   maker_name,
-  nodes_by_name,
   non_finite,
   orthonormal_rows,
-  run,
-  select_sites,
-  sites_of,
   where_mask,
 )
-from flaxlens.tools.analysis._parts import get_part
+from flaxlens.tools.base._parts import get_part
+from flaxlens.tools.base._probed import checked_interventions, nodes_by_name, run
+from flaxlens.tools.base._sites import Site, select_sites, sites_of
 from flaxlens.tools.isolation._isolate import isolate
 from flaxlens.tools.isolation._replay import IsolatedSubmodel
 

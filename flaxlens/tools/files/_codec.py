@@ -276,7 +276,7 @@ class Encoder:
   def __init__(self) -> None:
     self.arrays: dict[str, np.ndarray] = {}
 
-  def _array(self, value: Any) -> str:
+  def operand_array(self, value: Any) -> str:
     name = f"a{len(self.arrays)}"
     self.arrays[name] = np.asarray(value)
     return name
@@ -290,9 +290,9 @@ class Encoder:
       return value if math.isfinite(value) else {"float": repr(value)}
     if _is_key(value):
       impl = str(jax.random.key_impl(value))
-      return {"key": self._array(jax.random.key_data(value)), "impl": impl}
+      return {"key": self.operand_array(jax.random.key_data(value)), "impl": impl}
     if isinstance(value, jax.Array | np.ndarray | np.generic):
-      return {"array": self._array(value)}
+      return {"array": self.operand_array(value)}
     if type(value) in (tuple, list):
       tag = "tuple" if isinstance(value, tuple) else "list"
       return {tag: [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}

@@ -29,7 +29,8 @@ import jax
 from flaxlens.core._checks import check_path, check_type
 from flaxlens.core._node import CallNode
 from flaxlens.errors import ArgumentError, ArtifactError
-from flaxlens.tools.analysis._interventions import Intervention, checked_interventions
+from flaxlens.tools.base._intervention import Intervention
+from flaxlens.tools.base._probed import checked_interventions
 from flaxlens.tools.files._arrays import array_table
 from flaxlens.tools.files._artifact import (
   DEFAULT_MAX_BYTES,

@@ -51,16 +51,11 @@ from flaxlens.core._variables import (
   variables_in,
 )
 from flaxlens.errors import ArgumentError, BudgetError, HarvestError
-from flaxlens.tools.analysis import _budget
-from flaxlens.tools.analysis._calling import model_arguments
-from flaxlens.tools.analysis._interventions import (
-  check_part,
-  nodes_by_name,
-  run,
-  select_sites,
-  sites_of,
-)
-from flaxlens.tools.analysis._parts import checked_part, one_array
+from flaxlens.tools.base import _budget
+from flaxlens.tools.base._calling import model_arguments
+from flaxlens.tools.base._parts import checked_part, one_array
+from flaxlens.tools.base._probed import nodes_by_name, run
+from flaxlens.tools.base._sites import check_part, select_sites, sites_of
 from flaxlens.tools.harvest import _store
 from flaxlens.tools.harvest._store import Harvest
 
@@ -886,7 +881,9 @@ def _prepare(path: str, metadata: dict[str, Any], overwrite: bool) -> dict[str, 
   action = _agreed(lambda: _inspect(path, metadata, overwrite), path)
   if action == "complete":  # returned as it is: nothing written, not even where read-only
     return _agreed(lambda: _store.read_progress(path, metadata), path)
-  _agreed(lambda: _make(path, metadata, action) if jax.process_index() == 0 else None, path)
+  _agreed(
+    lambda: make_intervention(path, metadata, action) if jax.process_index() == 0 else None, path
+  )
   _agreed(lambda: _check_shared(path, metadata), path)
   return _store.read_progress(path, metadata)
 
@@ -927,7 +924,7 @@ def _inspect(path: str, metadata: dict[str, Any], overwrite: bool) -> str:
   return "overwrite"
 
 
-def _make(path: str, metadata: dict[str, Any], action: str) -> None:
+def make_intervention(path: str, metadata: dict[str, Any], action: str) -> None:
   if action == "resume":
     _store.open_arrays(path, metadata, write=True)  # grows arrays shrunk by a stopped run
     return

@@ -32,7 +32,7 @@ from flaxlens.errors import (
   SelectionError,
   UnsupportedFlaxFeatureError,
 )
-from flaxlens.tools.analysis._calling import model_arguments, takes_model_arguments
+from flaxlens.tools.base._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.isolation._replay import IsolatedSubmodel
 
 

@@ -16,7 +16,7 @@ import jax
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._variables import bind_variables, unbind_variables
-from flaxlens.tools._compare import EquivalenceReport, compare_states, compare_trees
+from flaxlens.tools.base._compare import EquivalenceReport, compare_states, compare_trees
 
 
 class IsolatedSubmodel(Struct):

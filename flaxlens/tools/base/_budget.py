@@ -29,7 +29,7 @@ import numpy as np
 
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.errors import BudgetError
-from flaxlens.tools.analysis._index import MASK, is_array
+from flaxlens.tools.base._index import MASK, is_array
 
 
 def _less(where: str) -> str:
@@ -136,7 +136,7 @@ def picks_examples(index: Any) -> bool:
   index starting with `...` or a full slice, does not.
 
   Example:
-    >>> from flaxlens.tools.analysis._index import split
+    >>> from flaxlens.tools.base._index import split
     >>> picks_examples(split((0, 3))[0]), picks_examples(split((slice(None), 3))[0])
     (True, False)
   """

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from flaxlens.errors import ArgumentError
-from flaxlens.tools.analysis._index import is_array
+from flaxlens.tools.base._index import is_array
 
 # Where a refusal sends the reader: the rule, written once.
 RULE = 'docs/interventions.md, "Structured values: part="'

@@ -190,7 +190,7 @@ def compare_leaf(a: Any, b: Any) -> tuple[bool, float, float, str]:
 
   Example:
     >>> import numpy as np
-    >>> from flaxlens.tools._compare import compare_leaf
+    >>> from flaxlens.tools.base._compare import compare_leaf
     >>> compare_leaf(np.array([1.0, 4.0]), np.array([1.0, 5.0]))
     (False, 1.0, 0.2, '')
     >>> compare_leaf(np.array([3], np.uint8), np.array([5], np.uint8))
