@@ -10,7 +10,7 @@ every view of a tree's calls is built on it, so that none can disagree with anot
 the nodes whose variables a run gathers (`own_call_nodes`), whether a tree holds
 replaced calls (`pristine`, `pristine_tree`, `calls_fixed`), the calls an export refuses
 (`core/_export.py: replaced_calls`), and the sites of interventions and captures
-(`tools/analysis/_interventions.py: sites_of`). No Flax internals here.
+(`tools/base/_sites.py: sites_of`). No Flax internals here.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Either side is a converted tree (any call node), a plain Linen model as the pair
 `(module, variables)` (an exported tree's variables included), or an NNX module (an
 exported tree included). Each side runs once without being modified (a tree through
 `stateless_call`, a plain model on a copy, through its `FrameworkAdapter`), and the
-report (`EquivalenceReport`, `tools/_compare.py`) holds, per output leaf and per variable
+report (`EquivalenceReport`, `tools/base/_compare.py`) holds, per output leaf and per variable
 after the call, whether the bits agree, the largest absolute and the largest relative
 difference. No Flax internals here.
 """

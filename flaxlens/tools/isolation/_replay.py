@@ -3,7 +3,7 @@
 An `IsolatedSubmodel` holds one execution of one call cut out of a model (see
 `_isolate`): the call as a standalone layer, what it received and what it produced.
 `replay()` runs it again, as it ran when recorded (eagerly or compiled), and compares
-every output and state leaf bit for bit (an `EquivalenceReport`, `tools/_compare.py`).
+every output and state leaf bit for bit (an `EquivalenceReport`, `tools/base/_compare.py`).
 No Flax internals here.
 """
 
