@@ -429,3 +429,32 @@ class Uninitialized(Struct):
   It has no pytree leaves; the node's call creates the variable as Flax would and
   writes the new value into the `StateVariable`.
   """
+
+
+class Scratch:
+  """Copies of a tree to run and throw away: each `copy()` has variable objects of its own,
+  holding the tree's values (the arrays are shared, never written), so a run that writes
+  state (a counter, batch statistics, a traced value under `jax.jit`) leaves the tree and
+  the other copies alone. The variables are read once, here.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> from flaxlens.core._variables import Scratch, variables_in
+    >>> model, x = nn.Dense(2), jnp.ones((1, 3))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> copy = Scratch(tree).copy()
+    >>> copy is tree, variables_in(copy)[0] is variables_in(tree)[0]
+    (False, False)
+  """
+
+  def __init__(self, tree: Any):
+    self.slots, self.values = unbind_variables(tree, freeze=True)
+
+  def copy(self) -> Any:
+    """A fresh copy of the tree, bound to variables of its own."""
+    return bind_variables(self.slots, self.values)
+
+
+def scratch_copy(tree: Any) -> Any:
+  """One copy of `tree` to run and throw away (see `Scratch`)."""
+  return Scratch(tree).copy()

@@ -27,7 +27,7 @@ import numpy as np
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._runtime import resolve_random_streams
-from flaxlens.core._variables import bind_variables, unbind_variables
+from flaxlens.core._variables import Scratch
 from flaxlens.errors import ArgumentError, SelectionError
 from flaxlens.tools.analysis._interventions import patch
 from flaxlens.tools.base._calling import model_arguments, takes_model_arguments
@@ -298,10 +298,10 @@ def _lens_once(
   """The model's output, the stacked logits at each of `names` (uncompiled) and, with
   `check` (the last block's name), what `_check_found_head` compares; each run is of a
   fresh copy of the tree, so every run starts from its state and none is kept."""
-  slots, values = unbind_variables(tree, freeze=True)
   captured = list(dict.fromkeys([*names, *((check, ends[1]) if check else ())]))
+  scratch = Scratch(tree)
   output, cache = run(
-    bind_variables(slots, values),
+    scratch.copy(),
     argument,
     capture=captured,
     random_streams=random_streams,
@@ -311,7 +311,7 @@ def _lens_once(
   def project(residual: Any, name: str) -> Any:
     if ends is None:
       return _head_logits(fn, residual, name)
-    copy = bind_variables(slots, values)
+    copy = scratch.copy()
     return _through_head(copy, argument, ends, residual, name, random_streams)
 
   projected, full = [], {}

@@ -27,8 +27,7 @@ from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._variables import (
   StateVariable,
-  bind_variables,
-  unbind_variables,
+  scratch_copy,
   variables_in,
 )
 from flaxlens.errors import (
@@ -221,8 +220,7 @@ def train_interventions(
       sites[n] = (chosen[0].name, chosen[0].name)
 
   def objective(learned: tuple, tree: CallNode, args: Any, data: Any, source: Any) -> Any:
-    slots, held = unbind_variables(tree, freeze=True)
-    tree = bind_variables(slots, held)  # variables of this trace: a run may not write them
+    tree = scratch_copy(tree)  # variables of this trace: a run may not write them
     before = [v.value for v in variables_in(tree)]
     edits = _joined(frames, learned)
     if source is not None:

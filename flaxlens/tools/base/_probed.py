@@ -24,7 +24,11 @@ from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import Probing
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._struct import Struct
-from flaxlens.core._variables import StateVariable, bind_variables, unbind_variables, variables_in
+from flaxlens.core._variables import (
+  Scratch,
+  StateVariable,
+  variables_in,
+)
 from flaxlens.errors import (
   ArgumentError,
   BudgetError,
@@ -220,11 +224,11 @@ def abstract_run(tree: CallNode, argument: ArgsAndKwargs, rest: tuple) -> tuple[
   """The abstract `(output, captured)` of a run on `argument` (its arrays may be
   `jax.ShapeDtypeStruct`s) and the labels of the state variables the run would update.
   Runs a copy of the tree under `jax.eval_shape`: no FLOPs, the tree left alone."""
-  slots, values = unbind_variables(tree, freeze=True)
+  scratch = Scratch(tree)
   updated: list[str] = []
 
   def run_copy(arg: ArgsAndKwargs) -> Any:
-    copy = bind_variables(slots, values)
+    copy = scratch.copy()
     variables = variables_in(copy)
     before = [v.value for v in variables]
     result = _run_once(copy, arg, *rest)

@@ -22,7 +22,11 @@ import jax.numpy as jnp
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._runtime import resolve_random_streams
-from flaxlens.core._variables import Parameter, bind_variables, unbind_variables, variables_in
+from flaxlens.core._variables import (
+  Parameter,
+  scratch_copy,
+  variables_in,
+)
 from flaxlens.errors import ExportError, FlaxlensError
 from flaxlens.tools.base._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.base._compare import EquivalenceReport, compare_trees
@@ -156,7 +160,7 @@ def fold(
   tolerance = _Tolerance(atol, rtol)
   streams = resolve_random_streams(random_streams, tree.where())
   argument = model_arguments(args)
-  folded = _copy(tree)
+  folded = scratch_copy(tree)
   parameters = {v.label: v for v in variables_in(folded) if isinstance(v, Parameter)}
   refused = []
   for number, intervention in enumerate(interventions):
@@ -178,12 +182,6 @@ def fold(
     )
   _verify(tree, folded, interventions, argument, streams, tolerance)
   return folded
-
-
-def _copy(tree: CallNode) -> CallNode:
-  """The tree with variables of its own (the arrays are shared: they are never written)."""
-  unbound, values = unbind_variables(tree, freeze=True)
-  return bind_variables(unbound, values)
 
 
 def _describe(intervention: Intervention) -> str:
@@ -218,8 +216,8 @@ def _verify(
   def fresh() -> ArgsAndKwargs:  # an nnx.Rngs argument advances
     return jax.tree_util.tree_map(lambda x: x, argument)
 
-  expected = run(_copy(tree), fresh(), interventions=interventions, random_streams=streams)
-  actual = run(_copy(folded), fresh(), random_streams=streams)
+  expected = run(scratch_copy(tree), fresh(), interventions=interventions, random_streams=streams)
+  actual = run(scratch_copy(folded), fresh(), random_streams=streams)
   report = tolerance.report(expected, actual, "the tree with the interventions", "folded tree")
   if not report.close(tolerance.atol, tolerance.rtol):
     raise ExportError(
@@ -344,7 +342,7 @@ def _moved_steering(
     return nodes_by_name(root, (moved,), None)[0][0]
 
   here = at(site.node, intervention.part)
-  expected = run(_copy(root), _fresh(argument), interventions=[here], random_streams=streams)
+  expected = run(scratch_copy(root), _fresh(argument), interventions=[here], random_streams=streams)
   path = tuple(site.node.path)
   inside = [
     s
@@ -357,7 +355,9 @@ def _moved_steering(
   for candidate in reversed(inside):
     moved = at(candidate.node, None)  # the candidate's whole output: one array
     try:
-      actual = run(_copy(root), _fresh(argument), interventions=[moved], random_streams=streams)
+      actual = run(
+        scratch_copy(root), _fresh(argument), interventions=[moved], random_streams=streams
+      )
     except FlaxlensError:
       continue  # the vector does not fit this call's output
     if tolerance.report(expected, actual, "a", "b").close(tolerance.atol, tolerance.rtol):

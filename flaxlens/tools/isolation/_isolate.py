@@ -24,7 +24,7 @@ from flaxlens.core._node import CallNode, is_call_node
 from flaxlens.core._recorder import Execution, Recorder, standalone
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._selectors import Selection, select
-from flaxlens.core._variables import Uninitialized, bind_variables, unbind_variables
+from flaxlens.core._variables import Uninitialized, scratch_copy
 from flaxlens.core._walk import pristine
 from flaxlens.errors import (
   ArgumentError,
@@ -203,8 +203,7 @@ def _isolate_executions(
   random_streams = resolve_random_streams(random_streams, "fl.isolate", advance=False)
   # Stateful objects among the arguments (an nnx.Rngs) advance in a run: use a copy.
   argument = jax.tree_util.tree_map(lambda x: x, argument)
-  unbound, values = unbind_variables(root, freeze=True)
-  copy = bind_variables(unbound, values)
+  copy = scratch_copy(root)
   target = select(copy).at_keypaths([keypath]).get()
   if target is copy:
     return (_isolate_root(copy, argument, random_streams),)
