@@ -19,7 +19,7 @@ from flaxlens.core._random import RandomStream as RandomStream
 from flaxlens.core._node import CallNode as CallNode
 from flaxlens.linen._node import InterceptedFlaxModuleMethod as InterceptedFlaxModuleMethod
 from flaxlens.nnx._node import InterceptedNNXModuleMethod as InterceptedNNXModuleMethod
-from flaxlens.core._scope import InterceptedFlaxScopeData as InterceptedFlaxScopeData
+from flaxlens.core._call_variables import InterceptedFlaxScopeData as InterceptedFlaxScopeData
 
 # Trees: structs, layers, selections.
 from flaxlens.core._struct import Struct as Struct

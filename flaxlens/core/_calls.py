@@ -264,7 +264,7 @@ class CallInterceptor:
     apply), so each frame a nested call adds costs time.
     """
     probing = self.probing
-    edited = probing.edits.get(id(node)) if probing is not None else None
+    edited = probing.edited_calls.get(id(node)) if probing is not None else None
     if edited is None and (self.recorder is None or node is not self.recorder.target):
       frame = Frame(node.path, node=node)
       self.frames.append(frame)

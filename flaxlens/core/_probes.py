@@ -14,7 +14,7 @@ call, and user code that calls them) is carried out as an extra output of that b
 while a capturing run is active, those names, looked up by the run's own code, give
 wrappers under which each body opens a `Channel` and returns what was captured in it
 beside its own output; `scan` and `vmap` stack it along a new leading axis. The
-interception is scoped (`_scoped.py`): JAX's functions stay in place, and a lookup from
+interception is scoped (`_thread_attributes.py`): JAX's functions stay in place, and a lookup from
 another thread, or from this thread outside a capturing run, gets the original object;
 the modules `jax` and `jax.lax` have a class of ours while at least one capturing run is
 active in any thread (reference-counted, restored by the last run in `finally`).
@@ -41,7 +41,7 @@ import jax
 from flaxlens._compat import tracing
 from flaxlens.core._active import current_interceptor
 from flaxlens.core._edit import EditedCall
-from flaxlens.core._scoped import ScopedAttributes
+from flaxlens.core._thread_attributes import ScopedAttributes
 from flaxlens.errors import CallStructureError, UnsupportedFlaxFeatureError
 
 
@@ -59,7 +59,7 @@ class Probing:
   """The probes of one run and what they captured.
 
   Attributes:
-    edits: `{id(node): EditedCall}`: the layer each probed call runs through
+    edited_calls: `{id(node): EditedCall}`: the layer each probed call runs through
       (`core/_edit.py`), overlaid on the tree for this run.
     capturing: whether any edited call captures, or has an edit that records captures
       (`records`, as the head captures of `fl.heads` do); then staged bodies are wrapped.
@@ -80,15 +80,15 @@ class Probing:
 
   def __init__(
     self,
-    edits: dict[int, EditedCall],
+    edited_calls: dict[int, EditedCall],
     indexed: bool = False,
     unreached_fix: str = "Choose calls this run makes.",
     every_call: bool = False,
   ):
-    self.edits = edits
+    self.edited_calls = edited_calls
     self.capturing = any(
       e.output or e.input or any(getattr(x, "records", False) for x in e.edits)
-      for e in edits.values()
+      for e in edited_calls.values()
     )
     self.indexed = indexed
     self.iterations: list[Any] = []
@@ -140,7 +140,9 @@ class Probing:
         a site names every call, for calls the run made that conversion did not see.
       UnsupportedFlaxFeatureError: for values captured where they could not leave.
     """
-    missed = [e.site for e in self.edits.values() if e.required and e.site not in self.reached]
+    missed = [
+      e.site for e in self.edited_calls.values() if e.required and e.site not in self.reached
+    ]
     if missed:
       raise CallStructureError(
         f"This run did not make the call(s) {missed[:6]} that interventions or captures"
@@ -287,6 +289,6 @@ def carrying_out() -> Any:
   """While active, staged bodies of JAX's scan, vmap and checkpoint carry captures out.
 
   Only for lookups of `jax.lax.scan`, `jax.vmap`, `jax.checkpoint` and `jax.remat` made
-  in this thread while its innermost run captures (or is indexed); see `_scoped.py`.
+  in this thread while its innermost run captures (or is indexed); see `_thread_attributes.py`.
   """
   return _CARRYING_OUT.installed()

@@ -24,12 +24,12 @@ from flaxlens.core._adapter import adapter_of
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._cache import Derived
 from flaxlens.core._call_failure import explain
+from flaxlens.core._call_variables import fixed_scope_data
 from flaxlens.core._calls import CallInterceptor, Frame
 from flaxlens.core._inner_jit import RunToken
 from flaxlens.core._node import CallNode
 from flaxlens.core._probes import Probing, carrying_out
 from flaxlens.core._random import RandomStream, detached
-from flaxlens.core._scope import fixed_scope_data
 from flaxlens.core._variables import (
   AbstractVariable,
   AbstractVariableSlot,
@@ -186,7 +186,7 @@ def _run_probed(
     carrying_out() if probing.capturing or probing.indexed else nullcontext(),
   ):
     with probing.channel():
-      edited = probing.edits.get(id(root))
+      edited = probing.edited_calls.get(id(root))
       if edited is None:
         output = call(argument.args, argument.kwargs)
       else:
@@ -202,7 +202,7 @@ def _run_nested(
   are edited and captured into that run's channels (no channel of its own)."""
   interceptor.probing = probing
   with interceptor.active():
-    edited = probing.edits.get(id(root))
+    edited = probing.edited_calls.get(id(root))
     if edited is None:
       return run(argument)
     updates: list[Any] = []

@@ -24,9 +24,9 @@ from flax import errors as flax_errors
 from flaxlens._compat import linen_apply
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._call_record import CallRecord
+from flaxlens.core._call_variables import ScopeBuilder
 from flaxlens.core._convert import build_nodes, record_calls
 from flaxlens.core._names import join_name
-from flaxlens.core._scope import ScopeBuilder
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.errors import (
   ArgumentError,

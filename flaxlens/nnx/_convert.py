@@ -22,9 +22,9 @@ from flax import nnx
 from flaxlens._compat import nnx_graph, nnx_variables
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._call_record import CallRecord
+from flaxlens.core._call_variables import ScopeBuilder
 from flaxlens.core._convert import build_nodes, record_calls
 from flaxlens.core._names import Path, join_name
-from flaxlens.core._scope import ScopeBuilder
 from flaxlens.core._variables import Parameter, StateVariable, Uninitialized
 from flaxlens.errors import ArgumentError, FlaxlensError, UnsupportedFlaxFeatureError
 from flaxlens.nnx._definition import (

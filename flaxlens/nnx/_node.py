@@ -19,10 +19,10 @@ from flax import nnx
 
 from flaxlens.core._adapter import adapter_of
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._call_variables import InterceptedFlaxScopeData
 from flaxlens.core._names import Path
 from flaxlens.core._node import CallNode
 from flaxlens.core._runtime import run_tree
-from flaxlens.core._scope import InterceptedFlaxScopeData
 from flaxlens.core._spec import CallSpec
 from flaxlens.core._struct import static_field
 from flaxlens.errors import FlaxlensError

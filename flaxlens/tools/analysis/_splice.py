@@ -106,7 +106,7 @@ class Splice(Struct):
     if probing is None:
       return False
     nodes = {id(node) for node in own_call_nodes(self.module)}
-    return any(layer.edits and key in nodes for key, layer in probing.edits.items())
+    return any(layer.edits and key in nodes for key, layer in probing.edited_calls.items())
 
 
 def _example(site: Site, part: Any, on: str, at: Any, sites: list[Site]) -> Any:

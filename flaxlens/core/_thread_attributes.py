@@ -34,7 +34,7 @@ class ScopedAttributes:
 
   Example:
     >>> import types
-    >>> from flaxlens.core._scoped import ScopedAttributes
+    >>> from flaxlens.core._thread_attributes import ScopedAttributes
     >>> module = types.ModuleType("m")
     >>> module.f = abs
     >>> inside = [False]

@@ -118,7 +118,7 @@ def owner_of(path: Path, called: set[Path] | frozenset[Path]) -> Path:
   own, to the calls of its nearest calling ancestor (the root always calls).
 
   Example:
-    >>> from flaxlens.core._scope import owner_of
+    >>> from flaxlens.core._call_variables import owner_of
     >>> owner_of(("Block_0", "Dense_0", "kernel"), {(), ("Block_0",)})
     ('Block_0',)
   """
