@@ -52,7 +52,7 @@ from flaxlens.tools.base._calling import (
 )
 from flaxlens.tools.base._intervention import Intervention, make_intervention
 from flaxlens.tools.base._parts import checked_part, get_part
-from flaxlens.tools.base._probed import abstract_run, edited_calls
+from flaxlens.tools.base._probed import RunOptions, abstract_run, edited_calls
 from flaxlens.tools.base._sites import Site, check_part, select_sites, sites_of
 
 # --- results ------------------------------------------------------------------------------
@@ -629,8 +629,8 @@ def _forwards_in(tree: CallNode, corrupted: ArgsAndKwargs, metric: Callable, str
   Raises:
     BudgetError: one forward does not fit; the largest calls are named.
   """
-  rest = ((), True, False, None, None, streams, "ignore")
-  (output, captured), _ = abstract_run(tree, corrupted, rest)
+  options = RunOptions(capture=True, random_streams=streams, unreached="ignore")
+  (output, captured), _ = abstract_run(tree, corrupted, options)
   value = jax.eval_shape(lambda out: metric_value(metric, out, scalar=False), output)
   per_forward = _budget.nbytes(captured) + _budget.nbytes(value)
   if per_forward > budget:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -166,24 +166,41 @@ def _shaper(index: Any, dtype: Any) -> Callable[[str, Any], Any] | None:
   return shape
 
 
-def _run_once(
-  tree: CallNode,
-  argument: ArgsAndKwargs,
-  interventions: tuple[Intervention, ...],
-  capture: Any,
-  inputs: bool,
-  index: Any,
-  dtype: Any,
-  random_streams: Any,
-  unreached: str,
-) -> Any:
-  probes = edited_calls(tree, interventions, capture, inputs, _shaper(index, dtype), unreached)
+class RunOptions(NamedTuple):
+  """What one probed run does besides running the tree: a pytree (its arrays, the
+  interventions' operands, are inputs of the compiled program; the rest is static).
+
+  Attributes:
+    interventions: the interventions, applied in order.
+    capture: the sites to capture (a pattern, class, node, predicate or tuple of these,
+      True for every call), or None.
+    inputs: whether each captured call's positional arguments are captured too.
+    index: the static structure of `index=` (`_index.split`), or None.
+    dtype: the dtype captured arrays are cast to, or None.
+    random_streams: the run's random streams (Linen: `{"dropout": key}`), or None.
+    unreached: "raise" or "ignore" (see `fl.run`).
+  """
+
+  interventions: tuple[Intervention, ...] = ()
+  capture: Any = None
+  inputs: bool = False
+  index: Any = None
+  dtype: Any = None
+  random_streams: Any = None
+  unreached: str = "raise"
+
+
+def run_once(tree: CallNode, argument: ArgsAndKwargs, options: RunOptions) -> Any:
+  """`(output, captured)` of one run of `tree` on `argument`, traced or eager."""
+  interventions, capture, unreached = options.interventions, options.capture, options.unreached
+  shape = _shaper(options.index, options.dtype)
+  probes = edited_calls(tree, interventions, capture, options.inputs, shape, unreached)
   all_calls = unreached == "raise" and (
     every_call(capture) or any(every_call(i.at) for i in interventions)
   )
   probing = Probing(probes, unreached_fix=_UNREACHED_FIX, every_call=all_calls)
-  key = (interventions, capture, inputs, index, dtype)
-  output = run_tree(tree, argument, random_streams, {}, probing=probing, probing_key=key)
+  key = (interventions, capture, options.inputs, options.index, options.dtype)
+  output = run_tree(tree, argument, options.random_streams, {}, probing=probing, probing_key=key)
   return output, probing.captured
 
 
@@ -194,33 +211,19 @@ _UNREACHED_FIX = (
 
 
 @variable_jit
-def _run_compiled(
-  tree, argument, interventions, capture, inputs, index, dtype, random_streams, unreached
-):
-  return _run_once(
-    tree, argument, interventions, capture, inputs, index, dtype, random_streams, unreached
-  )
+def _run_compiled(tree: CallNode, argument: ArgsAndKwargs, options: RunOptions) -> Any:
+  return run_once(tree, argument, options)
 
 
 @variable_jit
-def _run_chunk(
-  tree, argument, indices, interventions, capture, inputs, index, dtype, streams, unreached
-):
-  """`_run_once` on the examples of `argument` at `indices` (traced: one program a size)."""
-  return _run_once(
-    tree,
-    _budget.take(argument, indices),
-    interventions,
-    capture,
-    inputs,
-    index,
-    dtype,
-    streams,
-    unreached,
-  )
+def _run_chunk(tree: CallNode, argument: ArgsAndKwargs, indices: Any, options: RunOptions) -> Any:
+  """`run_once` on the examples of `argument` at `indices` (traced: one program a size)."""
+  return run_once(tree, _budget.take(argument, indices), options)
 
 
-def abstract_run(tree: CallNode, argument: ArgsAndKwargs, rest: tuple) -> tuple[Any, list[str]]:
+def abstract_run(
+  tree: CallNode, argument: ArgsAndKwargs, options: RunOptions
+) -> tuple[Any, list[str]]:
   """The abstract `(output, captured)` of a run on `argument` (its arrays may be
   `jax.ShapeDtypeStruct`s) and the labels of the state variables the run would update.
   Runs a copy of the tree under `jax.eval_shape`: no FLOPs, the tree left alone."""
@@ -231,7 +234,7 @@ def abstract_run(tree: CallNode, argument: ArgsAndKwargs, rest: tuple) -> tuple[
     copy = scratch.copy()
     variables = variables_in(copy)
     before = [v.value for v in variables]
-    result = _run_once(copy, arg, *rest)
+    result = run_once(copy, arg, options)
     updated[:] = [
       v.label
       for v, old in zip(variables, before, strict=True)
@@ -250,45 +253,21 @@ def _output_key(path: Any) -> str:
   return f"the output{jax.tree_util.keystr(path)}"
 
 
-def _run_budgeted(tree: CallNode, argument: ArgsAndKwargs, rest: tuple, budget: int) -> Any:
+def _run_budgeted(tree: CallNode, argument: ArgsAndKwargs, options: RunOptions, budget: int) -> Any:
   """`(output, captured)` of a run on `argument`, on the host, the captures of each compiled
   call taking at most `budget` bytes: the batch split into equal chunks where needed,
   refused where splitting cannot give the result of the whole batch."""
   where = f"{tree.where()} with budget={budget:,} bytes"
-  whole, updated = abstract_run(tree, argument, rest)
+  whole, updated = abstract_run(tree, argument, options)
   if _budget.nbytes(whole[1]) <= budget:
-    return jax.device_get(_run_compiled(tree, argument, *rest))
+    return jax.device_get(_run_compiled(tree, argument, options))
   batch = _budget.batch_size(argument, where)
-  if updated:
-    raise BudgetError(
-      f"{where}: the captures exceed the budget, and a run updates the state variables"
-      f" {updated[:6]}{' ...' if len(updated) > 6 else ''}: chunks of the batch would each"
-      " update them, in turn, where the whole batch updates them once (batch statistics"
-      " over the batch, a counter, NNX random counts). Run the model in a mode that updates"
-      " no state (train=False, model.eval()), or capture less (fewer sites, index=, dtype=)."
-    )
-  if rest[5] is not None:
-    raise BudgetError(
-      f"{where}: the captures exceed the budget, and the run is given random_streams:"
-      " every chunk of the batch would draw the same random numbers (a dropout mask made"
-      " for a chunk's rows), where the whole batch draws them once for all its rows. Run"
-      " without random_streams (a deterministic mode: train=False), or capture less"
-      " (fewer sites, index=, dtype=)."
-    )
-  picking = [maker_label(i.kind, i.at) for i in rest[0] if _budget.picks_examples(i.index)]
-  if picking:
-    raise BudgetError(
-      f"{where}: the captures exceed the budget, and the where= of {', '.join(picking)}"
-      " selects along the leading (batch) axis: applied to each chunk of the batch, it"
-      " would select its examples in every chunk. Edit every example alike (where="
-      " starting with ':' or '...'), or capture less (fewer sites, index=, dtype=) and run"
-      " without splitting."
-    )
+  _refuse_splitting(where, updated, options)
   if batch == 1:
     sizes = {key: _budget.nbytes(value) for key, value in whole[1].items()}
     _budget.examples_per_chunk(_budget.nbytes(whole[1]), 0, sizes, budget, 1, where)
   try:
-    one, _ = abstract_run(tree, _budget.shrunk(argument, 1), rest)
+    one, _ = abstract_run(tree, _budget.shrunk(argument, 1), options)
   except FlaxlensError as e:
     raise BudgetError(
       f"{where}: the captures exceed the budget, so the batch of {batch} would be split"
@@ -303,32 +282,13 @@ def _run_budgeted(tree: CallNode, argument: ArgsAndKwargs, rest: tuple, budget: 
     captures.per_example, captures.fixed, captures.sizes(one[1]), budget, batch, where
   )
   argument = jax.tree_util.tree_map(lambda x: jnp.asarray(x) if is_array(x) else x, argument)
-  done: dict[tuple[int, int, bool], Any] = {}
-
-  def chunk(indices: tuple[int, ...], captured: bool = True) -> Any:
-    """The host `(output, captured)` of the examples at `indices`; run once."""
-    if (indices, captured) not in done:
-      interventions, capture, *options = rest
-      ran = _run_chunk(
-        tree,
-        argument,
-        np.asarray(indices, np.int32),
-        interventions,
-        capture if captured else None,
-        *options,
-      )
-      # Copied out, so the device's buffers go now: on CPU a NumPy view of an array would
-      # keep its buffer alive, and the chunks would together hold the whole batch's bytes.
-      done[indices, captured] = jax.tree_util.tree_map(lambda x: np.array(x, copy=True), ran)
-      del ran
-    return done[indices, captured]
-
+  chunks = _Chunks(tree, argument, options)
   # Where the budget holds one example, the check's chunks of two capture nothing and
   # their outputs are compared. The message names the first site that differs.
   captured = size > 1
   order = [(site.name, tuple(site.node.path)) for site in sites_of(tree)]
   _budget.check_independent(
-    lambda indices: chunk(indices, captured)[: 1 + captured],
+    lambda indices: chunks.run(indices, captured)[: 1 + captured],
     (outputs, captures)[: 1 + captured],
     size,
     batch,
@@ -341,7 +301,7 @@ def _run_budgeted(tree: CallNode, argument: ArgsAndKwargs, rest: tuple, budget: 
     named=lambda found: _innermost(found, order),
   )
   chunk_starts = _budget.starts(batch, size)
-  ran = [chunk(tuple(_budget.examples(start, size, batch).tolist())) for start in chunk_starts]
+  ran = [chunks.run(tuple(_budget.examples(start, size, batch).tolist())) for start in chunk_starts]
   varying = _budget.varying([r[1] for r in ran], captures)
   if varying is not None:
     raise BudgetError(
@@ -355,6 +315,58 @@ def _run_budgeted(tree: CallNode, argument: ArgsAndKwargs, rest: tuple, budget: 
     _budget.joined([r[0] for r in ran], chunk_starts, size, outputs),
     _budget.joined([r[1] for r in ran], chunk_starts, size, captures),
   )
+
+
+def _refuse_splitting(where: str, updated: list[str], options: RunOptions) -> None:
+  """Refuses to split a batch whose chunks would not give the whole batch's result: a run
+  that updates state, draws random numbers, or selects examples by where=."""
+  if updated:
+    raise BudgetError(
+      f"{where}: the captures exceed the budget, and a run updates the state variables"
+      f" {updated[:6]}{' ...' if len(updated) > 6 else ''}: chunks of the batch would each"
+      " update them, in turn, where the whole batch updates them once (batch statistics"
+      " over the batch, a counter, NNX random counts). Run the model in a mode that updates"
+      " no state (train=False, model.eval()), or capture less (fewer sites, index=, dtype=)."
+    )
+  if options.random_streams is not None:
+    raise BudgetError(
+      f"{where}: the captures exceed the budget, and the run is given random_streams:"
+      " every chunk of the batch would draw the same random numbers (a dropout mask made"
+      " for a chunk's rows), where the whole batch draws them once for all its rows. Run"
+      " without random_streams (a deterministic mode: train=False), or capture less"
+      " (fewer sites, index=, dtype=)."
+    )
+  picking = [
+    maker_label(i.kind, i.at) for i in options.interventions if _budget.picks_examples(i.index)
+  ]
+  if picking:
+    raise BudgetError(
+      f"{where}: the captures exceed the budget, and the where= of {', '.join(picking)}"
+      " selects along the leading (batch) axis: applied to each chunk of the batch, it"
+      " would select its examples in every chunk. Edit every example alike (where="
+      " starting with ':' or '...'), or capture less (fewer sites, index=, dtype=) and run"
+      " without splitting."
+    )
+
+
+class _Chunks:
+  """Runs of chunks of a batch, each on the host and run once."""
+
+  def __init__(self, tree: CallNode, argument: ArgsAndKwargs, options: RunOptions):
+    self.tree, self.argument, self.options = tree, argument, options
+    self.done: dict[tuple[tuple[int, ...], bool], Any] = {}
+
+  def run(self, indices: tuple[int, ...], captured: bool = True) -> Any:
+    """The host `(output, captured)` of the examples at `indices` (without captures where
+    not `captured`)."""
+    if (indices, captured) not in self.done:
+      options = self.options if captured else self.options._replace(capture=None)
+      ran = _run_chunk(self.tree, self.argument, np.asarray(indices, np.int32), options)
+      # Copied out, so the device's buffers go now: on CPU a NumPy view of an array would
+      # keep its buffer alive, and the chunks would together hold the whole batch's bytes.
+      self.done[indices, captured] = jax.tree_util.tree_map(lambda x: np.array(x, copy=True), ran)
+      del ran
+    return self.done[indices, captured]
 
 
 def _innermost(found: list[str], order: list[tuple[str, tuple]]) -> str:
@@ -469,19 +481,16 @@ def run(
     index = _split_index(index if isinstance(index, tuple) else (index,))
   _check_dtype(dtype)
   budget = _budget.checked_budget(budget, "fl.run")
+  if budget is not None and (capture is None or capture is False or not jit):
+    raise BudgetError(
+      f"fl.run: budget= bounds what a compiled run captures, and this run"
+      f" {'captures nothing' if jit else 'is not compiled (jit=False)'}. Pass capture=..."
+      " with jit=True (the default), or leave budget= out."
+    )
+  options = RunOptions(interventions, capture, inputs, index, dtype, random_streams, unreached)
   if budget is not None:
-    if capture is None or capture is False or not jit:
-      raise BudgetError(
-        f"fl.run: budget= bounds what a compiled run captures, and this run"
-        f" {'captures nothing' if jit else 'is not compiled (jit=False)'}. Pass capture=..."
-        " with jit=True (the default), or leave budget= out."
-      )
-    rest = (interventions, capture, inputs, index, dtype, random_streams, unreached)
-    return _run_budgeted(tree, argument, rest, budget)
-  runner = _run_compiled if jit else _run_once
-  output, captured = runner(
-    tree, argument, interventions, capture, inputs, index, dtype, random_streams, unreached
-  )
+    return _run_budgeted(tree, argument, options, budget)
+  output, captured = (_run_compiled if jit else run_once)(tree, argument, options)
   return output if capture is None or capture is False else (output, captured)
 
 
