@@ -248,6 +248,27 @@ def check(first: str, second: str, import_path: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  if args.command == "demo":  # It says it is importing JAX first.
+    return demo(not args.no_cache, args.compilation_cache)
+  if not args.no_cache:
+    import flaxlens as fl
+
+    fl.enable_compilation_cache(args.compilation_cache)
+  with _importing(args.import_path):
+    if args.command == "inspect":
+      return inspect(
+        args.target, args.depth, args.path, args.json, args.html, args.debug, args.import_path
+      )
+    if args.command == "replay":
+      return replay(args.path, args.jit, args.allow, args.import_path)
+    if args.command == "check":
+      return check(args.first, args.second, args.import_path)
+  return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+  """The command line: its commands and their options."""
   parser = argparse.ArgumentParser(
     prog="flaxlens", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
@@ -266,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
   commands.add_parser(
     "demo", parents=[cache], help="convert an embedded model, check it, patch and edit it"
   )
+  _add_inspect(commands, cache)
+  _add_replay(commands, cache)
+  _add_check(commands, cache)
+  return parser
+
+
+def _add_inspect(commands: Any, cache: argparse.ArgumentParser) -> None:
   inspect_parser = commands.add_parser(
     "inspect",
     parents=[cache],
@@ -296,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     "--debug", action="store_true", help="show the full traceback when the TARGET is wrong"
   )
   _import_path_option(inspect_parser)
+
+
+def _add_replay(commands: Any, cache: argparse.ArgumentParser) -> None:
   replay_parser = commands.add_parser(
     "replay", parents=[cache], help="re-run a saved isolated call"
   )
@@ -316,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     " only for artifacts from a source you trust",
   )
   _import_path_option(replay_parser)
+
+
+def _add_check(commands: Any, cache: argparse.ArgumentParser) -> None:
   check_parser = commands.add_parser(
     "check",
     parents=[cache],
@@ -328,23 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     "second", metavar="OTHER", help="another TARGET, or a path written by fl.save_exported"
   )
   _import_path_option(check_parser)
-  args = parser.parse_args(argv)
-  if args.command == "demo":  # It says it is importing JAX first.
-    return demo(not args.no_cache, args.compilation_cache)
-  if not args.no_cache:
-    import flaxlens as fl
-
-    fl.enable_compilation_cache(args.compilation_cache)
-  with _importing(args.import_path):
-    if args.command == "inspect":
-      return inspect(
-        args.target, args.depth, args.path, args.json, args.html, args.debug, args.import_path
-      )
-    if args.command == "replay":
-      return replay(args.path, args.jit, args.allow, args.import_path)
-    if args.command == "check":
-      return check(args.first, args.second, args.import_path)
-  return 2
 
 
 def _import_path_option(parser: argparse.ArgumentParser) -> None:
