@@ -647,3 +647,53 @@ def test_no_flax_or_jax_internal_is_used_outside_compat(imports):
 def test_compat_names_internals_as_data_never_imports_them():
   found = internals_imported_in_compat(flax_internals_used(SOURCE))
   assert not found, "imports of internals in flaxlens/_compat (use Internal):\n" + "\n".join(found)
+
+
+# Rooms one can hold in one's head: a module of at most this many lines, a function body
+# (its docstring aside) of at most this many, unless the docstring's first paragraph ends
+# with a sentence starting "Long because" that says why.
+MODULE_LINES = 800
+FUNCTION_LINES = 80
+
+
+def rooms_too_big(source: pathlib.Path) -> list[str]:
+  """The modules and functions under `source` beyond the sizes above, as `path: size`."""
+  found = []
+  for path in sorted(source.rglob("*.py")):
+    text = path.read_text()
+    name = path.relative_to(source.parent)
+    lines = text.count("\n")
+    if lines > MODULE_LINES:
+      found.append(f"{name}: {lines} lines")
+    for node in ast.walk(ast.parse(text)):
+      if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        continue
+      docstring = ast.get_docstring(node) or ""
+      body = node.body[1:] if docstring else node.body
+      if not body:
+        continue
+      length = body[-1].end_lineno - body[0].lineno + 1
+      if length > FUNCTION_LINES and "Long because" not in docstring:
+        found.append(f"{name}:{node.lineno} {node.name}: a body of {length} lines")
+  return found
+
+
+def test_rooms_too_big_finds_a_long_module_and_a_long_function_unless_it_says_why(tmp_path):
+  long_body = "".join(f"  x{n} = {n}\n" for n in range(FUNCTION_LINES + 1))
+  source = _write(
+    tmp_path,
+    {
+      "__init__.py": "",
+      "a.py": f"def f():\n{long_body}\n\ndef g():\n  '''Long because it is a table.'''\n{long_body}",
+      "b.py": "\n" * (MODULE_LINES + 1),
+    },
+  )
+  assert rooms_too_big(source) == [
+    f"flaxlens/a.py:1 f: a body of {FUNCTION_LINES + 1} lines",
+    f"flaxlens/b.py: {MODULE_LINES + 1} lines",
+  ]
+
+
+def test_every_module_and_function_fits_in_ones_head():
+  found = rooms_too_big(SOURCE)
+  assert not found, "too big to hold in one's head:\n" + "\n".join(found)
