@@ -7,7 +7,7 @@ is looked up when first used, never at import, so `import flaxlens` works whatev
 Flax and JAX are installed, and the first use of an internal they lack raises
 `UnsupportedFlaxFeatureError` naming it and the versions flaxlens supports (`SUPPORTED`,
 kept equal to the window in pyproject.toml). Nothing outside this package may use an
-internal (`tests/test_architecture.py` checks it); docs/compat.md lists every one.
+internal (`tests/project/test_architecture.py` checks it); docs/compat.md lists every one.
 
 - `linen_modules`: paths, clones, adoption of held modules, compact-method state,
   setup checks and method names of Linen modules.

@@ -28,7 +28,7 @@ from tables import folded_rows
 import flaxlens as fl
 from flaxlens import _demo, cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "inspect_targets.py"
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Scripts on third-party models need their package (installed by the `models` extra).
 NEEDS = {"hf_gpt2.py": "transformers"}
 # Scripts whose full run is a slow test of its own: CI runs their quick path.

@@ -14,7 +14,7 @@ import pytest
 
 import flaxlens as fl
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 WORKFLOW_PAGES = [
   "inspect.md",
   "replace.md",

@@ -18,7 +18,7 @@ import pytest
 import flaxlens as fl
 from flaxlens import errors
 
-API_PAGE = Path(__file__).parents[1] / "docs" / "api.md"
+API_PAGE = Path(__file__).parents[2] / "docs" / "api.md"
 
 
 def _documented() -> list[tuple[str, str]]:
@@ -144,7 +144,7 @@ def test_the_errors_module_documents_every_public_error():
 
 
 def test_version_comes_from_the_package_metadata_of_pyproject():
-  pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+  pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
   assert fl.__version__ == metadata.version("flaxlens") == pyproject["project"]["version"]
 
 

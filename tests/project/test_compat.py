@@ -30,7 +30,7 @@ import flaxlens as fl
 from flaxlens import _compat
 from flaxlens._compat import Internal, linen_lift, nnx_jit, tracing
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _declared() -> list[Internal]:

@@ -102,7 +102,7 @@ PUBLIC_MODULES = (
 INTERNAL_ROOTS = ("flax", "jax")
 COMPAT = "flaxlens._compat"
 
-SOURCE = pathlib.Path(__file__).resolve().parents[1] / "flaxlens"
+SOURCE = pathlib.Path(__file__).resolve().parents[2] / "flaxlens"
 PACKAGES = ("core", "linen", "nnx", "tools")
 NEUTRAL = ("core", "tools")
 ADAPTERS = ("linen", "nnx")

@@ -263,7 +263,7 @@ MEMORY_SCRIPT = textwrap.dedent(
   import flax.linen as nn, jax, jax.numpy as jnp
   from flax import nnx
   import flaxlens as fl
-  from test_jit_calls import LinenTied, NNXTied, X
+  from core.test_jit_calls import LinenTied, NNXTied, X
 
   def rss():
     with open("/proc/self/statm") as f:
@@ -291,7 +291,7 @@ def test_repeated_eager_calls_with_an_inner_jit_keep_memory_bounded():
     capture_output=True,
     text=True,
     check=True,
-    cwd=pathlib.Path(__file__).parent,  # so the script imports this module
+    cwd=pathlib.Path(__file__).parents[1],  # tests/, so the script imports this module
   )
   growth_mb = float(done.stdout.strip().splitlines()[-1])
   assert growth_mb < 50, growth_mb

@@ -730,7 +730,7 @@ def test_grad_at_stacks_the_gradients_of_a_scanned_call(name, corpora):
   np.testing.assert_allclose(grads[site], np.stack(expected), rtol=1e-6, atol=1e-6)
 
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "sweeps.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "sweeps.md"
 
 
 def test_the_sweeps_page_examples_run_in_order(tmp_path, monkeypatch):
