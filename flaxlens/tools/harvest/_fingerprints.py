@@ -107,6 +107,6 @@ def fingerprint(named: list[tuple[str, Any]]) -> str:
   return digest.hexdigest()[:32]
 
 
+# Functions and values given to `fl.harvest` (`ids=`, a mask, a batch's Python values) as
+# text the same in every process, arrays by their `fingerprint`.
 STABLE_TEXT = StableText(lambda array: fingerprint([("", array)]))
-"""Functions and values given to `fl.harvest` (`ids=`, a mask, a batch's Python values) as
-text the same in every process, arrays by their `fingerprint`."""
