@@ -70,19 +70,33 @@ class Step:
 
 
 class _Written:
-  """The pending writes of one batch, and what the store holds once they complete."""
+  """The pending writes of one step (a batch, or a chunk of one), and what the store holds
+  once they complete."""
 
-  def __init__(self, futures: list[Any], progress: dict[str, Any], held: list[Any]):
-    self.futures = futures
-    self.progress = progress
-    self.held = held  # host arrays a write reads from, kept until it completes
+  def __init__(self) -> None:
+    self.futures: list[Any] = []
+    self.held: list[np.ndarray] = []  # host arrays a write reads from, kept until it completes
+    self.rows: dict[str, int] = {}  # the rows written, by site
+    self.progress: dict[str, Any] | None = None  # None: a chunk before its batch's last
+
+  def write(self, target: Any, first: int, rest: tuple[slice, ...], data: np.ndarray) -> None:
+    """Issues the write of `data` at rows `first:` and region `rest` of the other axes."""
+    region = target[(slice(first, first + len(data)), *rest)]
+    # Rows are never changed after they leave the device: TensorStore may keep reading
+    # them instead of copying them first.
+    self.futures.append(region.write(data, can_reference_source_data_indefinitely=True))
+    self.held.append(data)
+
+  def nbytes(self) -> int:
+    """The bytes written."""
+    return sum(data.nbytes for data in self.held)
 
   def done(self) -> bool:
-    """Whether every write of the batch has completed."""
+    """Whether every write of the step has completed."""
     return all(future.commit.done() for future in self.futures)
 
   def wait(self) -> None:
-    """Returns once every write of the batch has completed (raises where one failed)."""
+    """Returns once every write of the step has completed (raises where one failed)."""
     for future in self.futures:
       future.commit.result()  # written to the files, not only copied out of `held`
 
@@ -94,21 +108,11 @@ def _write_batch(
   sizes: np.ndarray,
   example: int,
   rows: dict[str, int],
-) -> tuple[list[Any], list[Any], dict[str, int], int]:
-  """Issues the writes of one batch at rows `rows` (by site), its first example being
-  `example`; returns the futures, the host arrays, the rows written and the bytes. The rows
-  each block of a mask keeps are agreed by every process (`fetch_whole`)."""
-  futures, held, written, size = [], [], {}, 0
-
-  def write(target: Any, first: int, rest: tuple[slice, ...], data: np.ndarray) -> None:
-    nonlocal size
-    region = target[(slice(first, first + len(data)), *rest)]
-    # Rows are never changed after they leave the device: TensorStore may keep reading
-    # them instead of copying them first.
-    futures.append(region.write(data, can_reference_source_data_indefinitely=True))
-    held.append(data)
-    size += data.nbytes
-
+) -> _Written:
+  """Issues the writes of one step's rows at rows `rows` (by site), its first example being
+  `example`. The rows each block of a mask keeps are agreed by every process
+  (`fetch_whole`)."""
+  written = _Written()
   for k, site in enumerate(plan.sites):
     found, target, start = out[site.name], arrays[site.name], rows[site.name]
     counts = fetch_whole(found["count"]) if "count" in found else None
@@ -124,12 +128,12 @@ def _write_batch(
       for first, rest, data in pieces(array, counts):
         if name == "index":
           data = data.astype(np.int64) + np.asarray([example, 0], np.int64)
-        write(target[name], start + first, rest, data)
+        written.write(target[name], start + first, rest, data)
         if counts is None and name == "values" and all(r.start == 0 for r in rest):
           index = _index(site.rule, first, len(data), int(sizes[1 + k])) + [example, 0]
-          write(target["index"], start + first, (), index)
-    written[site.name] = found["values"].shape[0] if counts is None else int(counts.sum())
-  return futures, held, written, size
+          written.write(target["index"], start + first, (), index)
+    written.rows[site.name] = found["values"].shape[0] if counts is None else int(counts.sum())
+  return written
 
 
 def _index(rule: Any, first: int, count: int, length: int) -> np.ndarray:
@@ -251,22 +255,19 @@ class Writer:
     while pending and (len(pending) >= IN_FLIGHT or (not self.several and pending[0].done())):
       self._commit(pending.popleft())
     sizes = fetch_whole(step.out["sizes"])
-    futures, held, counts, size = _write_batch(
-      self.arrays, step.out, self.plan, sizes, self.examples, self.rows
-    )
+    written = _write_batch(self.arrays, step.out, self.plan, sizes, self.examples, self.rows)
     self.examples += int(sizes[0])
-    self.rows = {name: self.rows[name] + counts[name] for name in self.rows}
-    self.written_bytes += size
-    progress = None
+    self.rows = {name: self.rows[name] + written.rows[name] for name in self.rows}
+    self.written_bytes += written.nbytes()
     if step.last:
       self.batches = step.number + 1
-      progress = {
+      written.progress = {
         "batches": self.batches,
         "examples": self.examples,
         "rows": self.rows,
         "complete": False,
       }
-    pending.append(_Written(futures, progress, held))
+    pending.append(written)
     tokens = int(sizes[0]) * int(sizes[1:].max())
     self.display.update(step.number + step.last, self.examples, tokens, self.written_bytes)
 
