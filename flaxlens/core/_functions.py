@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dis
 import functools
+import hashlib
 import inspect
 import os
 import sys
@@ -27,7 +28,7 @@ import threading
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -38,7 +39,7 @@ from flaxlens.errors import FlaxlensError, MetricRetraceWarning
 _ARRAY = ("array",)
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
 _VALUES = (int, str, bytes, bool, type(None))
-_MAX_DEPTH = 8
+_MAX_DEPTH = 8  # Values read through values: deeper ones by identity.
 _MAX_ITEMS = 64  # A global list or dict with more items is compared by identity.
 
 
@@ -116,28 +117,57 @@ def _describe_function(fn: types.FunctionType, leaves: list[Any] | None, depth: 
   code = fn.__code__
   if fn.__dict__ or _writes_cells(code):
     return _Same(fn)
-  parts: list[tuple[str, Any]] = []
-  start = len(leaves) if leaves is not None else 0
   try:
-    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
-      parts.append((f"closure variable {name!r}", _describe(cell.cell_contents, leaves, depth + 1)))
+    reads = function_reads(fn)
   except ValueError:  # An empty cell (a name not assigned yet): the function as it is.
-    if leaves is not None:
-      del leaves[start:]
     return _Same(fn)
-  positional = code.co_varnames[: code.co_argcount]
-  defaults = fn.__defaults__ or ()
-  for name, default in zip(positional[len(positional) - len(defaults) :], defaults, strict=True):
-    parts.append((f"default of {name!r}", _describe(default, leaves, depth + 1)))
-  for name, default in sorted((fn.__kwdefaults__ or {}).items()):
+  parts: list[tuple[str, Any]] = []
+  for name, value in reads.closure:
+    parts.append((f"closure variable {name!r}", _describe(value, leaves, depth + 1)))
+  for name, default in (*reads.defaults, *reads.keyword_defaults):
     parts.append((f"default of {name!r}", _describe(default, leaves, depth + 1)))
   # The globals it reads, by value: a lambda in a loop at a module's top level reads the
   # loop variable as a global, and the program bakes in what it read when traced.
+  for name, value in reads.globals:
+    parts.append((f"global {name!r}", _describe_global(value, depth + 1)))
+  return ("function", code, _Same(fn.__globals__), tuple(parts))
+
+
+class FunctionReads(NamedTuple):
+  """What a function computes with besides its arguments, each value by its name, in the
+  order both fingerprints of a function (`traced_function`'s key, `StableText`) read it.
+
+  Attributes:
+    closure: the values it closes over, by variable, in `co_freevars` order.
+    defaults: its positional parameters' defaults, in order.
+    keyword_defaults: its keyword-only parameters' defaults, sorted by name.
+    globals: the globals it may read (`global_names`) that its module holds, sorted.
+  """
+
+  closure: tuple[tuple[str, Any], ...]
+  defaults: tuple[tuple[str, Any], ...]
+  keyword_defaults: tuple[tuple[str, Any], ...]
+  globals: tuple[tuple[str, Any], ...]
+
+
+def function_reads(fn: types.FunctionType) -> FunctionReads:
+  """The one walk over what `fn` reads (see `FunctionReads`).
+
+  Raises:
+    ValueError: `fn` closes over a variable not assigned yet (an empty cell).
+  """
+  code = fn.__code__
+  closure = tuple(
+    (name, cell.cell_contents)
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True)
+  )
+  positional = code.co_varnames[: code.co_argcount]
+  defaults = fn.__defaults__ or ()
+  named_defaults = tuple(zip(positional[len(positional) - len(defaults) :], defaults, strict=True))
+  keyword_defaults = tuple(sorted((fn.__kwdefaults__ or {}).items()))
   namespace = fn.__globals__
-  for name in global_names(code):
-    if name in namespace:
-      parts.append((f"global {name!r}", _describe_global(namespace[name], depth + 1)))
-  return ("function", code, _Same(namespace), tuple(parts))
+  read = tuple((name, namespace[name]) for name in global_names(code) if name in namespace)
+  return FunctionReads(closure, named_defaults, keyword_defaults, read)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -435,3 +465,86 @@ def _shown(key: Any) -> str:
     kind, value = key
     return repr(float.fromhex(value) if kind is float else value)
   return f"a {key[0]}"
+
+
+class StableText:
+  """Functions and values as text that is the same in every process and every run for the
+  same computation (where `traced_function`'s key compares objects by identity, within
+  one process): a function by its qualified name, the hash of its code and the values it
+  reads (`function_reads`); a `functools.partial` by its function and arguments, a method
+  by its function and its object's attributes, an object with `__call__` by its class's
+  `__call__` and its attributes. Numbers, strings and None by value, arrays by
+  `array_text`, tuples, lists and dicts of at most 64 items by their items, functions in
+  turn, modules by name, anything else by type (not its module's name, which differs
+  between a script and its import).
+
+  Example:
+    >>> from flaxlens.core._functions import StableText
+    >>> text = StableText(lambda array: f"array{array.shape}")
+    >>> def scaled(scale):
+    ...   return lambda x: x * scale
+    >>> same, other = text.function(scaled(2.0)), text.function(scaled(3.0))
+    >>> same == text.function(scaled(2.0)), other == same
+    (True, False)
+    >>> text.values([1, "a", None, (2.5,)])
+    "1,'a',None,[2.5]"
+  """
+
+  def __init__(self, array_text: Callable[[Any], str]):
+    self.array_text = array_text
+
+  def function(self, fn: Any, depth: int = 0) -> str:
+    """`fn` as text (see the class)."""
+    if depth > _MAX_TEXT_DEPTH:
+      return type(fn).__qualname__
+    if isinstance(fn, functools.partial):
+      arguments = self.values([*fn.args, *sorted(fn.keywords.items())], depth + 1)
+      return f"partial({self.function(fn.func, depth + 1)};{arguments})"
+    if isinstance(fn, types.MethodType):
+      owner = fn.__self__
+      return f"{self.function(fn.__func__, depth + 1)} of {self._object(owner, depth + 1)}"
+    if not isinstance(fn, types.FunctionType):
+      call = inspect.getattr_static(type(fn), "__call__", None)
+      if isinstance(call, types.FunctionType):  # an object with __call__: its method, its state
+        return f"{self.function(call, depth + 1)} of {self._object(fn, depth + 1)}"
+      return getattr(fn, "__qualname__", type(fn).__name__)
+    reads = function_reads(fn)
+    values = [value for _, value in (*reads.closure, *reads.defaults)]
+    values += [*reads.keyword_defaults, *reads.globals]
+    text = f"{_code_text(fn.__code__)}|{self.values(values, depth)}"
+    return f"{fn.__qualname__}:{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+  def values(self, values: list[Any], depth: int = 0) -> str:
+    """`values` as text, joined by commas (see the class)."""
+    parts = []
+    for value in values:
+      if value is None or isinstance(value, bool | int | float | complex | str | bytes):
+        parts.append(repr(value))
+      elif isinstance(value, _ARRAYS):
+        parts.append(self.array_text(value))
+      elif isinstance(value, tuple | list) and len(value) <= _MAX_ITEMS:
+        parts.append(f"[{self.values(list(value), depth)}]")
+      elif isinstance(value, dict) and len(value) <= _MAX_ITEMS:
+        items = sorted(value.items(), key=lambda item: repr(item[0]))
+        parts.append(f"{{{self.values(items, depth)}}}")
+      elif isinstance(value, types.ModuleType):
+        parts.append(f"module {value.__name__}")
+      elif isinstance(value, types.FunctionType | functools.partial | types.MethodType):
+        parts.append(self.function(value, depth + 1))
+      else:
+        parts.append(type(value).__qualname__)
+    return ",".join(parts)
+
+  def _object(self, owner: Any, depth: int) -> str:
+    attributes = sorted(getattr(owner, "__dict__", {}).items())
+    return f"{type(owner).__qualname__}({self.values(attributes, depth)})"
+
+
+_MAX_TEXT_DEPTH = 6  # Functions read through functions: deeper ones by their type alone.
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_text(code: types.CodeType) -> str:
+  """`code` as text without addresses (a nested code object's `repr` holds one)."""
+  consts = [_code_text(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+  return f"{code.co_code.hex()}|{consts}|{code.co_names!r}"

@@ -75,7 +75,7 @@ def main() -> None:
     process_id=process,
     initialization_timeout=120,
   )
-  from flaxlens.tools.harvest import _harvest
+  from flaxlens.tools.harvest import _writing
 
   mesh = Mesh(np.array(jax.devices()), ("data",))
   replicated, rows = (
@@ -92,7 +92,7 @@ def main() -> None:
       yield batch
 
   written: list[int] = []
-  original = _harvest._pieces
+  original = _writing.pieces
 
   def recorded(array, counts):
     """The examples (within their batch) of the rows of the pieces this process writes."""
@@ -108,11 +108,11 @@ def main() -> None:
   for framework in FRAMEWORKS:
     model = models.build(framework, place=lambda v: jax.device_put(v, replicated))
     written.clear()
-    _harvest._pieces = recorded
+    _writing.pieces = recorded
     try:
       harvest(model, local, f"{out}/{framework}", sharding=rows)
     finally:
-      _harvest._pieces = original
+      _writing.pieces = original
     try:
       harvest(model, stopping(), f"{out}/{framework}-resumed", sharding=rows)
     except Stopped:

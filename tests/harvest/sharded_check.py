@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import flaxlens as fl  # noqa: E402
-from flaxlens.tools.harvest import _harvest  # noqa: E402
+from flaxlens.tools.harvest import _writing  # noqa: E402
 from harvest import models  # noqa: E402
 
 mesh = Mesh(np.array(jax.devices()), ("batch",))
@@ -28,7 +28,7 @@ model = models.build("linen")
 batches = [jax.device_put(b, sharding) for b in models.token_batches(3, size=4)]
 pieces = []
 mask_examples = []  # the examples of each piece of a mask's index rows
-original = _harvest._pieces
+original = _writing.pieces
 
 
 def counted(array, counts):
@@ -39,7 +39,7 @@ def counted(array, counts):
   return found
 
 
-_harvest._pieces = counted
+_writing.pieces = counted
 stored = fl.harvest(model.tree, batches, model.sites, tempfile.mkdtemp() + "/s")
 print(f"devices: {len(jax.devices()) == 4}")
 print(f"written shard by shard: {max(pieces) == 4}")

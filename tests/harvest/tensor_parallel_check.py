@@ -24,7 +24,7 @@ def main() -> None:
 
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import flaxlens as fl
-  from flaxlens.tools.harvest import _harvest
+  from flaxlens.tools.harvest import _writing
   from harvest import models
 
   width, hidden = models.WIDTH, 4 * models.WIDTH
@@ -97,7 +97,7 @@ def main() -> None:
     return tree, kernel, lambda tokens: native(nnx.clone(model), tokens)
 
   pieces = []  # the regions of the other axes of every piece written
-  original = _harvest._pieces
+  original = _writing.pieces
 
   def recorded(array, counts):
     found = original(array, counts)
@@ -111,7 +111,7 @@ def main() -> None:
     tree, kernel, native = build()
     report(f"{framework} kernel sharded", kernel.sharding.spec == P(None, "model"))
     pieces.clear()
-    _harvest._pieces = recorded
+    _writing.pieces = recorded
     try:
       stored = fl.harvest(
         tree,
@@ -124,7 +124,7 @@ def main() -> None:
         progress=False,
       )
     finally:
-      _harvest._pieces = original
+      _writing.pieces = original
     offsets = {r[0].start for r in pieces if r}
     report(f"{framework} written at feature offsets", offsets == set(range(0, hidden, hidden // 4)))
     placed = [jax.device_put(b, rows) for b in batches]

@@ -43,7 +43,7 @@ def test_the_same_call_on_a_complete_store_that_cannot_be_written_returns_it(
     raise PermissionError("read-only store")
 
   monkeypatch.setattr(fl.tools.harvest._store, "write_progress", refuse)
-  monkeypatch.setattr(fl.tools.harvest._harvest, "_check_writable", refuse)
+  monkeypatch.setattr(fl.tools.harvest._directory, "_check_writable", refuse)
   again = fl.harvest(linen_model.tree, BATCHES, "Block_0", path)
   np.testing.assert_array_equal(again["Block_0"][:], first["Block_0"][:])
 

@@ -133,10 +133,10 @@ def test_the_checksum_summed_on_the_host_equals_the_one_summed_by_a_jitted_progr
   # NumPy; arrays on accelerators or over several devices are summed by a jitted program. A
   # store made one way must resume the other, so both must give the same numbers. The
   # array spans several of the host's slices, and a partial one.
-  from flaxlens.tools.harvest import _harvest
+  from flaxlens.tools.harvest import _fingerprints
 
   rng = np.random.default_rng(0)
-  size = 2 * _harvest._SPAN + 7
+  size = 2 * _fingerprints._SPAN + 7
   values = rng.standard_normal(size) * 50 + 1j * rng.standard_normal(size)
   if dtype == "bool":
     array = values.real > 0
@@ -145,15 +145,15 @@ def test_the_checksum_summed_on_the_host_equals_the_one_summed_by_a_jitted_progr
   else:
     array = (values if dtype.startswith("complex") else values.real).astype(jnp.dtype(dtype))
   device = jax.device_put(array)
-  on_device = _harvest._checksums([device])[0].tolist()
-  assert list(_harvest._host_checksum(_harvest._on_host(array))) == on_device
-  assert list(_harvest._host_checksum(_harvest._on_host(device))) == on_device
+  on_device = _fingerprints._checksums([device])[0].tolist()
+  assert list(_fingerprints._host_checksum(_fingerprints._on_host(array))) == on_device
+  assert list(_fingerprints._host_checksum(_fingerprints._on_host(device))) == on_device
   # And the fingerprint is the same for the NumPy array and the device array.
-  assert _harvest._fingerprint([("a", array)]) == _harvest._fingerprint([("a", device)])
+  assert _fingerprints.fingerprint([("a", array)]) == _fingerprints.fingerprint([("a", device)])
 
 
 def test_the_checksum_of_64_bit_arrays_is_the_same_on_the_host_and_on_device():
-  from flaxlens.tools.harvest import _harvest
+  from flaxlens.tools.harvest import _fingerprints
 
   enable_x64 = getattr(jax, "enable_x64", None)  # a config state: no truth value
   if enable_x64 is None:
@@ -161,15 +161,15 @@ def test_the_checksum_of_64_bit_arrays_is_the_same_on_the_host_and_on_device():
   rng = np.random.default_rng(1)
   with enable_x64(True):
     for array in (rng.standard_normal(1000), rng.integers(-(2**62), 2**62, 1000)):
-      on_device = _harvest._checksums([jax.device_put(array)])[0].tolist()
-      assert list(_harvest._host_checksum(_harvest._on_host(array))) == on_device
+      on_device = _fingerprints._checksums([jax.device_put(array)])[0].tolist()
+      assert list(_fingerprints._host_checksum(_fingerprints._on_host(array))) == on_device
 
 
 def test_progress_counts_rows_only_after_the_writes_are_synced(linen_model, tmp_path, monkeypatch):
   # The arrays are written without a sync per chunk; `progress.json` may count rows only
   # once a sync of the store's filesystem came after their writes (else a crash of the
   # machine could leave counted rows unwritten). Every save is seen in order.
-  from flaxlens.tools.harvest import _harvest, _store
+  from flaxlens.tools.harvest import _store, _writing
 
   events = []
   flush, write_progress = _store.flush, _store.write_progress
@@ -179,7 +179,7 @@ def test_progress_counts_rows_only_after_the_writes_are_synced(linen_model, tmp_
     "write_progress",
     lambda path, progress: (events.append(progress["batches"]), write_progress(path, progress))[1],
   )
-  monkeypatch.setattr(_harvest, "COMMIT_EVERY", 0.0)  # every batch is saved
+  monkeypatch.setattr(_writing, "COMMIT_EVERY", 0.0)  # every batch is saved
   fl.harvest(linen_model.tree, models.token_batches(4), "Block_0", tmp_path / "s", positions=None)
   assert _store.syncs_itself()
   saved = [i for i, event in enumerate(events) if event != "sync"]
@@ -191,13 +191,13 @@ def test_progress_counts_rows_only_after_the_writes_are_synced(linen_model, tmp_
 def test_a_failed_save_of_the_progress_stops_the_run_with_its_error(
   linen_model, tmp_path, monkeypatch
 ):
-  from flaxlens.tools.harvest import _harvest, _store
+  from flaxlens.tools.harvest import _store, _writing
 
   def refuse(path, progress):
     raise OSError(28, "No space left on device")
 
   monkeypatch.setattr(_store, "write_progress", refuse)
-  monkeypatch.setattr(_harvest, "COMMIT_EVERY", 0.0)
+  monkeypatch.setattr(_writing, "COMMIT_EVERY", 0.0)
   with pytest.raises(OSError, match="No space left"):
     fl.harvest(linen_model.tree, models.token_batches(4), "Block_0", tmp_path / "s", positions=None)
   monkeypatch.undo()
