@@ -684,7 +684,7 @@ def test_rooms_too_big_finds_a_long_module_and_a_long_function_unless_it_says_wh
     tmp_path,
     {
       "__init__.py": "",
-      "a.py": f"def f():\n{long_body}\n\ndef g():\n  '''Long because it is a table.'''\n{long_body}",
+      "a.py": f"def f():\n{long_body}\n\ndef g():\n  '''Long because: a table.'''\n{long_body}",
       "b.py": "\n" * (MODULE_LINES + 1),
     },
   )
