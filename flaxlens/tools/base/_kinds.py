@@ -118,11 +118,12 @@ class InterventionKind(Protocol):
     ...   def compute(self, edited, operands):
     ...     check_fits(edited.site, operands[0], edited.value, "the bound", edited.on)
     ...     return jnp.clip(edited.value, -operands[0], operands[0])
-    >>> model, x = nn.Dense(3), jnp.ones((1, 4))
+    >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
     >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
-    >>> clamp = fl.Intervention(operands=(jnp.array(0.1),), where_arrays=(), at="Dense",
+    >>> clamp = fl.Intervention(operands=(jnp.array(0.1),), where_arrays=(), at="layers_0",
     ...                         kind=Clamp())
-    >>> bool((jnp.abs(fl.run(tree, x, interventions=[clamp])) <= 0.1).all())
+    >>> _, cache = fl.capture(tree, x, "layers_0", interventions=[clamp])
+    >>> bool((jnp.abs(cache["layers_0"]) <= 0.1).all())
     True
   """
 
