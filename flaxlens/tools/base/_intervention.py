@@ -128,11 +128,7 @@ class Intervention(Struct):
 def kind_of(intervention: Intervention) -> InterventionKind:
   """The kind object of `intervention` (its `kind` field holds a built-in's name or an
   object implementing `InterventionKind`)."""
-  return resolve_kind(intervention.kind)
-
-
-def resolve_kind(kind: str | InterventionKind) -> InterventionKind:
-  """The kind object `kind` (a built-in's name, or a kind object) stands for."""
+  kind = intervention.kind
   return BUILT_IN_KINDS[kind] if isinstance(kind, str) else kind
 
 

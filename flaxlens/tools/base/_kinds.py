@@ -96,6 +96,13 @@ FoldRule = Adds | Multiplies | MapsFeatures | Unfoldable
 class InterventionKind(Protocol):
   """What an intervention does: implement it to add a kind of your own.
 
+  A kind object is static in the intervention (in its treedef, as `at` is): it must be
+  hashable, and a new object that is not equal to the last recompiles the run (a plain
+  class compares by identity: make its object once). Its operands are the arrays.
+  `fl.run`, `fl.place` and `fl.capture` apply it through `compute`;
+  `fl.train_interventions` learns the operands `learned` names; `fl.fold` follows
+  `fold`; `fl.save_interventions` refuses it (a saved set holds the built-in kinds only).
+
   Attributes:
     name: the kind's name (`Intervention.kind` of the built-ins is this name).
     maker: how messages name what makes it (`"fl.steer"`; `"my_edits.clamp"`).
@@ -165,15 +172,13 @@ class SavedForm(NamedTuple):
 
 
 class _BuiltIn:
-  """What the built-in kinds share: their defaults, and equality by class (every instance
-  of one is the same kind)."""
+  """What the built-in kinds share: their defaults, how they are saved (`saved`), and
+  equality by class (every instance of one is the same kind). Each sets `name`, `maker`
+  and `fold`."""
 
-  name = ""
-  maker = ""
   operand_names: tuple[str, ...] = ()
   region: Region | None = None
   source: int | None = None
-  fold: FoldRule = Unfoldable("")
   saved = SavedForm(0)
   learns: tuple[int, ...] = ()
 

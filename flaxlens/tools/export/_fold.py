@@ -96,6 +96,10 @@ def fold(
     zeroing head `h` of an attention output projection's input (`where=jnp.s_[..., h,
     :]`) zeroes the kernel rows of that head.
 
+  A kind of your own (`InterventionKind`) folds by the rule it declares (`fold`: `Adds`,
+  `Multiplies`, `MapsFeatures`, as steering, scaling and low-rank edits fold), or is
+  refused with the reason it gives (`Unfoldable`).
+
   The value added or multiplied must be the same at every leading (batch, position)
   index: `where=` may choose features or heads, not positions. Nothing is taken from
   class names: for each call the edit is tried on the parameters whose shapes fit and
@@ -112,7 +116,8 @@ def fold(
     args: the model's arguments to check the folding on, as `fl.run` takes them: one
       value, a tuple of positional arguments, or `fl.ArgsAndKwargs`.
     interventions: `fl.steer`, `fl.scale`, zero `fl.ablate` and `fl.low_rank_edit`
-      results, folded in order.
+      results (and interventions of kinds of your own with a folding rule), folded in
+      order.
     atol: the largest absolute difference the check accepts per output leaf.
     rtol: the largest relative difference it accepts per output leaf.
     random_streams: as for `fl.run` (Linen rng keys).
