@@ -199,3 +199,8 @@ def test_the_kinds_here_implement_the_protocol():
 def test_a_kind_that_is_neither_a_name_nor_a_kind_object_is_refused():
   with pytest.raises(fl.ArgumentError, match="InterventionKind protocol"):
     fl.Intervention(operands=(), where_arrays=(), at="hidden", kind=object())
+
+
+def test_a_kind_class_given_for_its_object_is_refused_naming_the_fix():
+  with pytest.raises(fl.ArgumentError, match=r"Give kind=Clamp\(\)"):
+    fl.Intervention(operands=_bounds(), where_arrays=(), at="hidden", kind=Clamp)

@@ -87,6 +87,11 @@ class Intervention(Struct):
         " interventions with fl.ablate, fl.patch, fl.steer, fl.scale, fl.modify,"
         " fl.low_rank_edit or fl.interchange."
       )
+    if isinstance(self.kind, type):
+      raise ArgumentError(
+        f"{maker}: kind={self.kind.__qualname__} is a class; an intervention takes an"
+        f" object of it. Give kind={self.kind.__qualname__}()."
+      )
     if not isinstance(self.kind, str | InterventionKind):
       raise ArgumentError(
         f"{maker}: kind={self.kind!r} is neither a built-in kind's name ({KINDS}) nor an"
