@@ -19,8 +19,8 @@ from flaxlens.tools.base._intervention import (
   make_intervention,
   maker_label,
   operand_array,
-  orthonormal_rows,
 )
+from flaxlens.tools.base._kinds import orthonormal_rows
 
 
 def ablate(

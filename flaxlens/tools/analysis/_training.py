@@ -2,9 +2,9 @@
 
 An intervention is data whose arrays are pytree leaves (`fl.Intervention`), so training
 one is `jax.grad` over those arrays of a loss of the intervened run. `train_interventions`
-splits each intervention's operands into what its kind learns (`LEARNED`: a steering
-vector, a low-rank edit's projection, weight and bias, an interchange's rotation) and
-data (alpha, sources, masks), compiles one step (gradient, optax update) with
+splits each intervention's operands into what its kind learns (`InterventionKind.learned`:
+a steering vector, a low-rank edit's projection, weight and bias, an interchange's
+rotation) and data (alpha, sources, masks), compiles one step (gradient, optax update) with
 `fl.variable_jit`, the tree an input of that step that is never differentiated and
 never written, and runs it on every batch. optax is imported on first use
 (`pip install "flaxlens[train]"`). No Flax internals here.
@@ -38,7 +38,7 @@ from flaxlens.errors import (
   model_call_error,
 )
 from flaxlens.tools.analysis._sweeps import metric_value
-from flaxlens.tools.base._intervention import LEARNED, Intervention
+from flaxlens.tools.base._intervention import Intervention, kind_of
 from flaxlens.tools.base._probed import checked_interventions, nodes_by_name, run
 from flaxlens.tools.base._sites import select_sites, sites_of
 
@@ -56,9 +56,7 @@ def _optax() -> Any:
 
 def _learned(intervention: Intervention) -> tuple[int, ...]:
   """The positions of the operands `intervention`'s kind learns."""
-  if intervention.kind == "modify":
-    return tuple(range(len(intervention.operands)))
-  return LEARNED.get(intervention.kind, ())
+  return tuple(kind_of(intervention).learned(len(intervention.operands)))
 
 
 def _split(interventions: tuple[Intervention, ...], where: str) -> tuple[tuple, tuple]:
@@ -71,7 +69,8 @@ def _split(interventions: tuple[Intervention, ...], where: str) -> tuple[tuple, 
       operand = intervention.operands[i]
       if not jnp.issubdtype(operand.dtype, jnp.inexact):
         raise ArgumentError(
-          f"{where}: intervention {number} ({intervention.kind} at {intervention.at!r}) has"
+          f"{where}: intervention {number} ({kind_of(intervention).name} at"
+          f" {intervention.at!r}) has"
           f" operand {i} of dtype {operand.dtype}, and gradients need floating-point"
           " arrays. Give it as a float array."
         )
@@ -192,80 +191,13 @@ def train_interventions(
   where = "fl.train_interventions"
   check_tree(tree, where)
   optax = _optax()
-  if not isinstance(optimizer, optax.GradientTransformation):
-    raise ArgumentError(
-      f"{where}: optimizer is a {type(optimizer).__name__}, not an optax"
-      " GradientTransformation. Pass one, such as optax.adam(1e-2)."
-    )
-  if not callable(loss):
-    raise ArgumentError(f"{where}: loss={loss!r} is not callable. Give loss(output, data).")
-  if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-    raise ArgumentError(f"{where}: steps={steps!r}; give a positive int, or None for every batch.")
+  _check_options(optimizer, loss, steps, optax, where)
   given = checked_interventions(interventions, where)
   named, _ = nodes_by_name(tree, given, None)
-  streams = resolve_random_streams(random_streams, tree.where())
   parameters, frames = _split(named, where)
-  swaps = [n for n, i in enumerate(named) if i.kind == "interchange"]
-  sites = {}
-  for n in swaps:
-    at = named[n].at
-    if hasattr(at, "capture_edits"):  # a site object (fl.heads): captured under its keys
-      keys = [edit.key for _, edit in at.capture_edits(tree, sites_of(tree), None)]
-      sites[n] = (at, keys[0]) if len(keys) == 1 else keys
-      continue
-    chosen = select_sites(tree, at)
-    if len(chosen) != 1:
-      sites[n] = [s.name for s in chosen]
-    else:
-      sites[n] = (chosen[0].name, chosen[0].name)
-
-  def objective(learned: tuple, tree: CallNode, args: Any, data: Any, source: Any) -> Any:
-    tree = scratch_copy(tree)  # variables of this trace: a run may not write them
-    before = [v.value for v in variables_in(tree)]
-    edits = _joined(frames, learned)
-    if source is not None:
-      edits = sourced(tree, edits, source)
-    output = run(tree, args, interventions=edits, random_streams=streams, jit=False)
-    updated = [
-      v.label
-      for v, old in zip(variables_in(tree), before, strict=True)
-      if isinstance(v, StateVariable) and v.value is not old
-    ]
-    if updated:
-      raise ArgumentError(
-        f"{where}: a run of {tree.where()} updates the state variables {updated[:6]}, and a"
-        " frozen model's state must not change while interventions train. Run the model in"
-        " a mode that updates no state (train=False, model.eval())."
-      )
-    return metric_value(lambda out: _called(loss, out, data, where), output, True, "loss", where)
-
-  def sourced(tree: CallNode, edits: tuple, source: Any) -> tuple:
-    if not swaps:
-      raise ArgumentError(
-        f"{where}: a batch gives source arguments, and no intervention is an fl.interchange"
-        " to take its source from them. Give batches as (args, data), or train an"
-        " fl.interchange."
-      )
-    several = {n: s for n, s in sites.items() if isinstance(s, list)}
-    if several:
-      n, names = next(iter(several.items()))
-      raise ArgumentError(
-        f"{where}: fl.interchange {n} names {len(names)} calls ({names[:4]}), and a source"
-        " run gives one value per call. Give it one call's path."
-      )
-    _, captured = run(
-      tree,
-      source,
-      capture=[sites[n][0] for n in swaps],
-      random_streams=streams,
-      jit=False,
-    )
-    filled = list(edits)
-    for n in swaps:
-      value = jax.lax.stop_gradient(captured[sites[n][1]])
-      ops = filled[n].operands
-      filled[n] = dataclasses.replace(filled[n], operands=(ops[0], value, *ops[2:]))
-    return tuple(filled)
+  objective = _Objective(
+    where, loss, resolve_random_streams(random_streams, tree.where()), frames, named, tree
+  )
 
   @variable_jit
   def step(tree: CallNode, learned: tuple, state: Any, args: Any, data: Any, source: Any) -> Any:
@@ -288,6 +220,30 @@ def train_interventions(
     if number and not np.isfinite(losses[-2]):
       step_said = f"the loss of step {number - 1} is {float(losses[-2])}"
       raise _diverged(given, where, losses[:-2], started[0], step_said)
+  _check_finished(given, where, losses, started, parameters)
+  trained = _joined(_split(given, where)[1], parameters)
+  return list(trained), _host(losses)
+
+
+def _check_options(optimizer: Any, loss: Any, steps: Any, optax: Any, where: str) -> None:
+  """Refuses an optimizer that is no optax transformation, a loss that is not callable,
+  or `steps` that is neither a positive int nor None."""
+  if not isinstance(optimizer, optax.GradientTransformation):
+    raise ArgumentError(
+      f"{where}: optimizer is a {type(optimizer).__name__}, not an optax"
+      " GradientTransformation. Pass one, such as optax.adam(1e-2)."
+    )
+  if not callable(loss):
+    raise ArgumentError(f"{where}: loss={loss!r} is not callable. Give loss(output, data).")
+  if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+    raise ArgumentError(f"{where}: steps={steps!r}; give a positive int, or None for every batch.")
+
+
+def _check_finished(
+  given: tuple, where: str, losses: list[Any], started: collections.deque, parameters: tuple
+) -> None:
+  """Refuses a training that took no step, whose last loss is not finite, or whose last
+  update made the learned arrays nan or inf (`_diverged`)."""
   if not losses:
     raise ArgumentError(
       f"{where}: batches gave no batch (an empty dataset, or a generator already used up),"
@@ -301,8 +257,85 @@ def train_interventions(
   if not all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(parameters)):
     said = f"the update of step {len(losses) - 1} made the learned arrays nan or inf"
     raise _diverged(given, where, losses, started[-1], said)
-  trained = _joined(_split(given, where)[1], parameters)
-  return list(trained), _host(losses)
+
+
+class _Objective:
+  """The loss of one batch as a function of the learned operands (what `jax.grad` takes),
+  with what every step shares: the loss, the random streams, the interventions' data
+  (`frames`) and the sites whose source a batch's `source_args` run fills (the
+  interventions whose kind has a `source` operand, `fl.interchange`'s)."""
+
+  def __init__(
+    self, where: str, loss: Callable, streams: Any, frames: tuple, named: tuple, tree: CallNode
+  ) -> None:
+    self.where, self.loss, self.streams, self.frames = where, loss, streams, frames
+    self.sourced = [n for n, i in enumerate(named) if kind_of(i).source is not None]
+    self.sites = {n: _source_site(tree, named[n].at) for n in self.sourced}
+
+  def __call__(self, learned: tuple, tree: CallNode, args: Any, data: Any, source: Any) -> Any:
+    where = self.where
+    tree = scratch_copy(tree)  # variables of this trace: a run may not write them
+    before = [v.value for v in variables_in(tree)]
+    edits = _joined(self.frames, learned)
+    if source is not None:
+      edits = self.with_sources(tree, edits, source)
+    output = run(tree, args, interventions=edits, random_streams=self.streams, jit=False)
+    updated = [
+      v.label
+      for v, old in zip(variables_in(tree), before, strict=True)
+      if isinstance(v, StateVariable) and v.value is not old
+    ]
+    if updated:
+      raise ArgumentError(
+        f"{where}: a run of {tree.where()} updates the state variables {updated[:6]}, and a"
+        " frozen model's state must not change while interventions train. Run the model in"
+        " a mode that updates no state (train=False, model.eval())."
+      )
+    loss = self.loss
+    return metric_value(lambda out: _called(loss, out, data, where), output, True, "loss", where)
+
+  def with_sources(self, tree: CallNode, edits: tuple, source: Any) -> tuple:
+    """`edits` with each source operand set to its site's value in a run on `source`."""
+    where, sites = self.where, self.sites
+    if not self.sourced:
+      raise ArgumentError(
+        f"{where}: a batch gives source arguments, and no intervention is an fl.interchange"
+        " to take its source from them. Give batches as (args, data), or train an"
+        " fl.interchange."
+      )
+    several = {n: s for n, s in sites.items() if isinstance(s, list)}
+    if several:
+      n, names = next(iter(several.items()))
+      raise ArgumentError(
+        f"{where}: fl.interchange {n} names {len(names)} calls ({names[:4]}), and a source"
+        " run gives one value per call. Give it one call's path."
+      )
+    _, captured = run(
+      tree,
+      source,
+      capture=[sites[n][0] for n in self.sourced],
+      random_streams=self.streams,
+      jit=False,
+    )
+    filled = list(edits)
+    for n in self.sourced:
+      value = jax.lax.stop_gradient(captured[sites[n][1]])
+      ops, position = filled[n].operands, kind_of(filled[n]).source
+      operands = (*ops[:position], value, *ops[position + 1 :])
+      filled[n] = dataclasses.replace(filled[n], operands=operands)
+    return tuple(filled)
+
+
+def _source_site(tree: CallNode, at: Any) -> Any:
+  """`(what to capture, the key of its value)` of a source intervention's site, or the
+  names of the calls it names where it names several."""
+  if hasattr(at, "capture_edits"):  # a site object (fl.heads): captured under its keys
+    keys = [edit.key for _, edit in at.capture_edits(tree, sites_of(tree), None)]
+    return (at, keys[0]) if len(keys) == 1 else keys
+  chosen = select_sites(tree, at)
+  if len(chosen) != 1:
+    return [s.name for s in chosen]
+  return (chosen[0].name, chosen[0].name)
 
 
 def _host(losses: list[Any]) -> np.ndarray:

@@ -17,34 +17,24 @@ import numpy as np
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._node import CallNode
 from flaxlens.core._struct import Struct, static_field
-from flaxlens.errors import (
-  ArgumentError,
-  FlaxlensError,
-  error_text,
-  model_call_error,
-)
+from flaxlens.errors import ArgumentError
 from flaxlens.tools.base._index import MASK, bounded, checked, is_array
 from flaxlens.tools.base._index import split as _split_index
+from flaxlens.tools.base._kinds import (
+  BUILT_IN_KINDS,
+  Edited,
+  InterventionKind,
+  Region,
+  check_fits,
+  operand_name,
+)
 from flaxlens.tools.base._parts import checked_part, one_array, set_part
 from flaxlens.tools.base._sites import Called
 
 # --- interventions ------------------------------------------------------------------------
 
-KINDS = (
-  "zero",
-  "patch",
-  "mean",
-  "resample",
-  "steer",
-  "scale",
-  "modify",
-  "low_rank",
-  "interchange",
-)
-# The operands a kind learns when trained (`fl.train_interventions`), by position; every
-# operand of "modify". The others are data: alpha, references, an interchange's source
-# values and the mask of its swapped coordinates.
-LEARNED = {"patch": (0,), "steer": (0,), "scale": (0,), "low_rank": (0, 1, 2), "interchange": (0,)}
+# The names of the built-in kinds, in the order refusals list them.
+KINDS = tuple(BUILT_IN_KINDS)
 
 
 class Intervention(Struct):
@@ -59,7 +49,8 @@ class Intervention(Struct):
   Attributes:
     at: the site pattern, class, node or predicate (see `fl.run`).
     kind: one of "zero", "patch", "mean", "resample", "steer", "scale", "modify",
-      "low_rank", "interchange".
+      "low_rank", "interchange" (the built-in kinds, by name), or an object implementing
+      `InterventionKind` (a kind of your own; `tools/base/_kinds.py`).
     operands: the arrays the edit uses (a patch's values, a steering vector and alpha, a
       low-rank edit's projection, weight and bias, an interchange's rotation, source and
       swapped coordinates).
@@ -82,7 +73,7 @@ class Intervention(Struct):
   operands: tuple[Any, ...]
   where_arrays: tuple[Any, ...]
   at: Any = static_field()
-  kind: str = static_field()
+  kind: str | InterventionKind = static_field()
   on: str = static_field(default="output")
   part: Any = static_field(default=None)
   index: Any = static_field(default=None)
@@ -90,12 +81,24 @@ class Intervention(Struct):
 
   def __post_init__(self) -> None:
     maker = maker_label(self.kind, self.at)
-    if self.kind not in KINDS:
+    if isinstance(self.kind, str) and self.kind not in KINDS:
       raise ArgumentError(
         f"{maker}: unknown intervention kind {self.kind!r}; one of {KINDS}. Make"
         " interventions with fl.ablate, fl.patch, fl.steer, fl.scale, fl.modify,"
         " fl.low_rank_edit or fl.interchange."
       )
+    if isinstance(self.kind, type):
+      raise ArgumentError(
+        f"{maker}: kind={self.kind.__qualname__} is a class; an intervention takes an"
+        f" object of it. Give kind={self.kind.__qualname__}()."
+      )
+    if not isinstance(self.kind, str | InterventionKind):
+      raise ArgumentError(
+        f"{maker}: kind={self.kind!r} is neither a built-in kind's name ({KINDS}) nor an"
+        " object implementing the InterventionKind protocol. Give one of these."
+      )
+    if not isinstance(self.kind, str) and BUILT_IN_KINDS.get(self.kind.name) == self.kind:
+      object.__setattr__(self, "kind", self.kind.name)  # a built-in is known by its name
     if self.on not in ("output", "input"):
       raise ArgumentError(
         f"{maker}: on= is 'output' or 'input' (the call's first positional argument), got"
@@ -108,104 +111,39 @@ class Intervention(Struct):
   def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
     """`value` (the call's output or first argument) with this intervention applied."""
     target = one_array(value, self.part, site, self.on)
-    new = self._compute(site, argument, target, self.placed_operands(site, target))
+    edited = Edited(site, argument, target, self.on, self.fn)
+    new = kind_of(self).compute(edited, self.placed_operands(site, target))
     if self.index is not None:
       mask = where_mask(self, site, target)
       new = jnp.where(mask, new, target)
     return set_part(value, self.part, new.astype(target.dtype))
 
   def placed_operands(self, site: str, target: Any) -> tuple[Any, ...]:
-    """The operands for editing `target` (the array edited at `site`): a patched value or
-    steering vector of the shape of the region an index `where=` selects placed into
-    that region of `target`'s shape (`_into_region`), the others as given."""
-    ops = self.operands
-    if self.index is not None and self.index != MASK and self.kind in _REGION_KINDS:
-      n = _REGION_KINDS[self.kind][0]
-      ops = (*ops[:n], _into_region(self, site, target, ops[n]), *ops[n + 1 :])
+    """The operands for editing `target` (the array edited at `site`): the operand the
+    kind's `region` names (a patched value, a steering vector), of the shape of the
+    region an index `where=` selects, placed into that region of `target`'s shape
+    (`_into_region`); the others as given."""
+    ops, region = self.operands, kind_of(self).region
+    if self.index is not None and self.index != MASK and region is not None:
+      n = region.operand
+      ops = (*ops[:n], _into_region(self, site, target, ops[n], region), *ops[n + 1 :])
     return ops
 
-  def _compute(self, site: str, argument: ArgsAndKwargs, target: Any, ops: tuple) -> Any:
-    kind, on = self.kind, self.on
-    if kind == "zero":
-      return jnp.zeros_like(target)
-    if kind in ("patch", "mean", "resample"):
-      what = {
-        "patch": "the patched value",
-        "mean": "the mean of the reference",
-        "resample": "the resampled reference",
-      }[kind]
-      _check_fits(site, ops[0], target, what, on)
-      return jnp.broadcast_to(ops[0], target.shape)
-    if kind == "steer":
-      _check_fits(site, ops[0], target, "the steering vector", on)
-      _check_fits(site, ops[1], target, "alpha", on)
-      return target + ops[1] * ops[0]
-    if kind == "scale":
-      _check_fits(site, ops[0], target, "the factor", on)
-      return target * ops[0]
-    if kind == "low_rank":
-      rows = _checked_rows(site, ops[0], target, "the projection", on)
-      _check_shape(site, ops[1], rows.shape, "the weight", "the projection's")
-      _check_shape(site, ops[2], rows.shape[:1], "the bias", "(rank,), the projection's rank")
-      x = target.astype(rows.dtype)
-      return x + (x @ ops[1].T + ops[2] - x @ rows.T) @ rows
-    if kind == "interchange":
-      rotation = _checked_rows(site, ops[0], target, "the rotation", on)
-      if rotation.shape[0] != rotation.shape[1]:
-        raise ArgumentError(
-          f"{site}: the rotation of fl.interchange has shape {tuple(ops[0].shape)}, not square."
-          f" Give a ({rotation.shape[1]}, {rotation.shape[1]}) matrix."
-        )
-      _check_fits(site, ops[1], target, "the source", on)
-      _check_shape(site, ops[2], rotation.shape[:1], "the swapped mask", "(features,)")
-      base = target.astype(rotation.dtype) @ rotation.T
-      source = jnp.broadcast_to(ops[1], target.shape).astype(rotation.dtype) @ rotation.T
-      return jnp.where(ops[2], source, base) @ rotation
-    try:
-      out = self.fn(argument, target, *ops)
-    except FlaxlensError:
-      raise
-    except Exception as e:
-      # Also an instance of the original's class (`except ValueError` still catches it),
-      # as a model's own errors are; the message blames the function, not the model.
-      raise model_call_error(
-        type(e),
-        f"{site}: the function given to fl.modify, {_function_name(self.fn)}, raised"
-        f" {error_text(e)} (the original error is this"
-        f" one's cause). It was called as fn(argument, value, *operands) with the {on},"
-        f" {target.dtype}{list(target.shape)}, and {len(ops)} operand(s), traced under"
-        " jax.jit unless the run has jit=False. Fix the function (run with jit=False to"
-        " debug it eagerly).",
-      ) from e
-    if getattr(out, "shape", None) != target.shape:
-      raise ArgumentError(
-        f"{site}: the function of fl.modify returned"
-        f" {getattr(out, 'shape', type(out).__name__)}, where the {self.on} has shape"
-        f" {tuple(target.shape)}. Return an array of the same shape."
-      )
-    return out
 
-
-# How the makers name the operands of each kind, by position ("modify": "operand n").
-OPERAND_NAMES = {
-  "patch": ("value",),
-  "mean": ("reference",),
-  "resample": ("reference",),
-  "steer": ("vector", "alpha"),
-  "scale": ("factor",),
-  "low_rank": ("projection", "weight", "bias"),
-  "interchange": ("rotation", "source", "swapped"),
-}
+def kind_of(intervention: Intervention) -> InterventionKind:
+  """The kind object of `intervention` (its `kind` field holds a built-in's name or an
+  object implementing `InterventionKind`)."""
+  kind = intervention.kind
+  return BUILT_IN_KINDS[kind] if isinstance(kind, str) else kind
 
 
 def non_finite(intervention: Intervention) -> str | None:
   """What of `intervention`'s operands holds nan or inf (`"its factor holds nan or
   inf"`), or None; for an intervention not made by its maker here (made under tracing,
   loaded from a file), as `fl.fold` checks it. See `holds_non_finite`."""
-  names = OPERAND_NAMES.get(intervention.kind, ())
   for n, operand in enumerate(intervention.operands):
     if holds_non_finite(operand):
-      return f"its {names[n] if n < len(names) else f'operand {n}'} holds nan or inf"
+      return f"its {operand_name(kind_of(intervention), n)} holds nan or inf"
   return None
 
 
@@ -228,49 +166,6 @@ def holds_non_finite(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.inexact) and not bool(jnp.isfinite(x).all())
 
 
-def _function_name(fn: Any) -> str:
-  name = getattr(fn, "__qualname__", None) or type(fn).__name__
-  module = getattr(fn, "__module__", None)
-  return f"{module}.{name}" if module and module != "__main__" else name
-
-
-def orthonormal_rows(matrix: Any) -> Any:
-  """The rows of `matrix` (rank × features, rank <= features) made orthonormal: the
-  Q factor of `matrix.T`'s QR decomposition, each column's sign chosen so that R's
-  diagonal is positive (then rows that are orthonormal already come back unchanged, to
-  rounding, and the map is differentiable where `matrix` has full rank). A matrix of
-  a floating dtype narrower than float32 (bfloat16, float16), which QR does not take, is
-  decomposed in float32 and the rows come back in its own dtype."""
-  dtype = matrix.dtype
-  if jnp.finfo(dtype).bits < 32:
-    matrix = matrix.astype(jnp.float32)
-  q, r = jnp.linalg.qr(matrix.T)
-  signs = jnp.where(jnp.diagonal(r) < 0, -1, 1).astype(q.dtype)
-  return (q * signs).T.astype(dtype)
-
-
-def _checked_rows(site: str, matrix: Any, target: Any, what: str, on: str) -> Any:
-  """`orthonormal_rows(matrix)` after checking it is (rank, features) of the target."""
-  shape, features = tuple(np.shape(matrix)), target.shape[-1] if target.ndim else None
-  if len(shape) != 2 or shape[1] != features or shape[0] > shape[1]:
-    raise ArgumentError(
-      f"{site}: {what} has shape {shape}; it acts on the {on}'s last axis of size"
-      f" {features}, so it must be (rank, {features}) with rank <= {features}. Give a matrix"
-      " of that shape."
-    )
-  if not jnp.issubdtype(matrix.dtype, jnp.floating):
-    raise ArgumentError(f"{site}: {what} has dtype {matrix.dtype}; give a floating-point matrix.")
-  return orthonormal_rows(matrix)
-
-
-def _check_shape(site: str, operand: Any, shape: tuple[int, ...], what: str, like: str) -> None:
-  if tuple(np.shape(operand)) != tuple(shape):
-    raise ArgumentError(
-      f"{site}: {what} has shape {tuple(np.shape(operand))}, where it must be"
-      f" {tuple(shape)} ({like}). Give an array of that shape."
-    )
-
-
 def where_mask(intervention: Intervention, site: str, target: Any) -> Any:
   """The boolean mask of `intervention`'s `where=` over `target`, after checking it fits
   (index rules); `site` names the call in messages."""
@@ -283,7 +178,7 @@ def where_mask(intervention: Intervention, site: str, target: Any) -> Any:
         f" than the {intervention.on}'s rank {target.ndim} (shape {shape}). Give a"
         f" boolean mask that broadcasts to {shape}."
       )
-    _check_fits(site, mask, target, "the mask of where=", intervention.on)
+    check_fits(site, mask, target, "the mask of where=", intervention.on)
     if not math.prod(shape):
       raise ArgumentError(
         f"{site}: the {intervention.on} of shape {shape} is empty, so where= selects nothing."
@@ -296,17 +191,9 @@ def where_mask(intervention: Intervention, site: str, target: Any) -> Any:
   return jnp.zeros(shape, bool).at[index].set(True)
 
 
-# Kinds whose value (patched value, steering vector, interchange source) may be given
-# shaped like the region an index `where=` selects, as `fl.capture(index=)` gives it: its
-# position among the operands, and its name.
-_REGION_KINDS = {
-  "patch": (0, "the patched value"),
-  "steer": (0, "the steering vector"),
-  "interchange": (1, "the source"),
-}
-
-
-def _into_region(intervention: Intervention, site: str, target: Any, operand: Any) -> Any:
+def _into_region(
+  intervention: Intervention, site: str, target: Any, operand: Any, region_operand: Region
+) -> Any:
   """`operand` placed in the region of `target` that the intervention's index `where=`
   selects, where it has that region's shape (a value captured with the same index, say);
   otherwise `operand` as given, to broadcast to the whole `target`. A value of the
@@ -319,11 +206,11 @@ def _into_region(intervention: Intervention, site: str, target: Any, operand: An
     intervention.index, intervention.where_arrays, shape, f"{site}: where=", intervention.on
   )
   region = jax.eval_shape(lambda t: t[index], jax.ShapeDtypeStruct(shape, target.dtype)).shape
-  what = _REGION_KINDS[intervention.kind][1]
+  what = region_operand.what
   if tuple(np.shape(operand)) != tuple(region) or not is_array(operand):
-    _check_fits(site, operand, target, what, intervention.on, region=tuple(region))
+    check_fits(site, operand, target, what, intervention.on, region=tuple(region))
     return operand
-  if intervention.kind == "interchange" and not _keeps_last_axis(intervention.index, len(shape)):
+  if region_operand.whole_last_axis and not _keeps_last_axis(intervention.index, len(shape)):
     raise ArgumentError(
       f"{site}: {what} has the shape {tuple(region)} of the region where= selects, and"
       " where= selects part of the last (feature) axis, which the rotation mixes: the"
@@ -345,33 +232,6 @@ def _keeps_last_axis(index: Any, ndim: int) -> bool:
   else:
     last = after[-1] if after else None
   return last is None or last == ("slice", None, None, None)
-
-
-def _check_fits(
-  site: str, operand: Any, target: Any, what: str, on: str, region: tuple | None = None
-) -> None:
-  """Refuses an operand that does not broadcast to the target or cast to its dtype;
-  `region`, the shape of the region an index `where=` selects, is named among the shapes
-  to give where the operand may also have it."""
-  shape, expected = tuple(np.shape(operand)), tuple(target.shape)
-  try:
-    fits = np.broadcast_shapes(shape, expected) == expected
-  except ValueError:
-    fits = False
-  if not fits:
-    raise ArgumentError(
-      f"{site}: {what} has shape {shape}, which does not broadcast to the {on}'s shape"
-      f" {expected}. Give an array of shape {expected}, or of its trailing axes"
-      f" ({expected[-1:]}: the same value at every position)"
-      + (f", or of the region where= selects, {region}." if region is not None else ".")
-    )
-  dtype = getattr(operand, "dtype", None)
-  if dtype is not None and not jnp.can_cast(dtype, target.dtype, casting="same_kind"):
-    if not (np.dtype(dtype) == np.bool_ and what.startswith("the mask")):
-      raise ArgumentError(
-        f"{site}: {what} has dtype {dtype}, which does not cast to the {on}'s dtype"
-        f" {target.dtype}. Give an array of dtype {target.dtype} (or of its kind)."
-      )
 
 
 def operand_array(x: Any, name: str, maker: str) -> Any:
@@ -452,23 +312,16 @@ def _holding(name: str, x: np.ndarray, value: Any) -> str:
   return f"{name} (an array {x.dtype.name}{list(x.shape)}) holds {value!r},"
 
 
-_MAKERS = {
-  "zero": "ablate",
-  "mean": "ablate",
-  "resample": "ablate",
-  "low_rank": "low_rank_edit",
-}
-
-
-def maker_name(kind: str) -> str:
-  """The name of the `fl.` function that makes interventions of `kind` (`ablate` for a
-  zero ablation)."""
-  return _MAKERS.get(kind, kind)
-
-
-def maker_label(kind: str, at: Any) -> str:
-  """How refusals name an intervention being made: `fl.steer('Block_0')`."""
-  return f"fl.{maker_name(kind)}({_site_text(at)})"
+def maker_label(kind: str | InterventionKind, at: Any) -> str:
+  """How refusals name an intervention being made: `fl.steer('Block_0')`; `kind` is a
+  built-in's name (an unknown name is shown as `fl.name`) or a kind object."""
+  if isinstance(kind, str):
+    maker = BUILT_IN_KINDS[kind].maker if kind in BUILT_IN_KINDS else f"fl.{kind}"
+  elif isinstance(kind, InterventionKind):
+    maker = kind.maker
+  else:
+    maker = "fl.Intervention"
+  return f"{maker}({_site_text(at)})"
 
 
 def _site_text(at: Any) -> str:
@@ -487,7 +340,9 @@ def static_at(at: Any) -> Any:
   return tuple(at) if isinstance(at, list) else at
 
 
-def make_intervention(kind: str, at: Any, operands: tuple, where: Any, on: str, part: Any, fn=None):
+def make_intervention(
+  kind: str | InterventionKind, at: Any, operands: tuple, where: Any, on: str, part: Any, fn=None
+):
   index, where_arrays = _split_index(where, f"{maker_label(kind, at)}: where=")
   return Intervention(
     operands=operands,

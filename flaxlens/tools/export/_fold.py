@@ -30,27 +30,13 @@ from flaxlens.core._variables import (
 from flaxlens.errors import ExportError, FlaxlensError
 from flaxlens.tools.base._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.base._compare import EquivalenceReport, compare_trees
-from flaxlens.tools.base._intervention import (
-  OPERAND_NAMES,
-  Intervention,
-  maker_name,
-  non_finite,
-  orthonormal_rows,
-  where_mask,
-)
+from flaxlens.tools.base._intervention import Intervention, kind_of, non_finite, where_mask
+from flaxlens.tools.base._kinds import Adds, FoldRule, MapsFeatures, Multiplies, Unfoldable
 from flaxlens.tools.base._parts import get_part
 from flaxlens.tools.base._probed import checked_interventions, nodes_by_name, run
 from flaxlens.tools.base._sites import Site, select_sites, sites_of
 from flaxlens.tools.isolation._isolate import isolate
 from flaxlens.tools.isolation._replay import IsolatedSubmodel
-
-_NOT_WEIGHTS = {
-  "patch": "it sets the value to given activations, which depend on other inputs",
-  "mean": "it sets the value to the mean of other activations, which no weight holds",
-  "resample": "it sets the value to other examples' activations",
-  "modify": "it runs an arbitrary function, which weights cannot express",
-  "interchange": "it sets coordinates of the value to another run's activations",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +96,10 @@ def fold(
     zeroing head `h` of an attention output projection's input (`where=jnp.s_[..., h,
     :]`) zeroes the kernel rows of that head.
 
+  A kind of your own (`InterventionKind`) folds by the rule it declares (`fold`: `Adds`,
+  `Multiplies`, `MapsFeatures`, as steering, scaling and low-rank edits fold), or is
+  refused with the reason it gives (`Unfoldable`).
+
   The value added or multiplied must be the same at every leading (batch, position)
   index: `where=` may choose features or heads, not positions. Nothing is taken from
   class names: for each call the edit is tried on the parameters whose shapes fit and
@@ -126,7 +116,8 @@ def fold(
     args: the model's arguments to check the folding on, as `fl.run` takes them: one
       value, a tuple of positional arguments, or `fl.ArgsAndKwargs`.
     interventions: `fl.steer`, `fl.scale`, zero `fl.ablate` and `fl.low_rank_edit`
-      results, folded in order.
+      results (and interventions of kinds of your own with a folding rule), folded in
+      order.
     atol: the largest absolute difference the check accepts per output leaf.
     rtol: the largest relative difference it accepts per output leaf.
     random_streams: as for `fl.run` (Linen rng keys).
@@ -185,8 +176,8 @@ def fold(
 
 
 def _describe(intervention: Intervention) -> str:
-  kind = maker_name(intervention.kind)
-  how = f", how={intervention.kind!r}" if kind == "ablate" else ""
+  kind = kind_of(intervention)
+  how = f", how={kind.name!r}" if kind.maker == "fl.ablate" else ""
   at = getattr(intervention.at, "name", intervention.at)
   extra = "".join(
     f", {name}={value!r}"
@@ -197,7 +188,7 @@ def _describe(intervention: Intervention) -> str:
     if value != default
   )
   where = "" if intervention.index is None else ", where=..."
-  return f"fl.{kind}({at!r}{how}{where}{extra})"
+  return f"{kind.maker}({at!r}{how}{where}{extra})"
 
 
 def _verify(
@@ -239,8 +230,7 @@ def _fold_one(
   tolerance: _Tolerance,
 ) -> dict[str, Any]:
   """`{label: new value}` of the parameters that express `intervention` in `root`."""
-  if intervention.kind in _NOT_WEIGHTS:
-    raise ExportError(_NOT_WEIGHTS[intervention.kind])
+  rule = _fold_rule(intervention)
   if hasattr(intervention.at, "splits"):  # fl.heads: a view of another call's value
     raise ExportError(_heads_refusal(root, intervention))
   unfit = non_finite(intervention)  # made under tracing, its operands were not checked
@@ -256,7 +246,7 @@ def _fold_one(
         f"{site.node.where()} runs inside nn.scan/nn.vmap (or nnx.scan/nnx.vmap), whose"
         " parameters are stacked per iteration and edited alike at every one"
       )
-    if not site.node.scope_data.parameters and intervention.kind == "steer":
+    if not site.node.scope_data.parameters and isinstance(rule, Adds):
       moved, into = _moved_steering(root, site, sites, intervention, argument, streams, tolerance)
       moved_into.add(id(into))
       for label, value in _fold_one(root, moved, argument, streams, tolerance).items():
@@ -293,7 +283,7 @@ def _heads_refusal(root: CallNode, intervention: Intervention) -> str:
   at = intervention.at
   splits = at.splits(root)
   split = splits[0]
-  operands = "".join(f"{name}, " for name in OPERAND_NAMES.get(intervention.kind, ()))
+  operands = "".join(f"{name}, " for name in kind_of(intervention).operand_names)
   each = ""
   if not split.merged:
     where = f"jnp.s_[..., {split.heads[0] if len(split.heads) == 1 else list(split.heads)}, :]"
@@ -310,7 +300,7 @@ def _heads_refusal(root: CallNode, intervention: Intervention) -> str:
   return (
     f"{at!r} is a head site, a view of the {split.on} of {calls}, and fold folds edits of"
     " calls, not of head views. Fold the same edit of that call's value with where="
-    f" choosing the heads: fl.{maker_name(intervention.kind)}({split.site.name!r}, {operands}"
+    f" choosing the heads: {kind_of(intervention).maker}({split.site.name!r}, {operands}"
     f"on={split.on!r}, where={where}){each}, its operands and where= written for that value"
   )
 
@@ -419,8 +409,9 @@ def _fold_call(
     raise ExportError(f"{site.node.where()} has no parameters of its own to fold into")
   plain = call({})
   name = site.name
-  if intervention.kind == "low_rank":
-    return _low_rank(site, call, isolated, intervention, plain, tolerance)
+  rule = _fold_rule(intervention)
+  if isinstance(rule, MapsFeatures):
+    return _mapped_features(site, call, isolated, intervention, rule, plain, tolerance)
   if intervention.on == "output":
     expected = intervention.edit(name, isolated.saved_arg, plain)
     target = get_part(plain, intervention.part, name, "output")
@@ -451,28 +442,26 @@ def _fold_call(
   return _into_one(site, call, expected, _added(_trailing(delta, near), plain.shape), tolerance)
 
 
-def _low_rank(
+def _mapped_features(
   site: Site,
   call: _Call,
   isolated: IsolatedSubmodel,
   intervention: Intervention,
+  rule: MapsFeatures,
   plain: Any,
   tolerance: _Tolerance,
 ) -> dict[str, Any]:
-  """A low-rank edit of the output `h ↦ h A + c₀` (`A = I + (W − R)ᵀR`, `c₀ = bR`) as the
-  parameters ending in the feature axis times `A`, and `c₀` added to one shaped as that
-  axis (a bias): exact for a call affine in them (`x K + c`)."""
+  """An edit of the output `h ↦ h A + c₀` (a low-rank edit: `A = I + (W − R)ᵀR`,
+  `c₀ = bR`) as the parameters ending in the feature axis times `A`, and `c₀` added to
+  one shaped as that axis (a bias): exact for a call affine in them (`x K + c`)."""
   if intervention.on != "output" or intervention.index is not None:
     raise ExportError(
       "a low-rank edit folds on a call's output, everywhere (no where=), and this one"
       f" edits its {intervention.on}{' at where=...' if intervention.index else ''}"
     )
   expected = intervention.edit(site.name, isolated.saved_arg, plain)
-  projection, weight, bias = intervention.operands
-  rows = orthonormal_rows(projection)
-  features = rows.shape[1]
-  matrix = jnp.eye(features, dtype=rows.dtype) + (weight - rows).T @ rows
-  offset = bias @ rows
+  matrix, offset = rule.affine(intervention.operands)
+  features = matrix.shape[0]
   mapped = {
     name: (p @ matrix).astype(p.dtype)
     for name, p in call.parameters.items()
@@ -501,16 +490,30 @@ def _low_rank(
   )
 
 
+def _fold_rule(intervention: Intervention) -> FoldRule:
+  """How `intervention`'s kind folds (`Adds`, `Multiplies`, `MapsFeatures`); an ExportError
+  with the reason where it does not (`Unfoldable`, or no rule)."""
+  kind = kind_of(intervention)
+  rule = kind.fold
+  if isinstance(rule, Unfoldable):
+    raise ExportError(rule.reason)
+  if not isinstance(rule, Adds | Multiplies | MapsFeatures):
+    raise ExportError(
+      f"its kind {kind.name!r} ({type(kind).__qualname__}) has fold={rule!r}, no folding"
+      " rule; give its class fold = Adds(...), Multiplies(...), MapsFeatures(...) or"
+      " Unfoldable(reason) (flaxlens.tools.base._kinds)"
+    )
+  return rule
+
+
 def _change(intervention: Intervention, site: str, target: Any) -> tuple[str, Any]:
   """The intervention as `("add", d)` (`target + d`) or `("mul", f)` (`target * f`), with
   `d` or `f` over the whole of `target`'s shape (`where=` applied)."""
-  ops = intervention.placed_operands(site, target)
-  if intervention.kind == "steer":
-    how, value, neutral = "add", ops[1] * ops[0], 0
-  elif intervention.kind == "scale":
-    how, value, neutral = "mul", ops[0], 1
+  ops, rule = intervention.placed_operands(site, target), _fold_rule(intervention)
+  if isinstance(rule, Adds):
+    how, value, neutral = "add", rule.delta(ops, target), 0
   else:
-    how, value, neutral = "mul", jnp.zeros((), target.dtype), 1
+    how, value, neutral = "mul", rule.factor(ops, target), 1
   value = jnp.broadcast_to(value, target.shape)
   if intervention.index is not None:
     value = jnp.where(

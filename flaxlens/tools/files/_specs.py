@@ -29,7 +29,8 @@ import jax
 from flaxlens.core._checks import check_path, check_type
 from flaxlens.core._node import CallNode
 from flaxlens.errors import ArgumentError, ArtifactError
-from flaxlens.tools.base._intervention import Intervention
+from flaxlens.tools.base._intervention import Intervention, kind_of
+from flaxlens.tools.base._kinds import BUILT_IN_KINDS
 from flaxlens.tools.base._probed import checked_interventions
 from flaxlens.tools.files._arrays import array_table
 from flaxlens.tools.files._artifact import (
@@ -51,20 +52,9 @@ from flaxlens.tools.files._policy import reference
 FORMAT = "flaxlens-interventions"
 FORMAT_VERSION = 3
 # Format 3 adds the kinds "low_rank" and "interchange"; a format 2 set loads as it is.
+# What each built-in kind saves (its operand count, the format it came in, whether it
+# holds a function) is its `SavedForm` (`tools/base/_kinds.py`).
 OLDEST_VERSION = 2
-_NEW_KINDS = {3: ("low_rank", "interchange")}
-
-# How many operands each kind holds ("modify": any number).
-_OPERANDS = {
-  "zero": 0,
-  "patch": 1,
-  "mean": 1,
-  "resample": 1,
-  "steer": 2,
-  "scale": 1,
-  "low_rank": 3,
-  "interchange": 3,
-}
 
 
 # --- saving -------------------------------------------------------------------------------
@@ -138,7 +128,15 @@ def _encode(intervention: Any, number: int, encoder: Encoder) -> dict[str, Any]:
       f"save_interventions takes fl.ablate/patch/steer/scale/modify results; element"
       f" {number} is a {type(intervention).__name__}."
     )
-  where = f"intervention {number} ({intervention.kind})"
+  kind = kind_of(intervention)
+  where = f"intervention {number} ({kind.name})"
+  if not isinstance(intervention.kind, str):
+    raise ArtifactError(
+      f"Cannot save {where}: its kind is {type(kind).__qualname__}, a kind of your own, and"
+      " a saved set holds only the built-in kinds (loading one runs no code but the"
+      " makers'). Save the other interventions, and make this one again in your code"
+      " after loading them."
+    )
   fn = None
   if intervention.fn is not None:
     ref = reference(intervention.fn)
@@ -261,13 +259,13 @@ def _check_consistent(entry: dict, arrays: dict, where: str, version: int) -> No
     return ArtifactError(f"{where} {fault}. {fix_for(FORMAT)}")
 
   kind, count = entry["kind"], len(entry["operands"])
-  newer = [v for v, kinds in _NEW_KINDS.items() if kind in kinds and v > version]
-  if newer:
-    raise fail(f"has kind {kind!r}, which format {version} does not have (from {newer[0]} on)")
-  if (entry["fn"] is None) != (kind != "modify"):
+  saved = BUILT_IN_KINDS[kind].saved  # the schema allows only the built-in kinds' names
+  if saved.since > version:
+    raise fail(f"has kind {kind!r}, which format {version} does not have (from {saved.since} on)")
+  if (entry["fn"] is None) == saved.function:
     raise fail(f"holds a function for kind {kind!r}; only 'modify' has one")
-  if kind in _OPERANDS and count != _OPERANDS[kind]:
-    raise fail(f"has {count} operands where {kind!r} takes {_OPERANDS[kind]}")
+  if saved.operands is not None and count != saved.operands:
+    raise fail(f"has {count} operands where {kind!r} takes {saved.operands}")
   index, where_arrays = entry["where"], entry["where_arrays"]
   if index is None:
     expected = 0
