@@ -38,6 +38,7 @@ from flax import nnx
 
 from flaxlens._compat import nnx_attention
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._edit import Edit
 from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode
 from flaxlens.core._probes import active_probing
@@ -55,6 +56,7 @@ from flaxlens.tools.analysis._sweeps import (
 )
 from flaxlens.tools.base._intervention import Intervention, make_intervention
 from flaxlens.tools.base._parts import one_array, set_part
+from flaxlens.tools.base._site_objects import PathSites, SweepOptions, SweptUnits
 from flaxlens.tools.base._sites import Site, select_sites, sites_of
 
 ATTENTION = (nn.MultiHeadDotProductAttention, nnx.MultiHeadAttention)
@@ -495,6 +497,7 @@ class HeadCapture(Struct):
   named only) as the capture `key`, and changes nothing."""
 
   records = True
+  part = None
   on: str = static_field()
   layout: _Layout = static_field()
   heads: tuple[int, ...] = static_field()
@@ -583,7 +586,7 @@ class Heads:
   def splits(self, tree: CallNode, sites: list[Site] | None = None) -> list[_Split]:
     return _resolve(self, tree, sites_of(tree) if sites is None else sites)
 
-  def path_sites(self, tree: CallNode) -> tuple[list[str], str, list[Any], dict]:
+  def path_sites(self, tree: CallNode) -> PathSites:
     """`(calls, on, slices, heads)` naming these heads for `fl.path_patch` (as `fl.Sites`
     takes them): the calls holding the heads, one slice per head, the same in every
     call, and `{call: [(site, head) per slice]}` (`("block_0/attn", 2)`) naming rows as
@@ -603,11 +606,11 @@ class Heads:
     else:
       where = [jnp.s_[..., h, :] for h in heads]
     named = {s.site.name: [(s.name, h) for h in heads] for s in splits}
-    return [s.site.name for s in splits], on, where, named
+    return PathSites([s.site.name for s in splits], on, where, named)
 
   def edits_of(
     self, tree: CallNode, sites: list[Site], intervention: Intervention
-  ) -> list[tuple[Site, HeadEdit]]:
+  ) -> list[tuple[Site, Edit]]:
     """The call holding each named module's heads, and the edit it runs (`fl.run`)."""
     if intervention.on != "output":
       raise HeadsError(
@@ -624,7 +627,7 @@ class Heads:
 
   def capture_edits(
     self, tree: CallNode, sites: list[Site], shape: Callable[[str, Any], Any] | None
-  ) -> list[tuple[Site, HeadCapture]]:
+  ) -> list[tuple[Site, Edit]]:
     """The edits that record each named module's heads as `"<site>:heads"` (`fl.run`)."""
     out = []
     for split in self.splits(tree, sites):
@@ -634,27 +637,36 @@ class Heads:
       out.append((split.site, edit))
     return out
 
-  def sweep_units(self, tree, clean, corrupted, metric, options) -> tuple[Any, tuple, tuple]:
-    """`fl.sweep` over these heads: the values, each row's `(site, head)` (one row per
-    head and iteration: `("layers/attn[3]", 2)`), and the (clean, corrupted) runs'
-    metrics."""
-    positions, axis, part, chunk_size, streams, jit = options
-    if part is not None:
+  def sweep_units(
+    self, tree: CallNode, clean: Any, corrupted: Any, metric: Any, options: SweepOptions
+  ) -> SweptUnits:
+    """`fl.sweep` over these heads: one row per head and iteration, named
+    `"layers/attn[3] head 2"`, its `(site, head)` in `heads`."""
+    if options.part is not None:
       raise HeadsError(
         f"{self!r}: part= is not taken by a heads sweep: the heads are one array (a Flax"
         " attention module's out projection input, or a call's value). Leave part= out."
       )
     splits = self.splits(tree)
-    run = _sweep_compiled if jit else _sweep_heads
-    values, rows, baselines = run(
-      tree, clean, corrupted, self, metric, positions, axis, chunk_size, streams
+    run = _sweep_compiled if options.jit else _sweep_heads
+    values, rows, (clean_metric, corrupted_metric) = run(
+      tree,
+      clean,
+      corrupted,
+      self,
+      metric,
+      options.positions,
+      options.axis,
+      options.chunk_size,
+      options.random_streams,
     )
     units = []
     for split, row in zip(splits, rows, strict=True):
       for index in np.ndindex(*row.shape[:-1]):
         label = split.name + (f"[{','.join(map(str, index))}]" if index else "")
         units.extend((label, h) for h in split.heads)
-    return values, tuple(units), baselines
+    names = tuple(f"{site} head {h}" for site, h in units)
+    return SweptUnits(values, names, tuple(units), clean_metric, corrupted_metric)
 
 
 def heads(at: Any, which: Any = None, *, heads: int | None = None, on: str | None = None) -> Heads:
@@ -724,6 +736,7 @@ class _Stash(Struct):
   """Records a call's output under `key` for the pattern edit of its module to take."""
 
   records = True
+  part = None
   key: str = static_field()
   on: str = static_field(default="output")
 
@@ -750,6 +763,7 @@ class PatternCapture(Struct):
   settings: tuple[tuple[str, Any], ...] = static_field()
   shape: Any = static_field(default=None)
   on: str = static_field(default="output")
+  part = None
 
   def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
     probing = active_probing()
@@ -798,7 +812,8 @@ def _weights(module_type, settings, query, key, argument, site) -> Any:
 @dataclasses.dataclass(frozen=True)
 class AttentionPattern:
   """The attention weights of Flax attention modules, as a capture site (made by
-  `fl.attention_pattern`); captured as `"<site>:pattern"`.
+  `fl.attention_pattern`); captured as `"<site>:pattern"`. A `SiteObject` that can only
+  be captured.
 
   Attributes:
     at: the site pattern, class or predicate naming attention modules.
@@ -818,7 +833,8 @@ class AttentionPattern:
 
   def capture_edits(
     self, tree: CallNode, sites: list[Site], shape: Callable[[str, Any], Any] | None
-  ) -> list[tuple[Site, Any]]:
+  ) -> list[tuple[Site, Edit]]:
+    """The edits recording each named attention module's weights (`fl.run`)."""
     out = []
     named = select_sites(tree, self.at, sites)
     for site in _outermost([s for s in named if issubclass(s.node.module_type, ATTENTION)]):

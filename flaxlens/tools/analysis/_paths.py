@@ -53,6 +53,7 @@ from flaxlens.tools.base._index import MASK, index_text
 from flaxlens.tools.base._intervention import Intervention, make_intervention, where_mask
 from flaxlens.tools.base._parts import get_part, set_part
 from flaxlens.tools.base._probed import edited_calls
+from flaxlens.tools.base._site_objects import PathPatchable, SiteObject, refuse_site_object
 from flaxlens.tools.base._sites import Site, check_part, select_sites, sites_of
 
 # --- what the user names ------------------------------------------------------------------
@@ -115,15 +116,14 @@ def _as_sites(value: Any, tree: CallNode) -> tuple[tuple[Sites, _Heads], ...]:
   included, is one pair."""
 
   def one(element: Any) -> tuple[Sites, _Heads]:
-    as_sites = getattr(element, "path_sites", None)
-    if as_sites is not None:
-      at, on, where, heads = as_sites(tree)
-      return Sites(at, on=on, where=where), heads
+    if isinstance(element, PathPatchable):
+      found = element.path_sites(tree)
+      return Sites(found.calls, on=found.on, where=found.where), found.heads
+    if isinstance(element, SiteObject):
+      raise refuse_site_object(element, PathPatchable, "fl.path_patch")
     return (element if isinstance(element, Sites) else Sites(element)), {}
 
-  if isinstance(value, list | tuple) and any(
-    isinstance(e, Sites) or hasattr(e, "path_sites") for e in value
-  ):
+  if isinstance(value, list | tuple) and any(isinstance(e, Sites | SiteObject) for e in value):
     return tuple(one(e) for e in value)
   return (one(value),)
 

@@ -53,6 +53,12 @@ from flaxlens.tools.base._calling import (
 from flaxlens.tools.base._intervention import Intervention, make_intervention
 from flaxlens.tools.base._parts import checked_part, get_part
 from flaxlens.tools.base._probed import abstract_run, edited_calls
+from flaxlens.tools.base._site_objects import (
+  SiteObject,
+  Sweepable,
+  SweepOptions,
+  refuse_site_object,
+)
 from flaxlens.tools.base._sites import Site, check_part, select_sites, sites_of
 
 # --- results ------------------------------------------------------------------------------
@@ -747,8 +753,8 @@ def sweep(
   check_tree(tree, "fl.sweep")
   check_callable(metric, "metric", "fl.sweep")
   part = checked_part(part, "fl.sweep")
-  if isinstance(at, list | tuple) and any(hasattr(a, "sweep_units") for a in at):
-    # One sweep per site of many units (fl.heads) and per run of other sites, rows joined.
+  if isinstance(at, list | tuple) and any(isinstance(a, SiteObject) for a in at):
+    # One sweep per site object (fl.heads) and per run of other sites, rows joined.
     options = dict(positions=positions, axis=axis, part=part, chunk_size=chunk_size)
     options.update(budget=budget, per_example=per_example, share_prefix=share_prefix)
     options.update(random_streams=random_streams, jit=jit)
@@ -763,7 +769,9 @@ def sweep(
       f"fl.sweep: chunk_size={chunk_size} and budget={budget} both set how many patched"
       " forwards run at once. Pass one of them: budget= chooses the chunk size for you."
     )
-  sweeps_itself = getattr(at, "sweep_units", None)  # a site of many units (fl.heads)
+  if isinstance(at, SiteObject) and not isinstance(at, Sweepable):
+    raise refuse_site_object(at, Sweepable, "fl.sweep")
+  sweeps_itself = at if isinstance(at, Sweepable) else None  # a site of many units (fl.heads)
   chosen = None if sweeps_itself is not None else _chosen(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
   clean, corrupted = model_arguments(clean), model_arguments(corrupted)
@@ -799,15 +807,12 @@ def sweep(
   if budget is not None:
     chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
   if sweeps_itself is not None:
-    options = (positions, axis, part, chunk_size, streams, jit)
-    values, heads, (clean_metric, corrupted_metric) = sweeps_itself(
-      tree, clean, corrupted, metric, options
-    )
-    names = tuple(f"{site} head {h}" for site, h in heads)
+    options = SweepOptions(positions, axis, part, chunk_size, streams, jit)
+    swept = sweeps_itself.sweep_units(tree, clean, corrupted, metric, options)
     return _statistics.with_runs(
-      SweepResult(values, names, positions, heads=heads),
-      clean_metric,
-      corrupted_metric,
+      SweepResult(swept.values, swept.names, positions, heads=swept.heads),
+      swept.clean,
+      swept.corrupted,
       per_example=per_example,
       where="fl.sweep",
       arguments=arguments,
@@ -837,11 +842,11 @@ def sweep(
 
 
 def _site_groups(at: list | tuple) -> list[Any]:
-  """The sites of a list holding sites of many units (`fl.heads`): each such site alone,
-  and each run of other sites between them as one list, in the list's order."""
+  """The sites of a list holding site objects (`fl.heads`): each site object alone, and
+  each run of other sites between them as one list, in the list's order."""
   groups: list[Any] = []
   for a in at:
-    if hasattr(a, "sweep_units"):
+    if isinstance(a, SiteObject):
       groups.append(a)
     elif groups and isinstance(groups[-1], list):
       groups[-1].append(a)

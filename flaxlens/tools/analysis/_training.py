@@ -40,6 +40,7 @@ from flaxlens.errors import (
 from flaxlens.tools.analysis._sweeps import metric_value
 from flaxlens.tools.base._intervention import LEARNED, Intervention
 from flaxlens.tools.base._probed import checked_interventions, nodes_by_name, run
+from flaxlens.tools.base._site_objects import SiteObject
 from flaxlens.tools.base._sites import select_sites, sites_of
 
 
@@ -209,7 +210,7 @@ def train_interventions(
   sites = {}
   for n in swaps:
     at = named[n].at
-    if hasattr(at, "capture_edits"):  # a site object (fl.heads): captured under its keys
+    if isinstance(at, SiteObject):  # a site object (fl.heads): captured under its keys
       keys = [edit.key for _, edit in at.capture_edits(tree, sites_of(tree), None)]
       sites[n] = (at, keys[0]) if len(keys) == 1 else keys
       continue

@@ -40,6 +40,7 @@ from flaxlens.tools.base._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.base._index import checked, is_array
 from flaxlens.tools.base._index import split as _split_index
 from flaxlens.tools.base._intervention import Intervention, maker_label, static_at
+from flaxlens.tools.base._site_objects import Intervenable, SiteObject, refuse_site_object
 from flaxlens.tools.base._sites import (
   Called,
   Site,
@@ -97,9 +98,9 @@ def edited_calls(
       fields["required"] = fields.get("required", False) or required
   if capture is not None and capture is not False:
     options = capture if isinstance(capture, tuple) else (capture,)
-    # A site that captures through edits of its own (`fl.heads`) says where they go.
-    recording = [o for o in options if hasattr(o, "capture_edits")]
-    plain = tuple(o for o in options if not hasattr(o, "capture_edits"))
+    # A site object (`fl.heads`) captures through edits of its own and says where they go.
+    recording = [o for o in options if isinstance(o, SiteObject)]
+    plain = tuple(o for o in options if not isinstance(o, SiteObject))
     # An empty list names no site: refused (`select_sites`), as a patch at no site is.
     chosen = (
       sites
@@ -128,10 +129,11 @@ def _edits_of(
   tree: CallNode, intervention: Intervention, sites: list[Site]
 ) -> list[tuple[Site, Any]]:
   """The calls `intervention` edits and the edit each runs: itself at each site its `at`
-  names, or what a site object that resolves itself (`fl.heads`: `edits_of`) says."""
-  resolve = getattr(intervention.at, "edits_of", None)
-  if resolve is not None:
-    return resolve(tree, sites, intervention)
+  names, or what a site object (`fl.heads`) says."""
+  if isinstance(intervention.at, Intervenable):
+    return intervention.at.edits_of(tree, sites, intervention)
+  if isinstance(intervention.at, SiteObject):
+    raise refuse_site_object(intervention.at, Intervenable, "fl.run")
   return [(site, intervention) for site in select_sites(tree, intervention.at, sites)]
 
 
