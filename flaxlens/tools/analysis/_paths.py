@@ -35,9 +35,8 @@ from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._edit import EditedCall
 from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode, check_tree
-from flaxlens.core._probes import Probing, active_probing
-from flaxlens.core._runtime import resolve_random_streams, run_tree
-from flaxlens.core._variables import bind_variables, unbind_variables
+from flaxlens.core._probes import active_probing
+from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._walk import Relation, calls
 from flaxlens.errors import ArgumentError, SelectionError, UnsupportedFlaxFeatureError
 from flaxlens.tools.analysis import _statistics
@@ -52,7 +51,7 @@ from flaxlens.tools.base._calling import (
 from flaxlens.tools.base._index import MASK, index_text
 from flaxlens.tools.base._intervention import Intervention, make_intervention, where_mask
 from flaxlens.tools.base._parts import get_part, set_part
-from flaxlens.tools.base._probed import edited_calls
+from flaxlens.tools.base._probed import Copies, edited_calls, probed_run
 from flaxlens.tools.base._site_objects import PathPatchable, SiteObject, refuse_site_object
 from flaxlens.tools.base._sites import Site, check_part, select_sites, sites_of
 
@@ -305,7 +304,11 @@ def _plan(tree, senders: tuple, receivers: tuple, freeze: Any, each_receiver: bo
 
 
 class _SideEdit:
-  """An edit of one side of a call, as `EditedCall` applies edits: `fn(value) -> value`."""
+  """An edit of one side of a call, as `EditedCall` applies edits: `fn(value) -> value`;
+  it may record values (`_record`: the receivers' values)."""
+
+  records = True
+  part = None
 
   def __init__(self, on: str, fn: Callable[[Any], Any]):
     self.on = on
@@ -348,41 +351,34 @@ def _check_unstacked(site: Site, value: Any) -> None:
 
 
 class _Run:
-  """Fresh copies of the tree (each run leaves the tree's variables alone) and runs."""
+  """The runs of path patching, each on a fresh copy of the tree (`Copies`)."""
 
   def __init__(self, tree: CallNode, streams: Any):
-    self.slots, self.values = unbind_variables(tree, freeze=True)
+    self.copies = Copies(tree)
     self.streams = streams
-
-  def fresh(self) -> tuple[CallNode, list[Site]]:
-    copy = bind_variables(self.slots, self.values)
-    return copy, sites_of(copy)
 
   def capture(self, argument: ArgsAndKwargs, indices: list[int]) -> tuple[list[Site], dict, Any]:
     """The sites at `indices`: their outputs and inputs in a run on `argument`, and the
     run's output."""
-    tree, sites = self.fresh()
+    tree, sites = self.copies.fresh()
     nodes = tuple(sites[k].node for k in indices)
-    probing = Probing(edited_calls(tree, (), nodes, True, None), unreached_fix=UNREACHED_FIX)
-    output = run_tree(tree, argument, self.streams, {}, probing=probing, probing_key=nodes)
-    return sites, probing.captured, output
+    probes = edited_calls(tree, (), nodes, True, None)
+    output, captured = probed_run(tree, argument, probes, self.streams, nodes, UNREACHED_FIX)
+    return sites, captured, output
 
   def edited(self, argument: ArgsAndKwargs, edits: Callable[[list[Site]], dict]) -> tuple:
     """`(output, recorded)` of a run on `argument` with `edits(sites)`: `{site index:
     [_SideEdit, ...]}`; the edits record values with `_record`."""
-    tree, sites = self.fresh()
+    tree, sites = self.copies.fresh()
     by_site = edits(sites)
-    layers = {
+    probes = {
       id(sites[k].node): EditedCall(
         node=sites[k].node, edits=tuple(e), site=sites[k].name, required=True
       )
       for k, e in by_site.items()
     }
-    probing = Probing(layers, indexed=True, unreached_fix=UNREACHED_FIX)
-    probing.capturing = True  # edits record the receivers' values (`_record`)
     key = tuple(e for es in by_site.values() for e in es)
-    output = run_tree(tree, argument, self.streams, {}, probing=probing, probing_key=key)
-    return output, probing.captured
+    return probed_run(tree, argument, probes, self.streams, key, UNREACHED_FIX, indexed=True)
 
 
 def _record(name: str, value: Any) -> None:

@@ -1,4 +1,4 @@
-"""Sweeps, attribution patching and gradients at calls: many interventions, one compiled call.
+"""Sweeps: many interventions, one compiled call.
 
 `fl.sweep` patches each chosen call (site), one at a time, from a clean run into a
 corrupted run and returns a metric per site (and per position): one compiled function
@@ -14,10 +14,9 @@ own instead (the iteration and position to patch, or none), so that the forward'
 dataflow shows which operations depend on which site, and `_shared_prefix.py` runs each
 patched forward from its site on, the rest taken from the unpatched corrupted run.
 
-`fl.attribute` estimates the same patches linearly, from one clean forward and one
-corrupted forward and backward: `(clean - corrupted) * d metric / d value` at each site,
-summed. `fl.grad_at` differentiates any function of a run with respect to the outputs of
-chosen calls, by adding zero-valued deltas there and differentiating with respect to them.
+The result is `_sweep_result.SweepResult`; `fl.attribute` and `fl.grad_at`
+(`_attribution.py`) estimate the same patches linearly from the machinery here; a site
+object (`fl.heads`) sweeps itself (`Sweepable`, `tools/base/_site_objects.py`).
 
 Every run here starts from a copy of the tree's variables, so state a run would update
 (batch statistics, NNX random counts) is left as it was, and each patched forward sees
@@ -38,11 +37,11 @@ import numpy as np
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode, check_tree
-from flaxlens.core._probes import Probing, scan_iterations
-from flaxlens.core._runtime import resolve_random_streams, run_tree
-from flaxlens.core._variables import bind_variables, unbind_variables
+from flaxlens.core._probes import scan_iterations
+from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.errors import ArgumentError, BudgetError, UnsupportedFlaxFeatureError
-from flaxlens.tools.analysis import _plot, _shared_prefix, _statistics
+from flaxlens.tools.analysis import _shared_prefix, _statistics
+from flaxlens.tools.analysis._sweep_result import SweepResult
 from flaxlens.tools.base import _budget
 from flaxlens.tools.base._calling import (
   check_callable,
@@ -52,7 +51,7 @@ from flaxlens.tools.base._calling import (
 )
 from flaxlens.tools.base._intervention import Intervention, make_intervention
 from flaxlens.tools.base._parts import checked_part, get_part
-from flaxlens.tools.base._probed import abstract_run, edited_calls
+from flaxlens.tools.base._probed import Copies, abstract_run, edited_calls, probed_run
 from flaxlens.tools.base._site_objects import (
   SiteObject,
   Sweepable,
@@ -61,227 +60,16 @@ from flaxlens.tools.base._site_objects import (
 )
 from flaxlens.tools.base._sites import Site, check_part, select_sites, sites_of
 
-# --- results ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepResult:
-  """A metric per site (and per position), as `fl.sweep` and `fl.attribute` return it,
-  with the clean and corrupted runs' metrics and, for a sweep with `per_example=True`,
-  every example's value: enough to normalise the effect, bootstrap it and test it.
-
-  Attributes:
-    values: an array of shape `(sites,)`, or `(sites, positions)` when positions were
-      swept, followed by the metric's own shape (for `fl.sweep`); with per-example
-      values, their mean over the examples.
-    sites: the name of each row: the site's name, with `[i]` for iteration `i` of a
-      call inside an `nn.scan`/`nnx.scan` body (`[i,j]` inside two).
-    positions: the positions of the columns, or None.
-    receivers: the receivers of the columns (`fl.path_patch(..., each_receiver=True)`), or
-      the receivers all rows share; None for other tools.
-    clean: the metric of the unpatched clean run (mean over examples), or None.
-    corrupted: the metric of the unpatched corrupted run (mean over examples), or None.
-    per_example: each example's value of each cell, shaped as `values` with the
-      examples added as the last axis, or None (`fl.sweep(..., per_example=True)`).
-    clean_per_example: each example's clean metric, examples last, or None.
-    corrupted_per_example: each example's corrupted metric, examples last, or None.
-    measure: what `values` are, and so what `normalised()` is (0: no effect, 1: the
-      whole effect): `"patched"`, the metric of corrupted runs with a site's clean
-      value patched in (`fl.sweep`: `(patched - corrupted) / (clean - corrupted)`);
-      `"change"`, an estimate of that patch's change of the metric (`fl.attribute`:
-      `change / (clean - corrupted)`); `"path"`, the metric of clean runs with a
-      sender's path corrupted (`fl.path_patch`: `(clean - patched) / (clean -
-      corrupted)`).
-    heads: for rows that are attention heads (`fl.heads` swept, or path-patched as
-      senders), each row's `(call, head)`; the plot draws them as a calls × heads grid.
-      None for other rows.
-
-  Example:
-    >>> import flaxlens as fl, jax.numpy as jnp
-    >>> result = fl.SweepResult(jnp.array([[0.5, 1.0]]), ("h/0",), (0, 1), clean=1.0, corrupted=0.0)
-    >>> result.values.shape, result.sites, result.normalised().tolist()
-    ((1, 2), ('h/0',), [[0.5, 1.0]])
-  """
-
-  values: Any
-  sites: tuple[str, ...]
-  positions: tuple[int, ...] | None = None
-  receivers: tuple[str, ...] | None = None
-  clean: Any = None
-  corrupted: Any = None
-  per_example: Any = None
-  clean_per_example: Any = None
-  corrupted_per_example: Any = None
-  measure: str = "patched"
-  heads: tuple[tuple[str, int], ...] | None = None
-
-  def __post_init__(self) -> None:
-    if self.measure not in _statistics.MEASURES:
-      raise ArgumentError(
-        f"SweepResult: measure={self.measure!r} is not one of 'patched' (values are the"
-        " patched runs' metric), 'change' (values estimate patched - corrupted) and 'path'"
-        " (values are clean runs' metric with a path corrupted). Pass one of them."
-      )
-
-  def normalised(self) -> np.ndarray:
-    """The normalised effect of each cell: 0 where the patch changes nothing, 1 where it
-    moves the metric the whole way from one run's to the other's.
-
-    For `fl.sweep` (`measure == "patched"`, clean values patched into the corrupted
-    run) it is `(patched - corrupted) / (clean - corrupted)`: 1 restores the clean
-    metric. For `fl.attribute` (`"change"`) it is `change / (clean - corrupted)`. For
-    `fl.path_patch` (`"path"`, a sender's corrupted value sent into the clean run) it is
-    `(clean - patched) / (clean - corrupted)`: 1 takes the metric to the corrupted
-    run's. With per-example values it is the ratio of the means over the examples.
-
-    Raises:
-      StatisticsError: the clean or corrupted metric is unknown, a value is not finite,
-        or clean and corrupted are equal within a few float32 ulps (the ratio would
-        divide by about 0; the message says on how many examples they differ).
-
-    Example:
-      >>> import flaxlens as fl
-      >>> fl.SweepResult([1.0, 3.0], ("a", "b"), clean=3.0, corrupted=1.0).normalised()
-      array([0., 1.])
-      >>> fl.SweepResult([1.0, 3.0], ("a", "b"), clean=3.0, corrupted=1.0,
-      ...                measure="path").normalised()
-      array([1., 0.])
-    """
-    return _statistics.normalised(self)
-
-  def bootstrap(
-    self, *, n: int = 10_000, confidence: float = 0.95, seed: int = 0, normalised: bool = False
-  ) -> tuple[np.ndarray, np.ndarray]:
-    """Percentile bootstrap confidence intervals of each cell over the examples.
-
-    Resamples the examples with replacement `n` times (`np.random.default_rng(seed)
-    .integers(0, batch, size=(n, batch))`, the same examples for every cell and for the
-    clean and corrupted metrics) and takes each cell's mean over each resample, or with
-    `normalised` the normalised effect of the resampled means (as `normalised()` of
-    those examples: a ratio of means). Returns the `(1 - confidence) / 2` and `(1 +
-    confidence) / 2` quantiles of those `n` numbers, always finite. Needs per-example
-    values: `fl.sweep(..., per_example=True)` (or `fl.path_patch`'s).
-
-    Returns:
-      `(lower, upper)`, each shaped as `values`.
-
-    Raises:
-      StatisticsError: no per-example values, fewer than 2 examples, bad settings,
-        values that are not finite, or a `confidence` above `1 - 2 / 2**batch` (no test
-        over `batch` examples reaches that level: 0.9375 for 5 examples, so 0.95 needs 6
-        and 0.99 needs 8). With `normalised`: clean equal to corrupted, a resample whose
-        clean and corrupted means are equal (too few examples differ), or `clean -
-        corrupted` changing sign in at least `(1 - confidence) / 2` of the resamples
-        (then the ratio's interval is unbounded).
-
-    Example:
-      >>> import flaxlens as fl, numpy as np
-      >>> per_example = np.array([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])  # one cell, 6 examples
-      >>> result = fl.SweepResult(per_example.mean(-1), ("a",), per_example=per_example,
-      ...   clean_per_example=np.ones(6), corrupted_per_example=np.zeros(6))
-      >>> lower, upper = result.bootstrap(n=1000)
-      >>> bool(lower[0] < 3.5 < upper[0])
-      True
-    """
-    return _statistics.bootstrap(self, n=n, confidence=confidence, seed=seed, normalised=normalised)
-
-  def p_values(self, *, permutations: int = 10_000, seed: int = 0) -> np.ndarray:
-    """Each cell's p-value for "patching this cell leaves the metric unchanged".
-
-    A paired, two-sided sign-flip permutation test over the examples: each example's
-    difference from the run patched into (`patched - corrupted` for `fl.sweep`,
-    `patched - clean` for `fl.path_patch`) is as likely, under that hypothesis, to have
-    either sign; the statistic is the absolute mean difference. Exact (every sign vector
-    enumerated) when `2 ** batch <= permutations`, else `permutations` random sign
-    vectors from `np.random.default_rng(seed)` and `(1 + count) / (1 + permutations)`.
-    The same p-value holds for the normalised effect (the same statistic scaled by a
-    constant). No correction for testing many cells is made. Needs per-example values:
-    `fl.sweep(..., per_example=True)`.
-
-    Returns:
-      An array shaped as `values`.
-
-    Raises:
-      StatisticsError: no per-example values, fewer than 2 examples, values that are not
-        finite, or bad settings.
-
-    Example:
-      >>> import flaxlens as fl, numpy as np
-      >>> per_example = np.array([[1.0, 2.0, 3.0, 4.0], [0.5, -0.5, 0.5, -0.5]])
-      >>> result = fl.SweepResult(per_example.mean(-1), ("a", "b"), per_example=per_example,
-      ...   clean_per_example=np.ones(4), corrupted_per_example=np.zeros(4))
-      >>> result.p_values().tolist()  # exact: all 16 sign vectors of 4 examples
-      [0.125, 1.0]
-    """
-    return _statistics.p_values(self, permutations=permutations, seed=seed)
-
-  def plot(
-    self,
-    path: Any = None,
-    *,
-    title: str | None = None,
-    normalised: bool | None = None,
-    significance: float | None = 0.05,
-  ) -> Any:
-    """Draws the values as a heatmap (sites down, positions or receivers across); saves
-    it to `path`.
-
-    With the clean and corrupted metrics known it shows `normalised()`, centred on 0
-    (no effect) with 1 the whole effect; the colour bar says which runs 0 and 1 are (a
-    sweep: 0 the corrupted run, 1 the clean run restored; a path patch: 0 the clean
-    run, 1 the corrupted run reached). `normalised=False` shows the raw metric centred
-    on the run patched into (an attribution's changes on 0). With per-example values,
-    cells whose sign-flip p-value (`p_values()`, Holm-adjusted over the cells drawn) is
-    at least `significance` are hatched, and a note under the plot says so;
-    `significance=None` marks none. A heads result (`heads`) of one column is drawn as a
-    calls × heads grid. The colour scale ends at the 98th percentile of the distances
-    from the centre, so one outlier does not wash out the rest; long site names lose
-    their shared prefix (shown as the axis label) and their middle; tick labels thin out
-    on large grids. Needs matplotlib (`pip install "flaxlens[plots]"`); the image format
-    follows the file's suffix (`.png`, `.svg`, `.pdf`).
-
-    Returns:
-      The matplotlib `Figure` (shown inline by notebooks).
-
-    Raises:
-      StatisticsError: per-example values that `p_values()` refuses (pass
-        `significance=None` to draw without testing the cells).
-
-    Example:
-      >>> import flaxlens as fl, jax.numpy as jnp, tempfile, pathlib
-      >>> path = pathlib.Path(tempfile.mkdtemp()) / "sweep.png"
-      >>> figure = fl.SweepResult(jnp.ones((2, 3)), ("a", "b"), (0, 1, 2)).plot(path)
-      >>> path.exists()
-      True
-    """
-    return _plot.plot_sweep(
-      self, path, title=title, normalised=normalised, significance=significance
-    )
-
-
 # --- shared machinery ---------------------------------------------------------------------
 
 
-def _chosen(tree: CallNode, at: Any, part: Any) -> tuple[int, ...]:
+def chosen_sites(tree: CallNode, at: Any, part: Any) -> tuple[int, ...]:
   """The indices, among `sites_of(tree)`, of the sites `at` names; each checked for `part`."""
   sites = sites_of(tree)
   chosen = select_sites(tree, tuple(at) if isinstance(at, list) else at, sites)
   for site in chosen:
     check_part(site, part, "output", at, sites)
   return tuple(sites.index(site) for site in chosen)
-
-
-class Copies:
-  """Fresh copies of a tree, each with variables of its own (runs leave the tree alone)."""
-
-  def __init__(self, tree: CallNode, chosen: tuple[int, ...]):
-    self.slots, self.values = unbind_variables(tree, freeze=True)
-    self.chosen = chosen
-
-  def fresh(self) -> tuple[CallNode, list[Site]]:
-    copy = bind_variables(self.slots, self.values)
-    sites = sites_of(copy)
-    return copy, [sites[k] for k in self.chosen]
 
 
 def indexed_run(
@@ -292,12 +80,10 @@ def indexed_run(
   random_streams: Any,
 ) -> tuple[Any, dict[str, Any]]:
   """Runs `tree` with `edits`, capturing `capture`; edits may read `scan_iterations()`."""
-  probing = Probing(
-    edited_calls(tree, edits, capture, False, None), indexed=True, unreached_fix=UNREACHED_FIX
+  probes = edited_calls(tree, edits, capture, False, None)
+  return probed_run(
+    tree, argument, probes, random_streams, (edits, capture), UNREACHED_FIX, indexed=True
   )
-  key = (edits, capture)
-  output = run_tree(tree, argument, random_streams, {}, probing=probing, probing_key=key)
-  return output, probing.captured
 
 
 UNREACHED_FIX = (
@@ -306,7 +92,9 @@ UNREACHED_FIX = (
 )
 
 
-def _captured(copies: Copies, argument: ArgsAndKwargs, part: Any, random_streams: Any) -> tuple:
+def captured_values(
+  copies: Copies, argument: ArgsAndKwargs, part: Any, random_streams: Any
+) -> tuple:
   """The output of a run on `argument` and the chosen sites' values (their `part`) in it,
   stacked over scans."""
   tree, sites = copies.fresh()
@@ -314,7 +102,7 @@ def _captured(copies: Copies, argument: ArgsAndKwargs, part: Any, random_streams
   return output, [get_part(cache[s.name], part, s.name, "output") for s in sites]
 
 
-def _lead(site: Site, value: Any, part: Any) -> tuple[int, ...]:
+def stacked_lead(site: Site, value: Any, part: Any) -> tuple[int, ...]:
   """The leading axes a capture stacked `value` along (one per enclosing scan or vmap)."""
   if site.output is None:
     return ()
@@ -346,7 +134,7 @@ def scan_iteration(name: str, lead: tuple[int, ...]) -> tuple[tuple[Any, ...], A
 
 def position_mask(name: str, value: Any, axis: int, positions: tuple[int, ...], at: Any) -> Any:
   """A boolean mask, broadcasting to `value`, true at position `at` along `axis`."""
-  if not _is_axis(axis, value.ndim):
+  if not is_axis(axis, value.ndim):
     raise ArgumentError(
       f"{name}: axis={axis!r} is not an axis of the value, of shape {tuple(value.shape)}."
       " Pass the axis of positions (axis=1 for (batch, sequence, ...) values)."
@@ -364,7 +152,7 @@ def position_mask(name: str, value: Any, axis: int, positions: tuple[int, ...], 
   return (jnp.arange(size) == at).reshape(shape)
 
 
-def _is_axis(axis: Any, rank: int) -> bool:
+def is_axis(axis: Any, rank: int) -> bool:
   """Whether `axis` is an int naming one of `rank` axes (negative: from the end)."""
   return isinstance(axis, int | np.integer) and not isinstance(axis, bool) and -rank <= axis < rank
 
@@ -391,7 +179,7 @@ def row_labels(leads: list[tuple[int, ...]]) -> tuple[Any, ...]:
   return tuple(rows)
 
 
-def _result(
+def sweep_result(
   tree: CallNode, chosen: tuple[int, ...], values: Any, rows: Any, positions: Any
 ) -> SweepResult:
   sites = sites_of(tree)
@@ -399,7 +187,7 @@ def _result(
   return SweepResult(values, _units(names, [r.shape for r in rows]), positions)
 
 
-def _checked_positions(positions: Any) -> tuple[int, ...] | None:
+def checked_positions(positions: Any) -> tuple[int, ...] | None:
   if positions is None:
     return None
   try:
@@ -464,19 +252,6 @@ def metric_value(
   return value
 
 
-def _check_differentiable(sites: list[Site], values: list[Any], part: Any, tool: str) -> None:
-  """Refuses sites whose value (its `part`) is not floating-point: no gradient reaches it."""
-  for site, value in zip(sites, values, strict=True):
-    if not jnp.issubdtype(value.dtype, jnp.inexact):
-      of = "output" if part is None else f"output's part {part!r}"
-      raise ArgumentError(
-        f"{site.name}: {tool} takes gradients at the site's {of}, which is"
-        f" {value.dtype}{list(value.shape)}: an integer or boolean value has no gradient."
-        " Choose sites with floating-point values (an embedding's output, not the token"
-        " ids it reads)."
-      )
-
-
 # --- sweep --------------------------------------------------------------------------------
 
 
@@ -536,11 +311,11 @@ def patched_forwards(
 
 def _clean_run(tree, chosen, clean, part, streams) -> tuple[Copies, Any, list, list]:
   """What every sweep starts from: the copies of the tree, the clean run's output and the
-  chosen sites' clean values, and each site's scan axes (`_lead`)."""
+  chosen sites' clean values, and each site's scan axes (`stacked_lead`)."""
   copies = Copies(tree, chosen)
-  clean_output, clean_values = _captured(copies, clean, part, streams)
+  clean_output, clean_values = captured_values(copies, clean, part, streams)
   _, sites = copies.fresh()
-  leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
+  leads = [stacked_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
   return copies, clean_output, clean_values, leads
 
 
@@ -760,7 +535,7 @@ def sweep(
     options.update(random_streams=random_streams, jit=jit)
     groups = _site_groups(at)
     return _joined([sweep(tree, clean, corrupted, g, metric, **options) for g in groups])
-  positions = _checked_positions(positions)
+  positions = checked_positions(positions)
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ArgumentError(f"chunk_size= is a positive integer or None, got {chunk_size!r}.")
   budget = _budget.checked_budget(budget, "fl.sweep")
@@ -772,7 +547,7 @@ def sweep(
   if isinstance(at, SiteObject) and not isinstance(at, Sweepable):
     raise refuse_site_object(at, Sweepable, "fl.sweep")
   sweeps_itself = at if isinstance(at, Sweepable) else None  # a site of many units (fl.heads)
-  chosen = None if sweeps_itself is not None else _chosen(tree, at, part)
+  chosen = None if sweeps_itself is not None else chosen_sites(tree, at, part)
   streams = resolve_random_streams(random_streams, tree.where())
   clean, corrupted = model_arguments(clean), model_arguments(corrupted)
   check_matching_runs(
@@ -797,7 +572,7 @@ def sweep(
       tree, clean, corrupted, chosen, metric, positions, axis, part, streams
     )
     return _statistics.with_runs(
-      _result(tree, chosen, values, rows, positions),
+      sweep_result(tree, chosen, values, rows, positions),
       clean_metric,
       corrupted_metric,
       per_example=per_example,
@@ -830,7 +605,7 @@ def sweep(
     chunk_size,
     streams,
   )
-  result = _result(tree, chosen, values, rows, positions)
+  result = sweep_result(tree, chosen, values, rows, positions)
   return _statistics.with_runs(
     result,
     clean_metric,
@@ -906,235 +681,3 @@ def _check_shared_prefix(tree, sweeps_itself, chunk_size, corrupted, metric, str
       f" budget={budget:,} bytes holds one. Give a budget of at least two forwards, or"
       " leave share_prefix=False."
     )
-
-
-# --- attribution patching and gradients ----------------------------------------------------
-
-
-def _adder(name: str, lead: tuple[int, ...]) -> Callable:
-  """The edit adding a delta (stacked over the site's scans) to a site's value."""
-
-  def add_delta(argument: Any, value: Any, delta: Any) -> Any:
-    del argument
-    found = scan_iteration(name, lead)
-    if found is None:
-      return value
-    iterations, _ = found
-    return value + (delta[tuple(iterations)] if iterations else delta)
-
-  return add_delta
-
-
-def _with_deltas(copies: Copies, leads: list, part: Any, deltas: list, capture: bool) -> tuple:
-  """A fresh copy of the tree, the edits adding `deltas` at its sites, and what to capture."""
-  tree, sites = copies.fresh()
-  edits = tuple(
-    make_intervention(
-      "modify", site.node, (delta,), None, "output", part, fn=_adder(site.name, lead)
-    )
-    for site, lead, delta in zip(sites, leads, deltas, strict=True)
-  )
-  return tree, sites, edits, tuple(s.node for s in sites) if capture else None
-
-
-def _reduce(contribution: Any, lead: int, positions: Any, axis: int, name: str) -> Any:
-  """Sums a site's contribution over each iteration's axes (all but `axis` with positions)."""
-  rank = contribution.ndim - lead
-  if positions is None:
-    return contribution.sum(axis=tuple(range(lead, contribution.ndim)))
-  if not _is_axis(axis, rank):
-    raise ArgumentError(
-      f"{name}: axis={axis!r} is not an axis of the value, of shape"
-      f" {tuple(contribution.shape[lead:])}. Pass the axis of positions (axis=1 for (batch,"
-      " sequence, ...) values)."
-    )
-  moved = jnp.moveaxis(contribution, lead + axis % rank, -1)
-  per_position = moved.sum(axis=tuple(range(lead, moved.ndim - 1)))
-  size = per_position.shape[-1]
-  outside = [p for p in positions if not 0 <= p < size]
-  if outside:
-    raise ArgumentError(
-      f"{name}: positions {outside} are outside axis {axis % rank} of the value, of shape"
-      f" {tuple(contribution.shape[lead:])}. Give positions from 0 to {size - 1}."
-    )
-  return per_position[..., jnp.asarray(positions)]
-
-
-def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, streams):
-  copies = Copies(tree, chosen)
-  clean_output, clean_values = _captured(copies, clean, part, streams)
-  _, sites = copies.fresh()
-  _check_differentiable(sites, clean_values, part, "fl.attribute")
-  leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
-
-  def corrupted_metric(deltas: list) -> Any:
-    copy, sites, edits, capture = _with_deltas(copies, leads, part, deltas, capture=True)
-    output, cache = indexed_run(copy, corrupted, edits, capture, streams)
-    values = [get_part(cache[s.name], part, s.name, "output") for s in sites]
-    return metric_value(metric, output, scalar=True), values
-
-  zeros = [jnp.zeros_like(v) for v in clean_values]
-  (corrupted_metric_value, corrupted_values), grads = jax.value_and_grad(
-    corrupted_metric, has_aux=True
-  )(zeros)
-  values = [
-    _reduce((c - x) * g, len(lead), positions, axis, s.name).reshape(
-      -1, *(() if positions is None else (len(positions),))
-    )
-    for s, lead, c, x, g in zip(sites, leads, clean_values, corrupted_values, grads, strict=True)
-  ]
-  baselines = (metric_value(metric, clean_output, scalar=True), corrupted_metric_value)
-  return jnp.concatenate(values), row_labels(leads), baselines
-
-
-_attribute_compiled = jit_keyed_on_function(_attribute, "metric", "fl.attribute")
-
-
-@takes_model_arguments("fl.attribute(tree, clean, corrupted, 'Block_*', metric)")
-def attribute(
-  tree: CallNode,
-  clean: Any,
-  corrupted: Any,
-  /,
-  at: Any,
-  metric: Callable[[Any], Any],
-  *,
-  positions: Any = None,
-  axis: int = 1,
-  part: Any = None,
-  random_streams: Any = None,
-  jit: bool = True,
-) -> SweepResult:
-  """Attribution patching: the linear estimate of `fl.sweep`'s patches from gradients.
-
-  For each site, `sum((clean - corrupted) * d metric / d value)` with the value and its
-  gradient taken on the corrupted run: the first-order change of the metric if the
-  site were patched with its clean value. One clean forward, one corrupted forward and
-  one backward pass estimate every site (every iteration of a call inside an
-  `nn.scan`/`nnx.scan` body) and, with `positions`, every position (the sum then runs
-  over all axes but `axis`). Arguments and result as for `fl.sweep`; `metric` must
-  return a scalar. The result's `measure` is `"change"` (values estimate `patched -
-  corrupted`); its `clean` and `corrupted` metrics come from the two forwards it runs
-  anyway. It holds no per-example values: for intervals and p-values, run `fl.sweep`
-  with `per_example=True`.
-
-  Example:
-    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
-    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
-    >>> clean, corrupted = jnp.ones((1, 3)), -jnp.ones((1, 3))
-    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), clean), clean)
-    >>> result = fl.attribute(tree, clean, corrupted, "layers_2", lambda out: out[0, 0])
-    >>> exact = fl.sweep(tree, clean, corrupted, "layers_2", lambda out: out[0, 0])
-    >>> baseline = fl.run(tree, corrupted)[0, 0]
-    >>> bool(jnp.allclose(result.values, exact.values - baseline, atol=1e-6))  # linear site
-    True
-  """
-  check_tree(tree, "fl.attribute")
-  check_callable(metric, "metric", "fl.attribute")
-  part = checked_part(part, "fl.attribute")
-  positions = _checked_positions(positions)
-  chosen = _chosen(tree, at, part)
-  streams = resolve_random_streams(random_streams, tree.where())
-  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
-  check_matching_runs(
-    clean,
-    corrupted,
-    f"fl.attribute of {tree.where()}",
-    "fl.attribute multiplies the difference of each site's clean and corrupted values by"
-    " the gradient there, so the clean run's values must have the corrupted run's shapes"
-    " (or broadcast to them).",
-    broadcast=True,
-  )
-  run = _attribute_compiled if jit else _attribute
-  values, rows, (clean_metric, corrupted_metric) = run(
-    tree,
-    clean,
-    corrupted,
-    chosen,
-    metric,
-    positions,
-    axis,
-    part,
-    streams,
-  )
-  result = dataclasses.replace(_result(tree, chosen, values, rows, positions), measure="change")
-  return _statistics.with_runs(
-    result, clean_metric, corrupted_metric, per_example=False, where="fl.attribute"
-  )
-
-
-def _grad_at(tree, argument, chosen, loss, part, streams):
-  copies = Copies(tree, chosen)
-
-  def values() -> list:
-    copy, sites = copies.fresh()
-    _, cache = indexed_run(copy, argument, (), tuple(s.node for s in sites), streams)
-    return [get_part(cache[s.name], part, s.name, "output") for s in sites]
-
-  shapes = jax.eval_shape(values)
-  _, sites = copies.fresh()
-  _check_differentiable(sites, shapes, part, "fl.grad_at")
-  leads = [_lead(s, v, part) for s, v in zip(sites, shapes, strict=True)]
-
-  def loss_of(deltas: list) -> Any:
-    copy, _, edits, _ = _with_deltas(copies, leads, part, deltas, capture=False)
-    output, _ = indexed_run(copy, argument, edits, None, streams)
-    return metric_value(loss, output, scalar=True)
-
-  zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
-  value, grads = jax.value_and_grad(loss_of)(zeros)
-  return value, {s.name: g for s, g in zip(sites, grads, strict=True)}
-
-
-_grad_at_compiled = jit_keyed_on_function(_grad_at, "loss", "fl.grad_at")
-
-
-@takes_model_arguments("fl.grad_at(tree, x, 'Block_*', lambda out: out.sum())")
-def grad_at(
-  tree: CallNode,
-  args: Any,
-  /,
-  at: Any,
-  metric: Callable[[Any], Any],
-  *,
-  part: Any = None,
-  random_streams: Any = None,
-  jit: bool = True,
-) -> tuple[Any, dict[str, Any]]:
-  """The gradient of `metric(output)` with respect to the outputs of chosen calls.
-
-  Runs the tree on `args` with a zero delta added to each site's output and
-  differentiates with respect to the deltas, as Flax's `perturb` does, without editing
-  the model. A call inside an `nn.scan`/`nnx.scan` body gets its gradient stacked along
-  the scan axis.
-
-  Args:
-    tree: a converted tree (`fl.unflaxify`).
-    args: the model's arguments, as `fl.run` takes them: one value, a tuple of
-      positional arguments, or `fl.ArgsAndKwargs` (keyword arguments too).
-    at: the sites, as `fl.run` takes them.
-    metric: a function of the model's output returning a scalar (a loss, say).
-    part: for sites returning a tuple, dict or dataclass, which part to differentiate
-      by (Hugging Face blocks return tuples: `part=0`; docs/interventions.md,
-      "Structured values: part=").
-    random_streams: as for a tree call.
-    jit: compile (default); pass False inside your own `jax.jit`.
-
-  Returns:
-    `(metric value, {site: gradient})`, each gradient shaped as the site's output.
-
-  Example:
-    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
-    >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
-    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
-    >>> loss, grads = fl.grad_at(tree, x, "layers_2", lambda out: out.sum())
-    >>> grads["layers_2"].tolist()  # d sum(out) / d out
-    [[1.0, 1.0]]
-  """
-  check_tree(tree, "fl.grad_at")
-  check_callable(metric, "metric", "fl.grad_at")
-  part = checked_part(part, "fl.grad_at")
-  chosen = _chosen(tree, at, part)
-  streams = resolve_random_streams(random_streams, tree.where())
-  run = _grad_at_compiled if jit else _grad_at
-  return run(tree, model_arguments(args), chosen, metric, part, streams)

@@ -125,6 +125,62 @@ def edited_calls(
   }
 
 
+def probed_run(
+  tree: CallNode,
+  argument: ArgsAndKwargs,
+  probes: dict[int, EditedCall],
+  random_streams: Any,
+  key: Any,
+  unreached_fix: str,
+  *,
+  indexed: bool = False,
+  every_call: bool = False,
+) -> tuple[Any, dict[str, Any]]:
+  """`(output, captured)` of one run of `tree` on `argument`, each call in `probes` (by
+  `id` of its node, as `edited_calls` makes them) run through its `EditedCall`.
+
+  Args:
+    tree: the tree run (a `Copies.fresh()` copy where the run may write state).
+    argument: the model's arguments.
+    probes: the edited calls.
+    random_streams: the run's random streams, resolved.
+    key: what, with the tree's structure, tells compiled runs apart (the edits and
+      captures, hashable).
+    unreached_fix: the end of the refusal of a required call the run did not make.
+    indexed: whether edits read the scan iterations they run in (`scan_iterations()`).
+    every_call: whether the probes are every call (the run's, not conversion's).
+  """
+  probing = Probing(probes, indexed=indexed, unreached_fix=unreached_fix, every_call=every_call)
+  output = run_tree(tree, argument, random_streams, {}, probing=probing, probing_key=key)
+  return output, probing.captured
+
+
+class Copies:
+  """Fresh copies of a tree to run and throw away, and of the sites chosen among
+  `sites_of(tree)` (by index): each copy's variables are its own (`Scratch`), so a run
+  that writes state leaves the tree and the other copies alone.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> from flaxlens.tools.base._probed import Copies
+    >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> copy, sites = Copies(tree, (2,)).fresh()
+    >>> copy is tree, [site.name for site in sites]
+    (False, ['layers_2'])
+  """
+
+  def __init__(self, tree: CallNode, chosen: tuple[int, ...] | None = None):
+    self.scratch = Scratch(tree)
+    self.chosen = chosen
+
+  def fresh(self) -> tuple[CallNode, list[Site]]:
+    """A copy of the tree and its chosen sites (every site where none were chosen)."""
+    copy = self.scratch.copy()
+    sites = sites_of(copy)
+    return copy, sites if self.chosen is None else [sites[k] for k in self.chosen]
+
+
 def _edits_of(
   tree: CallNode, intervention: Intervention, sites: list[Site]
 ) -> list[tuple[Site, Any]]:
@@ -183,10 +239,10 @@ def _run_once(
   all_calls = unreached == "raise" and (
     every_call(capture) or any(every_call(i.at) for i in interventions)
   )
-  probing = Probing(probes, unreached_fix=_UNREACHED_FIX, every_call=all_calls)
   key = (interventions, capture, inputs, index, dtype)
-  output = run_tree(tree, argument, random_streams, {}, probing=probing, probing_key=key)
-  return output, probing.captured
+  return probed_run(
+    tree, argument, probes, random_streams, key, _UNREACHED_FIX, every_call=all_calls
+  )
 
 
 _UNREACHED_FIX = (
