@@ -30,6 +30,7 @@ from flaxlens.tools.analysis._sweeps import (
   indexed_run,
   is_axis,
   metric_value,
+  paired_runs,
   row_labels,
   scan_iteration,
   stacked_lead,
@@ -37,7 +38,6 @@ from flaxlens.tools.analysis._sweeps import (
 )
 from flaxlens.tools.base._calling import (
   check_callable,
-  check_matching_runs,
   model_arguments,
   takes_model_arguments,
 )
@@ -186,28 +186,10 @@ def attribute(
   part = checked_part(part, "fl.attribute")
   positions = checked_positions(positions)
   chosen = chosen_sites(tree, at, part)
-  streams = resolve_random_streams(random_streams, tree.where())
-  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
-  check_matching_runs(
-    clean,
-    corrupted,
-    f"fl.attribute of {tree.where()}",
-    "fl.attribute multiplies the difference of each site's clean and corrupted values by"
-    " the gradient there, so the clean run's values must have the corrupted run's shapes"
-    " (or broadcast to them).",
-    broadcast=True,
-  )
+  runs = paired_runs(tree, clean, corrupted, random_streams, "fl.attribute", _MATCHING, True)
   run = _attribute_compiled if jit else _attribute
   values, rows, (clean_metric, corrupted_metric) = run(
-    tree,
-    clean,
-    corrupted,
-    chosen,
-    metric,
-    positions,
-    axis,
-    part,
-    streams,
+    tree, runs.clean, runs.corrupted, chosen, metric, positions, axis, part, runs.random_streams
   )
   result = dataclasses.replace(
     sweep_result(tree, chosen, values, rows, positions), measure="change"
@@ -215,6 +197,13 @@ def attribute(
   return _statistics.with_runs(
     result, clean_metric, corrupted_metric, per_example=False, where="fl.attribute"
   )
+
+
+_MATCHING = (
+  "fl.attribute multiplies the difference of each site's clean and corrupted values by"
+  " the gradient there, so the clean run's values must have the corrupted run's shapes"
+  " (or broadcast to them)."
+)
 
 
 def _grad_at(tree, argument, chosen, loss, part, streams):

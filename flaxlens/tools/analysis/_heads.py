@@ -53,15 +53,14 @@ from flaxlens.tools.analysis._head_settings import (
   value_spec,
 )
 from flaxlens.tools.analysis._sweeps import (
+  SitePatch,
   indexed_run,
-  metric_value,
-  patched_forwards,
   position_mask,
   row_labels,
   scan_iteration,
-  with_clean,
+  sweep_forwards,
 )
-from flaxlens.tools.base._intervention import Intervention, make_intervention
+from flaxlens.tools.base._intervention import Intervention
 from flaxlens.tools.base._parts import one_array, set_part
 from flaxlens.tools.base._probed import Copies
 from flaxlens.tools.base._site_objects import PathSites, SweepOptions, SweptUnits
@@ -675,26 +674,15 @@ def _sweep_heads(tree, clean, corrupted, spec, metric, positions, axis, chunk_si
     clean_values.append(value)
   units_of = [math.prod(lead) * len(s.heads) for s, lead in zip(splits, leads, strict=True)]
   bases = np.cumsum([0, *units_of]).tolist()
-
-  def patched(unit_and_position: tuple[Any, Any]) -> Any:
-    unit, position = unit_and_position
-    copy, fresh = copies.fresh()
-    edits = tuple(
-      make_intervention(
-        "modify",
-        site.node,
-        (value, unit, position),
-        None,
-        s.on,
-        None,
-        fn=_HeadPatcher(s.name, base, lead, _layout(s), s.heads, positions, axis),
-      )
-      for site, s, base, lead, value in zip(fresh, splits, bases, leads, clean_values, strict=False)
+  patches = [
+    SitePatch(
+      s.on, None, value, _HeadPatcher(s.name, base, lead, _layout(s), s.heads, positions, axis)
     )
-    output, _ = indexed_run(copy, corrupted, edits, None, streams)
-    return metric_value(metric, with_clean(unit, clean_output, output), scalar=False)
-
-  values, baselines = patched_forwards(patched, bases[-1], positions, chunk_size)
+    for s, base, lead, value in zip(splits, bases, leads, clean_values, strict=False)
+  ]
+  values, baselines = sweep_forwards(
+    copies, clean_output, patches, bases[-1], corrupted, metric, positions, chunk_size, streams
+  )
   rows = row_labels([(*lead, len(s.heads)) for s, lead in zip(splits, leads, strict=True)])
   return values, rows, baselines
 

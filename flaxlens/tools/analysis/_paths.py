@@ -36,16 +36,13 @@ from flaxlens.core._edit import EditedCall
 from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.core._probes import active_probing
-from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.core._walk import Relation, calls
 from flaxlens.errors import ArgumentError, SelectionError, UnsupportedFlaxFeatureError
 from flaxlens.tools.analysis import _statistics
-from flaxlens.tools.analysis._sweeps import UNREACHED_FIX, SweepResult, metric_value
-from flaxlens.tools.base import _budget
+from flaxlens.tools.analysis._sweep_result import SweepResult
+from flaxlens.tools.analysis._sweeps import UNREACHED_FIX, metric_value, paired_runs
 from flaxlens.tools.base._calling import (
   check_callable,
-  check_matching_runs,
-  model_arguments,
   takes_model_arguments,
 )
 from flaxlens.tools.base._index import MASK, index_text
@@ -645,17 +642,9 @@ def path_patch(
     raise ArgumentError(f"fl.path_patch: each_receiver= is True or False, got {each_receiver!r}.")
   senders, receivers = _as_sites(senders, tree), _as_sites(receivers, tree)
   plan = _plan(tree, senders, receivers, freeze, each_receiver)
-  streams = resolve_random_streams(random_streams, tree.where())
-  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
-  check_matching_runs(
-    clean,
-    corrupted,
-    f"fl.path_patch of {tree.where()}",
-    "fl.path_patch patches the senders' values from the corrupted run into the clean run,"
-    " so both runs' values must have the same shapes.",
-  )
+  runs = paired_runs(tree, clean, corrupted, random_streams, "fl.path_patch", _MATCHING, False)
   run = _path_patch_compiled if jit else _path_patch
-  values, (clean_metric, corrupted_metric) = run(tree, clean, corrupted, plan, metric, streams)
+  values, baselines = run(tree, runs.clean, runs.corrupted, plan, metric, runs.random_streams)
   heads = tuple(u.head for u in plan.senders)
   result = SweepResult(
     values,
@@ -665,10 +654,11 @@ def path_patch(
     heads=None if None in heads else heads,
   )
   return _statistics.with_runs(
-    result,
-    clean_metric,
-    corrupted_metric,
-    per_example=per_example,
-    where="fl.path_patch",
-    arguments=[(name, tuple(x.shape)) for name, x in _budget.arrays_of(corrupted)],
+    result, *baselines, per_example=per_example, where="fl.path_patch", arguments=runs.arguments
   )
+
+
+_MATCHING = (
+  "fl.path_patch patches the senders' values from the corrupted run into the clean run,"
+  " so both runs' values must have the same shapes."
+)

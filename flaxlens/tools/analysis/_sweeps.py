@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -221,6 +221,41 @@ def checked_positions(positions: Any) -> tuple[int, ...] | None:
   return out
 
 
+class PairedRuns(NamedTuple):
+  """The clean and corrupted runs of a patching tool, checked against each other.
+
+  Attributes:
+    clean: the clean run's model arguments.
+    corrupted: the corrupted run's model arguments.
+    random_streams: the runs' random streams, resolved.
+    arguments: `(name, shape)` of the corrupted run's arrays (what `with_runs` reads
+      the batch from).
+  """
+
+  clean: ArgsAndKwargs
+  corrupted: ArgsAndKwargs
+  random_streams: Any
+  arguments: list[tuple[str, tuple[int, ...]]]
+
+
+def paired_runs(
+  tree: CallNode,
+  clean: Any,
+  corrupted: Any,
+  random_streams: Any,
+  tool: str,
+  why: str,
+  broadcast: bool,
+) -> PairedRuns:
+  """The runs `tool` (`"fl.sweep"`) compares, as model arguments; refused where their
+  values' shapes differ (or, with `broadcast`, do not broadcast), `why` saying why."""
+  streams = resolve_random_streams(random_streams, tree.where())
+  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
+  check_matching_runs(clean, corrupted, f"{tool} of {tree.where()}", why, broadcast=broadcast)
+  arguments = [(name, tuple(x.shape)) for name, x in _budget.arrays_of(corrupted)]
+  return PairedRuns(clean, corrupted, streams, arguments)
+
+
 def metric_value(
   metric: Callable[[Any], Any],
   output: Any,
@@ -319,29 +354,65 @@ def _clean_run(tree, chosen, clean, part, streams) -> tuple[Copies, Any, list, l
   return copies, clean_output, clean_values, leads
 
 
-def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams):
-  copies, clean_output, clean_values, leads = _clean_run(tree, chosen, clean, part, streams)
-  bases = np.cumsum([0, *(math.prod(lead) for lead in leads)]).tolist()
+class SitePatch(NamedTuple):
+  """How one swept site takes its clean value in the patched forwards.
+
+  Attributes:
+    on: the side of the call patched, "output" or "input".
+    part: the part of the value patched, or None.
+    clean: the site's clean value (stacked over the scans around it).
+    patcher: `fn(argument, value, clean, unit, position)` (as `fl.modify` calls it): the
+      clean value where the forward's `unit` (and `position`) is this site's, the
+      value elsewhere.
+  """
+
+  on: str
+  part: Any
+  clean: Any
+  patcher: Callable[..., Any]
+
+
+def sweep_forwards(
+  copies: Copies,
+  clean_output: Any,
+  patches: list[SitePatch],
+  units: int,
+  corrupted: ArgsAndKwargs,
+  metric: Callable[[Any], Any],
+  positions: tuple[int, ...] | None,
+  chunk_size: int | None,
+  streams: Any,
+) -> tuple[Any, Any]:
+  """`(values, baselines)` of the patched corrupted forwards of `units` units (and
+  positions), one program: every forward carries each site's patch (`copies`' chosen
+  sites, in order), which keeps the corrupted value but for the forward's unit."""
 
   def patched(unit_and_position: tuple[Any, Any]) -> Any:
     unit, position = unit_and_position
     copy, sites = copies.fresh()
     edits = tuple(
       make_intervention(
-        "modify",
-        site.node,
-        (value, unit, position),
-        None,
-        "output",
-        part,
-        fn=_patcher(site.name, base, lead, positions, axis),
+        "modify", site.node, (p.clean, unit, position), None, p.on, p.part, fn=p.patcher
       )
-      for site, base, lead, value in zip(sites, bases, leads, clean_values, strict=False)
+      for site, p in zip(sites, patches, strict=True)
     )
     output, _ = indexed_run(copy, corrupted, edits, None, streams)
     return metric_value(metric, with_clean(unit, clean_output, output), scalar=False)
 
-  values, baselines = patched_forwards(patched, bases[-1], positions, chunk_size)
+  return patched_forwards(patched, units, positions, chunk_size)
+
+
+def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams):
+  copies, clean_output, clean_values, leads = _clean_run(tree, chosen, clean, part, streams)
+  bases = np.cumsum([0, *(math.prod(lead) for lead in leads)]).tolist()
+  _, sites = copies.fresh()
+  patches = [
+    SitePatch("output", part, value, _patcher(site.name, base, lead, positions, axis))
+    for site, base, lead, value in zip(sites, bases, leads, clean_values, strict=False)
+  ]
+  values, baselines = sweep_forwards(
+    copies, clean_output, patches, bases[-1], corrupted, metric, positions, chunk_size, streams
+  )
   return values, row_labels(leads), baselines
 
 
@@ -548,72 +619,44 @@ def sweep(
     raise refuse_site_object(at, Sweepable, "fl.sweep")
   sweeps_itself = at if isinstance(at, Sweepable) else None  # a site of many units (fl.heads)
   chosen = None if sweeps_itself is not None else chosen_sites(tree, at, part)
-  streams = resolve_random_streams(random_streams, tree.where())
-  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
-  check_matching_runs(
-    clean,
-    corrupted,
-    f"fl.sweep of {tree.where()}",
-    "fl.sweep patches each site's value from the clean run into the corrupted run, so the"
-    " clean run's values must have the corrupted run's shapes (or broadcast to them).",
-    broadcast=True,
-  )
+  runs = paired_runs(tree, clean, corrupted, random_streams, "fl.sweep", _MATCHING, True)
+  clean, corrupted, streams = runs.clean, runs.corrupted, runs.random_streams
   if share_prefix not in (None, False, True):
     raise ArgumentError(
       f"fl.sweep: share_prefix= is True, False or None (chosen for you), got {share_prefix!r}."
     )
-  arguments = [(name, tuple(x.shape)) for name, x in _budget.arrays_of(corrupted)]
   if share_prefix is None:
     share_prefix = _shares_by_default(sweeps_itself, chunk_size, budget)
   if share_prefix:
     _check_shared_prefix(tree, sweeps_itself, chunk_size, corrupted, metric, streams, budget)
     run = _shared_prefix_sweep_compiled if jit else _shared_prefix_sweep
-    values, rows, (clean_metric, corrupted_metric) = run(
+    values, rows, baselines = run(
       tree, clean, corrupted, chosen, metric, positions, axis, part, streams
     )
-    return _statistics.with_runs(
-      sweep_result(tree, chosen, values, rows, positions),
-      clean_metric,
-      corrupted_metric,
-      per_example=per_example,
-      where="fl.sweep",
-      arguments=arguments,
-    )
-  if budget is not None:
-    chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
-  if sweeps_itself is not None:
-    options = SweepOptions(positions, axis, part, chunk_size, streams, jit)
-    swept = sweeps_itself.sweep_units(tree, clean, corrupted, metric, options)
-    return _statistics.with_runs(
-      SweepResult(swept.values, swept.names, positions, heads=swept.heads),
-      swept.clean,
-      swept.corrupted,
-      per_example=per_example,
-      where="fl.sweep",
-      arguments=arguments,
-    )
-  run = _sweep_compiled if jit else _sweep
-  values, rows, (clean_metric, corrupted_metric) = run(
-    tree,
-    clean,
-    corrupted,
-    chosen,
-    metric,
-    positions,
-    axis,
-    part,
-    chunk_size,
-    streams,
-  )
-  result = sweep_result(tree, chosen, values, rows, positions)
+    result = sweep_result(tree, chosen, values, rows, positions)
+  else:
+    if budget is not None:
+      chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
+    if sweeps_itself is not None:
+      options = SweepOptions(positions, axis, part, chunk_size, streams, jit)
+      swept = sweeps_itself.sweep_units(tree, clean, corrupted, metric, options)
+      result = SweepResult(swept.values, swept.names, positions, heads=swept.heads)
+      baselines = (swept.clean, swept.corrupted)
+    else:
+      run = _sweep_compiled if jit else _sweep
+      values, rows, baselines = run(
+        tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams
+      )
+      result = sweep_result(tree, chosen, values, rows, positions)
   return _statistics.with_runs(
-    result,
-    clean_metric,
-    corrupted_metric,
-    per_example=per_example,
-    where="fl.sweep",
-    arguments=arguments,
+    result, *baselines, per_example=per_example, where="fl.sweep", arguments=runs.arguments
   )
+
+
+_MATCHING = (
+  "fl.sweep patches each site's value from the clean run into the corrupted run, so the"
+  " clean run's values must have the corrupted run's shapes (or broadcast to them)."
+)
 
 
 def _site_groups(at: list | tuple) -> list[Any]:
