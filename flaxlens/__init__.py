@@ -69,12 +69,12 @@ from flaxlens.tools.base._probed import place as place
 from flaxlens.core._edit import EditedCall as EditedCall
 from flaxlens.tools.analysis._heads import heads as heads
 from flaxlens.tools.analysis._heads import Heads as Heads
-from flaxlens.tools.analysis._heads import attention_pattern as attention_pattern
-from flaxlens.tools.analysis._heads import AttentionPattern as AttentionPattern
+from flaxlens.tools.analysis._attention_pattern import attention_pattern as attention_pattern
+from flaxlens.tools.analysis._attention_pattern import AttentionPattern as AttentionPattern
 from flaxlens.tools.analysis._sweeps import sweep as sweep
-from flaxlens.tools.analysis._sweeps import SweepResult as SweepResult
-from flaxlens.tools.analysis._sweeps import attribute as attribute
-from flaxlens.tools.analysis._sweeps import grad_at as grad_at
+from flaxlens.tools.analysis._sweep_result import SweepResult as SweepResult
+from flaxlens.tools.analysis._attribution import attribute as attribute
+from flaxlens.tools.analysis._attribution import grad_at as grad_at
 from flaxlens.tools.analysis._paths import path_patch as path_patch
 from flaxlens.tools.analysis._paths import Sites as Sites
 from flaxlens.tools.files._specs import save_interventions as save_interventions

@@ -138,6 +138,33 @@ class FrameworkAdapter(abc.ABC):
   def with_exported_variables(self, like: Any, variables: Any) -> Any:
     """A new exported model shaped as `like`, holding `variables` (as above); `like` unchanged."""
 
+  # --- attention (fl.heads, fl.attention_pattern) ----------------------------------------
+
+  @abc.abstractmethod
+  def attention_class(self, module_type: type) -> type | None:
+    """The API's multi-head attention class that `module_type` is or subclasses (Linen:
+    `nn.MultiHeadDotProductAttention`), or None: such a module's heads are the input of
+    its `out` projection, and its weights are what `attention_weights` computes."""
+
+  @abc.abstractmethod
+  def declares_trailing_features(self, module_type: type) -> bool:
+    """Whether calls of `module_type` declare their trailing axes as features, in their
+    `features`/`out_features` (output) and `axis` (input) settings (Linen:
+    `nn.DenseGeneral`)."""
+
+  @abc.abstractmethod
+  def is_own_attention_function(self, fn: Any) -> bool:
+    """Whether `fn` (an attention module's `attention_fn`) is the API's own
+    `dot_product_attention`, whose weights `attention_weights` computes."""
+
+  @abc.abstractmethod
+  def attention_weights(
+    self, settings: dict[str, Any], query: Any, key: Any, given: dict[str, Any]
+  ) -> Any:
+    """The softmax weights `(batch..., heads, q, k)` the API's attention computes from
+    `query` and `key`, with the module's `settings` (`dtype`, `precision`, ...) and the
+    arguments its call was `given`, by name (`mask`; NNX: `is_causal`)."""
+
   # --- plain models ---------------------------------------------------------------------
 
   def native_call_fix(self, error: Exception) -> str:

@@ -19,16 +19,17 @@ There are two ways to use one:
   the tree's and the sites'. Only an overlaid layer captures (a capture needs the run's
   channel, `_probes`).
 
-An edit is any object with `on` (`"input"` or `"output"`) and `edit(site, argument,
-value) -> value` (the tools' `Intervention`); an edit with `records = True` may also
-record captures in the run's probing (`core/_probes.py: active_probing`). No Flax
+An edit is any object the `Edit` protocol describes: `on` (`"input"` or `"output"`),
+`part` and `edit(site, argument, value) -> value` (the tools' `Intervention`, a head
+site's `HeadEdit`); an edit that also records captures in the run's probing
+(`core/_probes.py: active_probing`) is a `RecordingEdit` with `records = True`. No Flax
 internals here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._layer import Layer
@@ -36,13 +37,52 @@ from flaxlens.core._struct import static_field
 from flaxlens.errors import UnsupportedFlaxFeatureError
 
 
+@runtime_checkable
+class Edit(Protocol):
+  """What an `EditedCall` runs: one edit of a call's first positional argument or output.
+
+  Attributes:
+    on: `"input"` (the call's first positional argument, edited before the call) or
+      `"output"` (edited after it).
+    part: which part of a structured value the edit reads (a key, an index, a field
+      name), or None for the whole value; tools check it against the call's recorded
+      signature before anything runs.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flaxlens.core._edit import Edit
+    >>> class Halve:
+    ...   on, part = "output", None
+    ...   def edit(self, site, argument, value):
+    ...     return value / 2
+    >>> isinstance(Halve(), Edit), Halve().edit("mlp", None, jnp.ones(2)).tolist()
+    (True, [0.5, 0.5])
+  """
+
+  on: str
+  part: Any
+
+  def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
+    """The new value of the call's `on` value `value` (its arguments are `argument`);
+    `site` names the call in messages."""
+    ...
+
+
+@runtime_checkable
+class RecordingEdit(Edit, Protocol):
+  """An edit that records captures in the run's probing (`active_probing()`), so the
+  run keeps a channel for it; `records` is True."""
+
+  records: bool
+
+
 class EditedCall(Layer):
   """A call with edits of its first positional argument and of its output.
 
   Attributes:
     node: the call node it wraps (calling it continues the call natively).
-    edits: objects with `on` and `edit(site, argument, value)`, applied in order (the
-      input edits before the call, the output edits after it).
+    edits: `Edit`s, applied in order (the input edits before the call, the output edits
+      after it).
     site: the call's name in messages and captured results (`"Block_0/mlp"`).
     output: whether to capture the output (after the edits); only in a run's overlay.
     input: whether to capture the positional arguments (after the edits); likewise.
@@ -63,7 +103,7 @@ class EditedCall(Layer):
   """
 
   node: Any
-  edits: tuple[Any, ...] = ()
+  edits: tuple[Edit, ...] = ()
   site: str = static_field(default="")
   output: bool = static_field(default=False)
   input: bool = static_field(default=False)

@@ -40,7 +40,7 @@ import jax
 
 from flaxlens._compat import tracing
 from flaxlens.core._active import current_interceptor
-from flaxlens.core._edit import EditedCall
+from flaxlens.core._edit import EditedCall, RecordingEdit
 from flaxlens.core._thread_attributes import ScopedAttributes
 from flaxlens.errors import CallStructureError, UnsupportedFlaxFeatureError
 
@@ -87,7 +87,7 @@ class Probing:
   ):
     self.edited_calls = edited_calls
     self.capturing = any(
-      e.output or e.input or any(getattr(x, "records", False) for x in e.edits)
+      e.output or e.input or any(isinstance(x, RecordingEdit) and x.records for x in e.edits)
       for e in edited_calls.values()
     )
     self.indexed = indexed

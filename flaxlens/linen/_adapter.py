@@ -39,6 +39,28 @@ class LinenAdapter(FrameworkAdapter):
   name = "linen"
   node_type = InterceptedFlaxModuleMethod
 
+  def attention_class(self, module_type: type) -> type | None:
+    attention = nn.MultiHeadDotProductAttention
+    return attention if issubclass(module_type, attention) else None
+
+  def declares_trailing_features(self, module_type: type) -> bool:
+    return issubclass(module_type, nn.DenseGeneral)
+
+  def is_own_attention_function(self, fn: Any) -> bool:
+    return fn is nn.dot_product_attention
+
+  def attention_weights(
+    self, settings: dict[str, Any], query: Any, key: Any, given: dict[str, Any]
+  ) -> Any:
+    return nn.dot_product_attention_weights(
+      query,
+      key,
+      mask=given.get("mask"),
+      dtype=settings.get("dtype"),
+      precision=settings.get("precision"),
+      force_fp32_for_softmax=settings.get("force_fp32_for_softmax"),
+    )
+
   def accepts(self, model: Any) -> bool:
     return isinstance(model, nn.Module)
 

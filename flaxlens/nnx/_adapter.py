@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from flaxlens._compat import nnx_graph, tracing
+from flaxlens._compat import nnx_attention, nnx_graph, tracing
 from flaxlens.core._adapter import FrameworkAdapter, register_adapter
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._cache import Derived
@@ -49,6 +49,28 @@ class NNXAdapter(FrameworkAdapter):
 
   name = "nnx"
   node_type = InterceptedNNXModuleMethod
+
+  def attention_class(self, module_type: type) -> type | None:
+    attention = nnx.MultiHeadAttention
+    return attention if issubclass(module_type, attention) else None
+
+  def declares_trailing_features(self, module_type: type) -> bool:
+    return issubclass(module_type, nnx.LinearGeneral)
+
+  def is_own_attention_function(self, fn: Any) -> bool:
+    return fn is nnx.dot_product_attention
+
+  def attention_weights(
+    self, settings: dict[str, Any], query: Any, key: Any, given: dict[str, Any]
+  ) -> Any:
+    return nnx_attention.dot_product_attention_weights(
+      query,
+      key,
+      mask=given.get("mask"),
+      dtype=settings.get("dtype"),
+      precision=settings.get("precision"),
+      is_causal=bool(given.get("is_causal", False)),
+    )
 
   def accepts(self, model: Any) -> bool:
     return isinstance(model, nnx.Module)

@@ -12,55 +12,59 @@ axes as `(heads, head_dim)`: then head `h` is `[..., h, :]`.
 Every edit is the one edit concept (`core/_edit.py`): an intervention on a head site
 resolves to the call holding the heads, and runs there on the value viewed as
 `(..., heads, head_dim)`, keeping the heads it does not name; captures are edits that
-record that view (`records`). `fl.attention_pattern(at)` captures the softmax weights
-`(batch..., heads, q, k)` that Flax sows with `sow_weights=True`, by calling Flax's own
-`dot_product_attention_weights` on the query and key the module computed and the mask
-it was given. Sweeps over heads (× positions) run as `fl.sweep` does: one compiled
-program, the clean run once and every patched forward batched. Flax's public attention
-classes and functions only, and NNX's weights function, which `flax.nnx` does not export,
-through `_compat.nnx_attention`.
+record that view (`records`); `fl.attention_pattern` (`_attention_pattern.py`) reads
+the same attention modules. A `Heads` site is a site object with every capability
+(`tools/base/_site_objects.py`). Sweeps over heads (× positions) run as `fl.sweep`
+does: one compiled program, the clean run once and every patched forward batched. No
+Flax internals here:
+which classes are Flax's attention (and `DenseGeneral`-like projections) and how their
+weights are computed is each API's adapter's (`FrameworkAdapter.attention_class`,
+`attention_weights`, ...); the head-count settings are read in `_head_settings.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from flaxlens._compat import nnx_attention
+from flaxlens.core._adapter import adapter_of
 from flaxlens.core._args import ArgsAndKwargs
+from flaxlens.core._edit import Edit
 from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode
 from flaxlens.core._probes import active_probing
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.errors import ArgumentError, HeadsError
+from flaxlens.tools.analysis._head_settings import (
+  HEAD_COUNTS,
+  check_settings_count,
+  child_call,
+  count_from_settings,
+  count_holder,
+  own_calls,
+  settings_with_count,
+  value_spec,
+)
 from flaxlens.tools.analysis._sweeps import (
-  Copies,
+  SitePatch,
   indexed_run,
-  metric_value,
-  patched_forwards,
   position_mask,
   row_labels,
   scan_iteration,
-  with_clean,
+  sweep_forwards,
 )
-from flaxlens.tools.base._intervention import Intervention, make_intervention
+from flaxlens.tools.base._intervention import Intervention
 from flaxlens.tools.base._parts import one_array, set_part
+from flaxlens.tools.base._probed import Copies
+from flaxlens.tools.base._site_objects import PathSites, SweepOptions, SweptUnits
 from flaxlens.tools.base._sites import Site, select_sites, sites_of
-
-ATTENTION = (nn.MultiHeadDotProductAttention, nnx.MultiHeadAttention)
-_COUNTS = ("num_heads", "n_head", "num_attention_heads")
-_KV_COUNTS = ("num_kv_heads", "num_key_value_heads", "n_kv_heads", "n_kv_head", "num_kv_head")
-_HEAD_DIMS = ("head_dim", "head_size", "d_head")
 
 # --- resolving a head site ----------------------------------------------------------------
 
@@ -88,122 +92,7 @@ class _Split(NamedTuple):
   once: tuple[int, ...]
 
 
-def _value_spec(site: Site, on: str) -> Any:
-  """The abstract value (`jax.ShapeDtypeStruct`) of a call's output or first argument."""
-  signature = site.output if on == "output" else site.inputs
-  if signature is None:
-    return None
-  value = jax.tree_util.tree_unflatten(*signature)
-  if on == "input":
-    args = value[0]
-    return args[0] if args else None
-  return value
-
-
-def _own_calls(node: CallNode) -> list[CallNode]:
-  """`node` and the calls of its own module nested in it (a subclass's `__call__` calling
-  `super().__call__`, `nn.SelfAttention`), outermost first."""
-  found, frontier = [], [node]
-  while frontier:
-    current = frontier.pop(0)
-    found.append(current)
-    frontier.extend(
-      layer
-      for layer in current.submodule_calls.values()
-      if isinstance(layer, CallNode) and tuple(layer.path) == tuple(node.path)
-    )
-  return found
-
-
-def _holder(sites: list[Site], site: Site, name: str) -> tuple[Site, Site] | None:
-  """`(holder, child)`: the call of `site`'s module (`site` itself, or a call of the same
-  module nested in it) that makes the call `name.__call__`, and that call; or None."""
-  for node in _own_calls(site.node):
-    for key, layer in node.submodule_calls.items():
-      if key[1] == f"{name}.__call__":
-        holder = next((s for s in sites if s.node is node), None)
-        child = next((s for s in sites if s.node is layer), None)
-        return None if holder is None or child is None else (holder, child)
-  return None
-
-
-def _child(sites: list[Site], site: Site, name: str) -> Site | None:
-  """The site of the call `name.__call__` that `site`'s module makes in this call, or None."""
-  found = _holder(sites, site, name)
-  return None if found is None else found[1]
-
-
-def _setting(holder: Any, keys: tuple[str, ...]) -> tuple[str, int] | None:
-  """The first of `keys` that `holder` (a settings dict or a config object) sets to an
-  int, with its value."""
-  for key in keys:
-    value = holder.get(key) if isinstance(holder, dict) else getattr(holder, key, None)
-    if isinstance(value, int) and not isinstance(value, bool):
-      return key, value
-  return None
-
-
-def _count_holder(sites: list[Site], site: Site) -> tuple[Site, Any, tuple[str, int]] | None:
-  """The call of `site`'s module or of the nearest enclosing one whose settings (a dict,
-  or a config object under `config`) set a head count: that call, the settings holding
-  it, and `(key, count)`."""
-  path = tuple(site.node.path)
-  enclosing = [s for s in sites if tuple(s.node.path) == path[: len(s.node.path)]]
-  for outer in sorted(enclosing, key=lambda s: -len(s.node.path)):
-    settings = outer.node.settings()
-    for holder in (settings, settings.get("config")):
-      found = _setting(holder, _COUNTS)
-      if found is not None:
-        return outer, holder, found
-  return None
-
-
-def _settings_with_count(sites: list[Site], site: Site) -> tuple[int, Any] | None:
-  """The head count in the settings of `site`'s module or the nearest enclosing one, and
-  the settings (a dict or a config object) that hold it."""
-  found = _count_holder(sites, site)
-  return None if found is None else (found[2][1], found[1])
-
-
-def _count_from_settings(sites: list[Site], site: Site) -> int | None:
-  """The head count in the settings of `site`'s module or the nearest enclosing one."""
-  found = _settings_with_count(sites, site)
-  return None if found is None else found[0]
-
-
-def _check_settings_count(site: Site, on: str, features: int, count: int, holder: Any) -> None:
-  """Refuses a head count read from the settings around a call that they show is not
-  this call's: a `head_dim` setting whose product with it is not the call's features, or
-  a key/value head count besides it (grouped-query attention: a key or value projection
-  holds fewer heads than `num_heads`), where which count applies is not known.
-
-  Raises:
-    HeadsError: naming the settings and the `heads=` to give.
-  """
-  head_dim = _setting(holder, _HEAD_DIMS)
-  kv = _setting(holder, _KV_COUNTS)
-  kv = kv if kv is not None and kv[1] != count else None
-  if head_dim is not None and features != count * head_dim[1]:
-    fits = kv is not None and features == kv[1] * head_dim[1]
-    raise HeadsError(
-      f"{site.name}: the settings around this call say {count} heads of {head_dim[0]}"
-      f" {head_dim[1]} ({count * head_dim[1]} features), but its {on} has {features}"
-      + (
-        f": {kv[1]} key/value heads ({kv[0]}={kv[1]}). Pass heads={kv[1]} to fl.heads."
-        if fits
-        else f". Pass the call's head count to fl.heads (heads=n, n * head_dim = {features})."
-      )
-    )
-  if kv is not None and head_dim is None:
-    raise HeadsError(
-      f"{site.name}: the settings around this call give two head counts, {count} heads"
-      f" and {kv[0]}={kv[1]} (grouped-query attention), and which one this call's"
-      f" {features} features hold is not known. Pass it to fl.heads: heads={count} for a"
-      f" query projection, heads={kv[1]} for a key or value projection."
-    )
-
-
-def _checked_heads(which: tuple[int, ...] | None, count: int, name: str) -> tuple[int, ...]:
+def checked_heads(which: tuple[int, ...] | None, count: int, name: str) -> tuple[int, ...]:
   if which is None:
     return tuple(range(count))
   outside = [h for h in which if not -count <= h < count]
@@ -220,14 +109,14 @@ def _checked_heads(which: tuple[int, ...] | None, count: int, name: str) -> tupl
   return out
 
 
-def _resolve(spec: Heads | AttentionPattern, tree: CallNode, sites: list[Site]) -> list[_Split]:
+def _resolve(spec: Heads, tree: CallNode, sites: list[Site]) -> list[_Split]:
   """Where the heads of each call `spec.at` names are (see `_Split`).
 
   Raises:
     HeadsError: a head count that does not fit, a head out of range, no count known.
   """
   matched = select_sites(tree, spec.at, sites)
-  attention = _outermost([s for s in matched if issubclass(s.node.module_type, ATTENTION)])
+  attention = outermost([s for s in matched if attention_class(s) is not None])
   inside = {tuple(s.node.path) for s in attention}
   found = []
   for site in matched:
@@ -238,17 +127,22 @@ def _resolve(spec: Heads | AttentionPattern, tree: CallNode, sites: list[Site]) 
   return found
 
 
-def _outermost(attention: list[Site]) -> list[Site]:
+def attention_class(site: Site) -> type | None:
+  """The Flax attention class the call's module is or subclasses (its adapter's), or None."""
+  return adapter_of(site.node).attention_class(site.node.module_type)
+
+
+def outermost(attention: list[Site]) -> list[Site]:
   """The attention calls not nested in another of them of the same module (the call a
   subclass's `super().__call__` makes is its outer call's)."""
-  nested = {id(n) for s in attention for n in _own_calls(s.node)[1:]}
+  nested = {id(n) for s in attention for n in own_calls(s.node)[1:]}
   return [s for s in attention if id(s.node) not in nested]
 
 
-def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
-  given, on = getattr(spec, "count", None), getattr(spec, "on", None)
+def _split(spec: Heads, site: Site, sites: list[Site], attention: bool) -> _Split:
+  given, on = spec.count, spec.on
   if attention:
-    out = _child(sites, site, "out")
+    out = child_call(sites, site, "out")
     if out is None:
       raise HeadsError(
         f"{site.name}: this attention module made no call of its `out` projection that"
@@ -262,7 +156,7 @@ def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
         f" on={on!r} would name the module's own {on}, which holds no heads. Leave on="
         f" out, or name a projection: fl.heads('{site.name}/query')."
       )
-    value = _value_spec(out, "input")
+    value = value_spec(out, "input")
     if value is None or len(value.shape) < 2:
       raise HeadsError(
         f"{site.name}: the input of its out projection is not one (..., heads, head_dim)"
@@ -275,7 +169,7 @@ def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
         f" out projection's input has shape {tuple(value.shape)}). Leave heads= out, or"
         f" give heads={count}."
       )
-    heads = _checked_heads(spec.which, count, site.name)
+    heads = checked_heads(spec.which, count, site.name)
     return _Split(site.name, out, "input", count, False, heads, tuple(value.shape))
   on = on or "output"
   _check_not_attention(sites, site, on)
@@ -286,7 +180,7 @@ def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
       f"{site.name}: {merged_by}, so its output holds no heads: they exist only on its"
       f" input, where they are still apart. Name them there: {on_input!r}."
     )
-  value = _value_spec(site, on)
+  value = value_spec(site, on)
   if not isinstance(value, jax.ShapeDtypeStruct) or not value.shape:
     shown = "nothing" if value is None else type(value).__name__
     raise HeadsError(
@@ -299,10 +193,10 @@ def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
   features = value.shape[-1]
   count = given
   if count is None:
-    found = _settings_with_count(sites, site)
+    found = settings_with_count(sites, site)
     if found is not None:
       count = found[0]
-      _check_settings_count(site, on, features, *found)
+      check_settings_count(site, on, features, *found)
   if count is None:
     raise HeadsError(
       f"{site.name}: no head count is known for this call (its module and the modules"
@@ -315,7 +209,7 @@ def _split(spec: Any, site: Site, sites: list[Site], attention: bool) -> _Split:
       f" not divide. Give the call's head count: a divisor of {features}"
       " (heads * head_dim = features)."
     )
-  heads = _checked_heads(spec.which, count, site.name)
+  heads = checked_heads(spec.which, count, site.name)
   return _Split(site.name, site, on, count, True, heads, tuple(value.shape))
 
 
@@ -328,7 +222,7 @@ def _check_not_attention(sites: list[Site], site: Site, on: str) -> None:
   said = [
     k
     for holder in holders
-    for k in _COUNTS
+    for k in HEAD_COUNTS
     if (holder.get(k) if isinstance(holder, dict) else getattr(holder, k, None)) is not None
   ]
   calls = [key[1].rsplit(".", 1)[0] for key in site.node.submodule_calls]
@@ -354,18 +248,18 @@ def _merges_heads(sites: list[Site], site: Site) -> str | None:
   holding parameters that the module with the head-count setting around it makes (that
   module computes the heads from its input and merges them in its last projection, as
   Flax's and Hugging Face's attention modules do)."""
-  value = _value_spec(site, "input")
+  value = value_spec(site, "input")
   ndim = len(value.shape) if isinstance(value, jax.ShapeDtypeStruct) else 0
   if ndim >= 2 and (_declared_axes(site, "input", ndim) or 0) >= 2:
     axes = site.node.settings().get("axis")
     return f"its {site.node.module_type.__name__} contracts its input's axes {axes}"
-  found = _count_holder(sites, site)
+  found = count_holder(sites, site)
   if found is None or tuple(found[0].node.path) == tuple(site.node.path):
     return None
   outer, _, (key, count) = found
   made = [
     layer
-    for node in _own_calls(outer.node)
+    for node in own_calls(outer.node)
     for layer in node.submodule_calls.values()
     if isinstance(layer, CallNode) and layer.scope_data.parameters
   ]
@@ -382,7 +276,7 @@ def _declared_axes(site: Site, on: str, ndim: int) -> int | None:
   declares as features (`features`/`out_features` for its output, `axis` for its input),
   or None for another module (or contracted axes that are not the trailing ones)."""
   settings = site.node.settings()
-  if not issubclass(site.node.module_type, nn.DenseGeneral | nnx.LinearGeneral):
+  if not adapter_of(site.node).declares_trailing_features(site.node.module_type):
     return None
   if on == "output":
     features = settings.get("features", settings.get("out_features"))
@@ -410,7 +304,7 @@ def _split_axis(
       " value ends in (heads, head_dim), or one whose last axis holds heads * head_dim."
     )
   count = shape[-2]
-  settings = _count_from_settings(sites, site)
+  settings = count_from_settings(sites, site)
   for said, source in ((spec.count, "heads="), (settings, "the num_heads setting around it")):
     if said is not None and said != count:
       raise HeadsError(
@@ -419,7 +313,7 @@ def _split_axis(
         f" out, or give heads={count}; to split another axis, name a call whose last axis"
         " holds heads * head_dim."
       )
-  heads = _checked_heads(spec.which, count, site.name)
+  heads = checked_heads(spec.which, count, site.name)
   return _Split(site.name, site, on, count, False, heads, shape)
 
 
@@ -495,6 +389,7 @@ class HeadCapture(Struct):
   named only) as the capture `key`, and changes nothing."""
 
   records = True
+  part = None
   on: str = static_field()
   layout: _Layout = static_field()
   heads: tuple[int, ...] = static_field()
@@ -515,7 +410,7 @@ class HeadCapture(Struct):
 # --- head sites ---------------------------------------------------------------------------
 
 
-def _static(at: Any) -> Any:
+def static_site(at: Any) -> Any:
   if isinstance(at, CallNode):
     raise ArgumentError(
       f"fl.heads({at.where()}): give the call's path pattern ('{at.readable_path()[0]}'),"
@@ -524,7 +419,7 @@ def _static(at: Any) -> Any:
   return tuple(at) if isinstance(at, list) else at
 
 
-def _which(which: Any, maker: str) -> tuple[int, ...] | None:
+def checked_which(which: Any, maker: str) -> tuple[int, ...] | None:
   if which is None:
     return None
   items = [which] if isinstance(which, int | np.integer) else which
@@ -583,7 +478,7 @@ class Heads:
   def splits(self, tree: CallNode, sites: list[Site] | None = None) -> list[_Split]:
     return _resolve(self, tree, sites_of(tree) if sites is None else sites)
 
-  def path_sites(self, tree: CallNode) -> tuple[list[str], str, list[Any], dict]:
+  def path_sites(self, tree: CallNode) -> PathSites:
     """`(calls, on, slices, heads)` naming these heads for `fl.path_patch` (as `fl.Sites`
     takes them): the calls holding the heads, one slice per head, the same in every
     call, and `{call: [(site, head) per slice]}` (`("block_0/attn", 2)`) naming rows as
@@ -603,11 +498,11 @@ class Heads:
     else:
       where = [jnp.s_[..., h, :] for h in heads]
     named = {s.site.name: [(s.name, h) for h in heads] for s in splits}
-    return [s.site.name for s in splits], on, where, named
+    return PathSites([s.site.name for s in splits], on, where, named)
 
   def edits_of(
     self, tree: CallNode, sites: list[Site], intervention: Intervention
-  ) -> list[tuple[Site, HeadEdit]]:
+  ) -> list[tuple[Site, Edit]]:
     """The call holding each named module's heads, and the edit it runs (`fl.run`)."""
     if intervention.on != "output":
       raise HeadsError(
@@ -624,7 +519,7 @@ class Heads:
 
   def capture_edits(
     self, tree: CallNode, sites: list[Site], shape: Callable[[str, Any], Any] | None
-  ) -> list[tuple[Site, HeadCapture]]:
+  ) -> list[tuple[Site, Edit]]:
     """The edits that record each named module's heads as `"<site>:heads"` (`fl.run`)."""
     out = []
     for split in self.splits(tree, sites):
@@ -634,27 +529,36 @@ class Heads:
       out.append((split.site, edit))
     return out
 
-  def sweep_units(self, tree, clean, corrupted, metric, options) -> tuple[Any, tuple, tuple]:
-    """`fl.sweep` over these heads: the values, each row's `(site, head)` (one row per
-    head and iteration: `("layers/attn[3]", 2)`), and the (clean, corrupted) runs'
-    metrics."""
-    positions, axis, part, chunk_size, streams, jit = options
-    if part is not None:
+  def sweep_units(
+    self, tree: CallNode, clean: Any, corrupted: Any, metric: Any, options: SweepOptions
+  ) -> SweptUnits:
+    """`fl.sweep` over these heads: one row per head and iteration, named
+    `"layers/attn[3] head 2"`, its `(site, head)` in `heads`."""
+    if options.part is not None:
       raise HeadsError(
         f"{self!r}: part= is not taken by a heads sweep: the heads are one array (a Flax"
         " attention module's out projection input, or a call's value). Leave part= out."
       )
     splits = self.splits(tree)
-    run = _sweep_compiled if jit else _sweep_heads
-    values, rows, baselines = run(
-      tree, clean, corrupted, self, metric, positions, axis, chunk_size, streams
+    run = _sweep_compiled if options.jit else _sweep_heads
+    values, rows, (clean_metric, corrupted_metric) = run(
+      tree,
+      clean,
+      corrupted,
+      self,
+      metric,
+      options.positions,
+      options.axis,
+      options.chunk_size,
+      options.random_streams,
     )
     units = []
     for split, row in zip(splits, rows, strict=True):
       for index in np.ndindex(*row.shape[:-1]):
         label = split.name + (f"[{','.join(map(str, index))}]" if index else "")
         units.extend((label, h) for h in split.heads)
-    return values, tuple(units), baselines
+    names = tuple(f"{site} head {h}" for site, h in units)
+    return SweptUnits(values, names, tuple(units), clean_metric, corrupted_metric)
 
 
 def heads(at: Any, which: Any = None, *, heads: int | None = None, on: str | None = None) -> Heads:
@@ -714,221 +618,9 @@ def heads(at: Any, which: Any = None, *, heads: int | None = None, on: str | Non
     )
   if on not in (None, "input", "output"):
     raise HeadsError(f"{maker}: on= is 'output' or 'input', got {on!r}. Pass one of these.")
-  return Heads(_static(at), _which(which, maker), None if heads is None else int(heads), on)
-
-
-# --- attention patterns -------------------------------------------------------------------
-
-
-class _Stash(Struct):
-  """Records a call's output under `key` for the pattern edit of its module to take."""
-
-  records = True
-  key: str = static_field()
-  on: str = static_field(default="output")
-
-  def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
-    del site, argument
-    probing = active_probing()
-    if probing is not None:
-      probing.record(self.key, value)
-    return value
-
-
-class PatternCapture(Struct):
-  """Records an attention module's softmax weights, `(batch..., heads, q, k)`, as Flax's
-  own `dot_product_attention_weights` computes them from the module's query and key
-  (stashed by `_Stash` edits of its calls) and the mask it was given."""
-
-  records = True
-  query: str = static_field()
-  key: str = static_field()
-  name: str = static_field()
-  heads: tuple[int, ...] = static_field()
-  count: int = static_field()
-  module_type: type = static_field()
-  settings: tuple[tuple[str, Any], ...] = static_field()
-  shape: Any = static_field(default=None)
-  on: str = static_field(default="output")
-
-  def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
-    probing = active_probing()
-    if probing is None:
-      return value
-    stashed = probing.channels[-1].values
-    if self.query not in stashed or self.key not in stashed:
-      return value  # a trace Flax makes of a body only to learn its shapes
-    query, key = stashed.pop(self.query), stashed.pop(self.key)
-    weights = _weights(self.module_type, dict(self.settings), query, key, argument, site)
-    if len(self.heads) < self.count:
-      weights = weights[..., list(self.heads), :, :]
-    probing.record(f"{self.name}:pattern", weights, self.shape)
-    return value
-
-
-def _weights(module_type, settings, query, key, argument, site) -> Any:
-  """Flax's own attention weights of one call, from its query, key and arguments."""
-  bound = inspect.signature(module_type.__call__).bind(None, *argument.args, **argument.kwargs)
-  given = dict(bound.arguments)
-  mask = given.get("mask")
-  if given.get("decode"):
-    raise HeadsError(
-      f"{site}: this call decodes (decode=True): its keys come from the cache, which"
-      " the pattern would not read. Capture patterns of calls that do not decode."
-    )
-  if issubclass(module_type, nn.MultiHeadDotProductAttention):
-    return nn.dot_product_attention_weights(
-      query,
-      key,
-      mask=mask,
-      dtype=settings["dtype"],
-      precision=settings["precision"],
-      force_fp32_for_softmax=settings["force_fp32_for_softmax"],
-    )
-  return nnx_attention.dot_product_attention_weights(
-    query,
-    key,
-    mask=mask,
-    dtype=settings["dtype"],
-    precision=settings["precision"],
-    is_causal=bool(given.get("is_causal", False)),
+  return Heads(
+    static_site(at), checked_which(which, maker), None if heads is None else int(heads), on
   )
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionPattern:
-  """The attention weights of Flax attention modules, as a capture site (made by
-  `fl.attention_pattern`); captured as `"<site>:pattern"`.
-
-  Attributes:
-    at: the site pattern, class or predicate naming attention modules.
-    which: the heads kept (None: every head).
-
-  Example:
-    >>> import flaxlens as fl
-    >>> fl.attention_pattern("**/attn", 3).which
-    (3,)
-  """
-
-  at: Any
-  which: tuple[int, ...] | None = None
-
-  def __repr__(self) -> str:
-    return f"fl.attention_pattern({self.at!r})"
-
-  def capture_edits(
-    self, tree: CallNode, sites: list[Site], shape: Callable[[str, Any], Any] | None
-  ) -> list[tuple[Site, Any]]:
-    out = []
-    named = select_sites(tree, self.at, sites)
-    for site in _outermost([s for s in named if issubclass(s.node.module_type, ATTENTION)]):
-      settings = site.node.settings()
-      _check_pattern(site, settings)
-      ln = "_ln" if settings.get("normalize_qk") else ""
-      found = _holder(sites, site, f"query{ln}")
-      query, key = _child(sites, site, f"query{ln}"), _child(sites, site, f"key{ln}")
-      if found is None or query is None or key is None:
-        raise HeadsError(
-          f"{site.name}: this attention module made no query{ln}/key{ln} calls the tree can"
-          " read (they were replaced or placed), so its pattern cannot be recomputed."
-          " Capture the pattern on a tree without them replaced."
-        )
-      count = _value_spec(query, "output").shape[-2]
-      heads = _checked_heads(self.which, count, site.name)
-      kept = tuple((k, settings.get(k)) for k in _PATTERN_SETTINGS)
-      q_key, k_key = f"{site.name}:query (pattern)", f"{site.name}:key (pattern)"
-      shaped = None if shape is None else functools.partial(shape, f"{site.name}:pattern")
-      out.append((query, _Stash(q_key)))
-      out.append((key, _Stash(k_key)))
-      holder = found[0]
-      module_type = site.node.module_type
-      flax_class = next(c for c in ATTENTION if issubclass(module_type, c))
-      if holder is not site:  # a subclass's super().__call__: Flax's own signature
-        module_type = flax_class
-      elif module_type.__call__ is not flax_class.__call__:
-        raise HeadsError(
-          f"{site.name}: its class {module_type.__name__} overrides __call__, and the tree"
-          f" holds no call of {flax_class.__name__}.__call__ inside it, so the mask (and"
-          " is_causal) Flax's attention received are not known, nor that it ran. Capture"
-          " its weights natively (sow_weights=True), or call the module through Flax's own"
-          " __call__."
-        )
-      edit = PatternCapture(q_key, k_key, site.name, heads, count, module_type, kept, shaped)
-      out.append((holder, edit))
-    if not out:
-      raise HeadsError(
-        f"{self!r}: no call it names is a Flax attention module (nn.MultiHeadDotProductAttention,"
-        " nnx.MultiHeadAttention). Name attention modules: their patterns are what Flax"
-        " sows with sow_weights=True."
-      )
-    return out
-
-
-_PATTERN_SETTINGS = ("dtype", "precision", "force_fp32_for_softmax")
-
-
-def _function_name(fn: Any) -> str:
-  """A function's name as a message shows it: `module.name`, a partial's function and
-  arguments, or its repr."""
-  if isinstance(fn, functools.partial):
-    given = [*map(repr, fn.args), *(f"{k}={v!r}" for k, v in fn.keywords.items())]
-    return f"functools.partial({', '.join([_function_name(fn.func), *given])})"
-  name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-  module = getattr(fn, "__module__", None)
-  return f"{module}.{name}" if name and module else name or repr(fn)
-
-
-def _check_pattern(site: Site, settings: dict[str, Any]) -> None:
-  """Refuses a module whose weights are not Flax's `dot_product_attention_weights`."""
-  own = (nn.dot_product_attention, nnx.dot_product_attention)
-  problem = None
-  if settings.get("attention_fn") not in own:
-    problem = f"its attention_fn is {_function_name(settings.get('attention_fn'))}"
-  elif settings.get("decode"):
-    problem = "it decodes (decode=True), reading keys from its cache"
-  elif settings.get("qk_attn_weights_einsum_cls") is not None:
-    problem = "it computes q·k with its own einsum (qk_attn_weights_einsum_cls)"
-  if problem:
-    raise HeadsError(
-      f"{site.name}: {problem}, so its pattern is not Flax's dot_product_attention_weights"
-      " of its query and key. Capture the values your attention function computes"
-      " (fl.capture of its inputs), or use Flax's own dot_product_attention."
-    )
-
-
-def attention_pattern(at: Any, which: Any = None) -> AttentionPattern:
-  """Names the attention weights of Flax attention modules as a capture site.
-
-  `fl.capture(tree, x, at=fl.attention_pattern("block_*/attn"))` returns each module's
-  softmax weights as `"<site>:pattern"`, of shape `(batch..., heads, q_length,
-  kv_length)`: what the module sows with `sow_weights=True` (before dropout), computed
-  by Flax's own `dot_product_attention_weights` from the query and key the module made
-  in this run (after `query_ln`/`key_ln` when it normalises them) and the `mask` (and,
-  NNX, `is_causal`) it was called with. Interventions earlier in the run change it as
-  they change the module's query and key.
-
-  Args:
-    at: the attention modules: a path pattern, a module class or a predicate; calls it
-      names that are not Flax attention modules are passed over.
-    which: a head number or list of them to keep; None: every head.
-
-  Returns:
-    An `AttentionPattern` site for `fl.capture`/`fl.run(capture=...)`.
-
-  Raises:
-    HeadsError: (when the run is traced) the site names no Flax attention module, or
-      one whose weights Flax's function does not compute (a custom `attention_fn`,
-      `decode=True`, a custom q·k einsum).
-
-  Example:
-    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
-    >>> attn, x = nn.MultiHeadDotProductAttention(num_heads=4), jnp.ones((1, 3, 8))
-    >>> tree = fl.unflaxify(attn, attn.init(jax.random.key(0), x), x)
-    >>> _, cache = fl.capture(tree, x, at=fl.attention_pattern(nn.MultiHeadDotProductAttention))
-    >>> cache["MultiHeadDotProductAttention.__call__:pattern"].shape
-    (1, 4, 3, 3)
-  """
-  return AttentionPattern(_static(at), _which(which, f"fl.attention_pattern({at!r})"))
 
 
 # --- sweeps over heads --------------------------------------------------------------------
@@ -982,26 +674,15 @@ def _sweep_heads(tree, clean, corrupted, spec, metric, positions, axis, chunk_si
     clean_values.append(value)
   units_of = [math.prod(lead) * len(s.heads) for s, lead in zip(splits, leads, strict=True)]
   bases = np.cumsum([0, *units_of]).tolist()
-
-  def patched(unit_and_position: tuple[Any, Any]) -> Any:
-    unit, position = unit_and_position
-    copy, fresh = copies.fresh()
-    edits = tuple(
-      make_intervention(
-        "modify",
-        site.node,
-        (value, unit, position),
-        None,
-        s.on,
-        None,
-        fn=_HeadPatcher(s.name, base, lead, _layout(s), s.heads, positions, axis),
-      )
-      for site, s, base, lead, value in zip(fresh, splits, bases, leads, clean_values, strict=False)
+  patches = [
+    SitePatch(
+      s.on, None, value, _HeadPatcher(s.name, base, lead, _layout(s), s.heads, positions, axis)
     )
-    output, _ = indexed_run(copy, corrupted, edits, None, streams)
-    return metric_value(metric, with_clean(unit, clean_output, output), scalar=False)
-
-  values, baselines = patched_forwards(patched, bases[-1], positions, chunk_size)
+    for s, base, lead, value in zip(splits, bases, leads, clean_values, strict=False)
+  ]
+  values, baselines = sweep_forwards(
+    copies, clean_output, patches, bases[-1], corrupted, metric, positions, chunk_size, streams
+  )
   rows = row_labels([(*lead, len(s.heads)) for s, lead in zip(splits, leads, strict=True)])
   return values, rows, baselines
 

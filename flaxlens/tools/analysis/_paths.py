@@ -35,24 +35,21 @@ from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._edit import EditedCall
 from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode, check_tree
-from flaxlens.core._probes import Probing, active_probing
-from flaxlens.core._runtime import resolve_random_streams, run_tree
-from flaxlens.core._variables import bind_variables, unbind_variables
+from flaxlens.core._probes import active_probing
 from flaxlens.core._walk import Relation, calls
 from flaxlens.errors import ArgumentError, SelectionError, UnsupportedFlaxFeatureError
 from flaxlens.tools.analysis import _statistics
-from flaxlens.tools.analysis._sweeps import UNREACHED_FIX, SweepResult, metric_value
-from flaxlens.tools.base import _budget
+from flaxlens.tools.analysis._sweep_result import SweepResult
+from flaxlens.tools.analysis._sweeps import UNREACHED_FIX, metric_value, paired_runs
 from flaxlens.tools.base._calling import (
   check_callable,
-  check_matching_runs,
-  model_arguments,
   takes_model_arguments,
 )
 from flaxlens.tools.base._index import MASK, index_text
 from flaxlens.tools.base._intervention import Intervention, make_intervention, where_mask
 from flaxlens.tools.base._parts import get_part, set_part
-from flaxlens.tools.base._probed import edited_calls
+from flaxlens.tools.base._probed import Copies, edited_calls, probed_run
+from flaxlens.tools.base._site_objects import PathPatchable, SiteObject, refuse_site_object
 from flaxlens.tools.base._sites import Site, check_part, select_sites, sites_of
 
 # --- what the user names ------------------------------------------------------------------
@@ -115,15 +112,14 @@ def _as_sites(value: Any, tree: CallNode) -> tuple[tuple[Sites, _Heads], ...]:
   included, is one pair."""
 
   def one(element: Any) -> tuple[Sites, _Heads]:
-    as_sites = getattr(element, "path_sites", None)
-    if as_sites is not None:
-      at, on, where, heads = as_sites(tree)
-      return Sites(at, on=on, where=where), heads
+    if isinstance(element, PathPatchable):
+      found = element.path_sites(tree)
+      return Sites(found.calls, on=found.on, where=found.where), found.heads
+    if isinstance(element, SiteObject):
+      raise refuse_site_object(element, PathPatchable, "fl.path_patch")
     return (element if isinstance(element, Sites) else Sites(element)), {}
 
-  if isinstance(value, list | tuple) and any(
-    isinstance(e, Sites) or hasattr(e, "path_sites") for e in value
-  ):
+  if isinstance(value, list | tuple) and any(isinstance(e, Sites | SiteObject) for e in value):
     return tuple(one(e) for e in value)
   return (one(value),)
 
@@ -305,7 +301,11 @@ def _plan(tree, senders: tuple, receivers: tuple, freeze: Any, each_receiver: bo
 
 
 class _SideEdit:
-  """An edit of one side of a call, as `EditedCall` applies edits: `fn(value) -> value`."""
+  """An edit of one side of a call, as `EditedCall` applies edits: `fn(value) -> value`;
+  it may record values (`_record`: the receivers' values)."""
+
+  records = True
+  part = None
 
   def __init__(self, on: str, fn: Callable[[Any], Any]):
     self.on = on
@@ -348,41 +348,34 @@ def _check_unstacked(site: Site, value: Any) -> None:
 
 
 class _Run:
-  """Fresh copies of the tree (each run leaves the tree's variables alone) and runs."""
+  """The runs of path patching, each on a fresh copy of the tree (`Copies`)."""
 
   def __init__(self, tree: CallNode, streams: Any):
-    self.slots, self.values = unbind_variables(tree, freeze=True)
+    self.copies = Copies(tree)
     self.streams = streams
-
-  def fresh(self) -> tuple[CallNode, list[Site]]:
-    copy = bind_variables(self.slots, self.values)
-    return copy, sites_of(copy)
 
   def capture(self, argument: ArgsAndKwargs, indices: list[int]) -> tuple[list[Site], dict, Any]:
     """The sites at `indices`: their outputs and inputs in a run on `argument`, and the
     run's output."""
-    tree, sites = self.fresh()
+    tree, sites = self.copies.fresh()
     nodes = tuple(sites[k].node for k in indices)
-    probing = Probing(edited_calls(tree, (), nodes, True, None), unreached_fix=UNREACHED_FIX)
-    output = run_tree(tree, argument, self.streams, {}, probing=probing, probing_key=nodes)
-    return sites, probing.captured, output
+    probes = edited_calls(tree, (), nodes, True, None)
+    output, captured = probed_run(tree, argument, probes, self.streams, nodes, UNREACHED_FIX)
+    return sites, captured, output
 
   def edited(self, argument: ArgsAndKwargs, edits: Callable[[list[Site]], dict]) -> tuple:
     """`(output, recorded)` of a run on `argument` with `edits(sites)`: `{site index:
     [_SideEdit, ...]}`; the edits record values with `_record`."""
-    tree, sites = self.fresh()
+    tree, sites = self.copies.fresh()
     by_site = edits(sites)
-    layers = {
+    probes = {
       id(sites[k].node): EditedCall(
         node=sites[k].node, edits=tuple(e), site=sites[k].name, required=True
       )
       for k, e in by_site.items()
     }
-    probing = Probing(layers, indexed=True, unreached_fix=UNREACHED_FIX)
-    probing.capturing = True  # edits record the receivers' values (`_record`)
     key = tuple(e for es in by_site.values() for e in es)
-    output = run_tree(tree, argument, self.streams, {}, probing=probing, probing_key=key)
-    return output, probing.captured
+    return probed_run(tree, argument, probes, self.streams, key, UNREACHED_FIX, indexed=True)
 
 
 def _record(name: str, value: Any) -> None:
@@ -649,17 +642,9 @@ def path_patch(
     raise ArgumentError(f"fl.path_patch: each_receiver= is True or False, got {each_receiver!r}.")
   senders, receivers = _as_sites(senders, tree), _as_sites(receivers, tree)
   plan = _plan(tree, senders, receivers, freeze, each_receiver)
-  streams = resolve_random_streams(random_streams, tree.where())
-  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
-  check_matching_runs(
-    clean,
-    corrupted,
-    f"fl.path_patch of {tree.where()}",
-    "fl.path_patch patches the senders' values from the corrupted run into the clean run,"
-    " so both runs' values must have the same shapes.",
-  )
+  runs = paired_runs(tree, clean, corrupted, random_streams, "fl.path_patch", _MATCHING, False)
   run = _path_patch_compiled if jit else _path_patch
-  values, (clean_metric, corrupted_metric) = run(tree, clean, corrupted, plan, metric, streams)
+  values, baselines = run(tree, runs.clean, runs.corrupted, plan, metric, runs.random_streams)
   heads = tuple(u.head for u in plan.senders)
   result = SweepResult(
     values,
@@ -669,10 +654,11 @@ def path_patch(
     heads=None if None in heads else heads,
   )
   return _statistics.with_runs(
-    result,
-    clean_metric,
-    corrupted_metric,
-    per_example=per_example,
-    where="fl.path_patch",
-    arguments=[(name, tuple(x.shape)) for name, x in _budget.arrays_of(corrupted)],
+    result, *baselines, per_example=per_example, where="fl.path_patch", arguments=runs.arguments
   )
+
+
+_MATCHING = (
+  "fl.path_patch patches the senders' values from the corrupted run into the clean run,"
+  " so both runs' values must have the same shapes."
+)

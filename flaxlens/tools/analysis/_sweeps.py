@@ -1,4 +1,4 @@
-"""Sweeps, attribution patching and gradients at calls: many interventions, one compiled call.
+"""Sweeps: many interventions, one compiled call.
 
 `fl.sweep` patches each chosen call (site), one at a time, from a clean run into a
 corrupted run and returns a metric per site (and per position): one compiled function
@@ -14,10 +14,9 @@ own instead (the iteration and position to patch, or none), so that the forward'
 dataflow shows which operations depend on which site, and `_shared_prefix.py` runs each
 patched forward from its site on, the rest taken from the unpatched corrupted run.
 
-`fl.attribute` estimates the same patches linearly, from one clean forward and one
-corrupted forward and backward: `(clean - corrupted) * d metric / d value` at each site,
-summed. `fl.grad_at` differentiates any function of a run with respect to the outputs of
-chosen calls, by adding zero-valued deltas there and differentiating with respect to them.
+The result is `_sweep_result.SweepResult`; `fl.attribute` and `fl.grad_at`
+(`_attribution.py`) estimate the same patches linearly from the machinery here; a site
+object (`fl.heads`) sweeps itself (`Sweepable`, `tools/base/_site_objects.py`).
 
 Every run here starts from a copy of the tree's variables, so state a run would update
 (batch statistics, NNX random counts) is left as it was, and each patched forward sees
@@ -29,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +37,11 @@ import numpy as np
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._functions import jit_keyed_on_function
 from flaxlens.core._node import CallNode, check_tree
-from flaxlens.core._probes import Probing, scan_iterations
-from flaxlens.core._runtime import resolve_random_streams, run_tree
-from flaxlens.core._variables import bind_variables, unbind_variables
+from flaxlens.core._probes import scan_iterations
+from flaxlens.core._runtime import resolve_random_streams
 from flaxlens.errors import ArgumentError, BudgetError, UnsupportedFlaxFeatureError
-from flaxlens.tools.analysis import _plot, _shared_prefix, _statistics
+from flaxlens.tools.analysis import _shared_prefix, _statistics
+from flaxlens.tools.analysis._sweep_result import SweepResult
 from flaxlens.tools.base import _budget
 from flaxlens.tools.base._calling import (
   check_callable,
@@ -52,230 +51,25 @@ from flaxlens.tools.base._calling import (
 )
 from flaxlens.tools.base._intervention import Intervention, make_intervention
 from flaxlens.tools.base._parts import checked_part, get_part
-from flaxlens.tools.base._probed import RunOptions, abstract_run, edited_calls
+from flaxlens.tools.base._probed import Copies, RunOptions, abstract_run, edited_calls, probed_run
+from flaxlens.tools.base._site_objects import (
+  SiteObject,
+  Sweepable,
+  SweepOptions,
+  refuse_site_object,
+)
 from flaxlens.tools.base._sites import Site, check_part, select_sites, sites_of
-
-# --- results ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepResult:
-  """A metric per site (and per position), as `fl.sweep` and `fl.attribute` return it,
-  with the clean and corrupted runs' metrics and, for a sweep with `per_example=True`,
-  every example's value: enough to normalise the effect, bootstrap it and test it.
-
-  Attributes:
-    values: an array of shape `(sites,)`, or `(sites, positions)` when positions were
-      swept, followed by the metric's own shape (for `fl.sweep`); with per-example
-      values, their mean over the examples.
-    sites: the name of each row: the site's name, with `[i]` for iteration `i` of a
-      call inside an `nn.scan`/`nnx.scan` body (`[i,j]` inside two).
-    positions: the positions of the columns, or None.
-    receivers: the receivers of the columns (`fl.path_patch(..., each_receiver=True)`), or
-      the receivers all rows share; None for other tools.
-    clean: the metric of the unpatched clean run (mean over examples), or None.
-    corrupted: the metric of the unpatched corrupted run (mean over examples), or None.
-    per_example: each example's value of each cell, shaped as `values` with the
-      examples added as the last axis, or None (`fl.sweep(..., per_example=True)`).
-    clean_per_example: each example's clean metric, examples last, or None.
-    corrupted_per_example: each example's corrupted metric, examples last, or None.
-    measure: what `values` are, and so what `normalised()` is (0: no effect, 1: the
-      whole effect): `"patched"`, the metric of corrupted runs with a site's clean
-      value patched in (`fl.sweep`: `(patched - corrupted) / (clean - corrupted)`);
-      `"change"`, an estimate of that patch's change of the metric (`fl.attribute`:
-      `change / (clean - corrupted)`); `"path"`, the metric of clean runs with a
-      sender's path corrupted (`fl.path_patch`: `(clean - patched) / (clean -
-      corrupted)`).
-    heads: for rows that are attention heads (`fl.heads` swept, or path-patched as
-      senders), each row's `(call, head)`; the plot draws them as a calls × heads grid.
-      None for other rows.
-
-  Example:
-    >>> import flaxlens as fl, jax.numpy as jnp
-    >>> result = fl.SweepResult(jnp.array([[0.5, 1.0]]), ("h/0",), (0, 1), clean=1.0, corrupted=0.0)
-    >>> result.values.shape, result.sites, result.normalised().tolist()
-    ((1, 2), ('h/0',), [[0.5, 1.0]])
-  """
-
-  values: Any
-  sites: tuple[str, ...]
-  positions: tuple[int, ...] | None = None
-  receivers: tuple[str, ...] | None = None
-  clean: Any = None
-  corrupted: Any = None
-  per_example: Any = None
-  clean_per_example: Any = None
-  corrupted_per_example: Any = None
-  measure: str = "patched"
-  heads: tuple[tuple[str, int], ...] | None = None
-
-  def __post_init__(self) -> None:
-    if self.measure not in _statistics.MEASURES:
-      raise ArgumentError(
-        f"SweepResult: measure={self.measure!r} is not one of 'patched' (values are the"
-        " patched runs' metric), 'change' (values estimate patched - corrupted) and 'path'"
-        " (values are clean runs' metric with a path corrupted). Pass one of them."
-      )
-
-  def normalised(self) -> np.ndarray:
-    """The normalised effect of each cell: 0 where the patch changes nothing, 1 where it
-    moves the metric the whole way from one run's to the other's.
-
-    For `fl.sweep` (`measure == "patched"`, clean values patched into the corrupted
-    run) it is `(patched - corrupted) / (clean - corrupted)`: 1 restores the clean
-    metric. For `fl.attribute` (`"change"`) it is `change / (clean - corrupted)`. For
-    `fl.path_patch` (`"path"`, a sender's corrupted value sent into the clean run) it is
-    `(clean - patched) / (clean - corrupted)`: 1 takes the metric to the corrupted
-    run's. With per-example values it is the ratio of the means over the examples.
-
-    Raises:
-      StatisticsError: the clean or corrupted metric is unknown, a value is not finite,
-        or clean and corrupted are equal within a few float32 ulps (the ratio would
-        divide by about 0; the message says on how many examples they differ).
-
-    Example:
-      >>> import flaxlens as fl
-      >>> fl.SweepResult([1.0, 3.0], ("a", "b"), clean=3.0, corrupted=1.0).normalised()
-      array([0., 1.])
-      >>> fl.SweepResult([1.0, 3.0], ("a", "b"), clean=3.0, corrupted=1.0,
-      ...                measure="path").normalised()
-      array([1., 0.])
-    """
-    return _statistics.normalised(self)
-
-  def bootstrap(
-    self, *, n: int = 10_000, confidence: float = 0.95, seed: int = 0, normalised: bool = False
-  ) -> tuple[np.ndarray, np.ndarray]:
-    """Percentile bootstrap confidence intervals of each cell over the examples.
-
-    Resamples the examples with replacement `n` times (`np.random.default_rng(seed)
-    .integers(0, batch, size=(n, batch))`, the same examples for every cell and for the
-    clean and corrupted metrics) and takes each cell's mean over each resample, or with
-    `normalised` the normalised effect of the resampled means (as `normalised()` of
-    those examples: a ratio of means). Returns the `(1 - confidence) / 2` and `(1 +
-    confidence) / 2` quantiles of those `n` numbers, always finite. Needs per-example
-    values: `fl.sweep(..., per_example=True)` (or `fl.path_patch`'s).
-
-    Returns:
-      `(lower, upper)`, each shaped as `values`.
-
-    Raises:
-      StatisticsError: no per-example values, fewer than 2 examples, bad settings,
-        values that are not finite, or a `confidence` above `1 - 2 / 2**batch` (no test
-        over `batch` examples reaches that level: 0.9375 for 5 examples, so 0.95 needs 6
-        and 0.99 needs 8). With `normalised`: clean equal to corrupted, a resample whose
-        clean and corrupted means are equal (too few examples differ), or `clean -
-        corrupted` changing sign in at least `(1 - confidence) / 2` of the resamples
-        (then the ratio's interval is unbounded).
-
-    Example:
-      >>> import flaxlens as fl, numpy as np
-      >>> per_example = np.array([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])  # one cell, 6 examples
-      >>> result = fl.SweepResult(per_example.mean(-1), ("a",), per_example=per_example,
-      ...   clean_per_example=np.ones(6), corrupted_per_example=np.zeros(6))
-      >>> lower, upper = result.bootstrap(n=1000)
-      >>> bool(lower[0] < 3.5 < upper[0])
-      True
-    """
-    return _statistics.bootstrap(self, n=n, confidence=confidence, seed=seed, normalised=normalised)
-
-  def p_values(self, *, permutations: int = 10_000, seed: int = 0) -> np.ndarray:
-    """Each cell's p-value for "patching this cell leaves the metric unchanged".
-
-    A paired, two-sided sign-flip permutation test over the examples: each example's
-    difference from the run patched into (`patched - corrupted` for `fl.sweep`,
-    `patched - clean` for `fl.path_patch`) is as likely, under that hypothesis, to have
-    either sign; the statistic is the absolute mean difference. Exact (every sign vector
-    enumerated) when `2 ** batch <= permutations`, else `permutations` random sign
-    vectors from `np.random.default_rng(seed)` and `(1 + count) / (1 + permutations)`.
-    The same p-value holds for the normalised effect (the same statistic scaled by a
-    constant). No correction for testing many cells is made. Needs per-example values:
-    `fl.sweep(..., per_example=True)`.
-
-    Returns:
-      An array shaped as `values`.
-
-    Raises:
-      StatisticsError: no per-example values, fewer than 2 examples, values that are not
-        finite, or bad settings.
-
-    Example:
-      >>> import flaxlens as fl, numpy as np
-      >>> per_example = np.array([[1.0, 2.0, 3.0, 4.0], [0.5, -0.5, 0.5, -0.5]])
-      >>> result = fl.SweepResult(per_example.mean(-1), ("a", "b"), per_example=per_example,
-      ...   clean_per_example=np.ones(4), corrupted_per_example=np.zeros(4))
-      >>> result.p_values().tolist()  # exact: all 16 sign vectors of 4 examples
-      [0.125, 1.0]
-    """
-    return _statistics.p_values(self, permutations=permutations, seed=seed)
-
-  def plot(
-    self,
-    path: Any = None,
-    *,
-    title: str | None = None,
-    normalised: bool | None = None,
-    significance: float | None = 0.05,
-  ) -> Any:
-    """Draws the values as a heatmap (sites down, positions or receivers across); saves
-    it to `path`.
-
-    With the clean and corrupted metrics known it shows `normalised()`, centred on 0
-    (no effect) with 1 the whole effect; the colour bar says which runs 0 and 1 are (a
-    sweep: 0 the corrupted run, 1 the clean run restored; a path patch: 0 the clean
-    run, 1 the corrupted run reached). `normalised=False` shows the raw metric centred
-    on the run patched into (an attribution's changes on 0). With per-example values,
-    cells whose sign-flip p-value (`p_values()`, Holm-adjusted over the cells drawn) is
-    at least `significance` are hatched, and a note under the plot says so;
-    `significance=None` marks none. A heads result (`heads`) of one column is drawn as a
-    calls × heads grid. The colour scale ends at the 98th percentile of the distances
-    from the centre, so one outlier does not wash out the rest; long site names lose
-    their shared prefix (shown as the axis label) and their middle; tick labels thin out
-    on large grids. Needs matplotlib (`pip install "flaxlens[plots]"`); the image format
-    follows the file's suffix (`.png`, `.svg`, `.pdf`).
-
-    Returns:
-      The matplotlib `Figure` (shown inline by notebooks).
-
-    Raises:
-      StatisticsError: per-example values that `p_values()` refuses (pass
-        `significance=None` to draw without testing the cells).
-
-    Example:
-      >>> import flaxlens as fl, jax.numpy as jnp, tempfile, pathlib
-      >>> path = pathlib.Path(tempfile.mkdtemp()) / "sweep.png"
-      >>> figure = fl.SweepResult(jnp.ones((2, 3)), ("a", "b"), (0, 1, 2)).plot(path)
-      >>> path.exists()
-      True
-    """
-    return _plot.plot_sweep(
-      self, path, title=title, normalised=normalised, significance=significance
-    )
-
 
 # --- shared machinery ---------------------------------------------------------------------
 
 
-def _chosen(tree: CallNode, at: Any, part: Any) -> tuple[int, ...]:
+def chosen_sites(tree: CallNode, at: Any, part: Any) -> tuple[int, ...]:
   """The indices, among `sites_of(tree)`, of the sites `at` names; each checked for `part`."""
   sites = sites_of(tree)
   chosen = select_sites(tree, tuple(at) if isinstance(at, list) else at, sites)
   for site in chosen:
     check_part(site, part, "output", at, sites)
   return tuple(sites.index(site) for site in chosen)
-
-
-class Copies:
-  """Fresh copies of a tree, each with variables of its own (runs leave the tree alone)."""
-
-  def __init__(self, tree: CallNode, chosen: tuple[int, ...]):
-    self.slots, self.values = unbind_variables(tree, freeze=True)
-    self.chosen = chosen
-
-  def fresh(self) -> tuple[CallNode, list[Site]]:
-    copy = bind_variables(self.slots, self.values)
-    sites = sites_of(copy)
-    return copy, [sites[k] for k in self.chosen]
 
 
 def indexed_run(
@@ -286,12 +80,10 @@ def indexed_run(
   random_streams: Any,
 ) -> tuple[Any, dict[str, Any]]:
   """Runs `tree` with `edits`, capturing `capture`; edits may read `scan_iterations()`."""
-  probing = Probing(
-    edited_calls(tree, edits, capture, False, None), indexed=True, unreached_fix=UNREACHED_FIX
+  probes = edited_calls(tree, edits, capture, False, None)
+  return probed_run(
+    tree, argument, probes, random_streams, (edits, capture), UNREACHED_FIX, indexed=True
   )
-  key = (edits, capture)
-  output = run_tree(tree, argument, random_streams, {}, probing=probing, probing_key=key)
-  return output, probing.captured
 
 
 UNREACHED_FIX = (
@@ -300,7 +92,9 @@ UNREACHED_FIX = (
 )
 
 
-def _captured(copies: Copies, argument: ArgsAndKwargs, part: Any, random_streams: Any) -> tuple:
+def captured_values(
+  copies: Copies, argument: ArgsAndKwargs, part: Any, random_streams: Any
+) -> tuple:
   """The output of a run on `argument` and the chosen sites' values (their `part`) in it,
   stacked over scans."""
   tree, sites = copies.fresh()
@@ -308,7 +102,7 @@ def _captured(copies: Copies, argument: ArgsAndKwargs, part: Any, random_streams
   return output, [get_part(cache[s.name], part, s.name, "output") for s in sites]
 
 
-def _lead(site: Site, value: Any, part: Any) -> tuple[int, ...]:
+def stacked_lead(site: Site, value: Any, part: Any) -> tuple[int, ...]:
   """The leading axes a capture stacked `value` along (one per enclosing scan or vmap)."""
   if site.output is None:
     return ()
@@ -340,7 +134,7 @@ def scan_iteration(name: str, lead: tuple[int, ...]) -> tuple[tuple[Any, ...], A
 
 def position_mask(name: str, value: Any, axis: int, positions: tuple[int, ...], at: Any) -> Any:
   """A boolean mask, broadcasting to `value`, true at position `at` along `axis`."""
-  if not _is_axis(axis, value.ndim):
+  if not is_axis(axis, value.ndim):
     raise ArgumentError(
       f"{name}: axis={axis!r} is not an axis of the value, of shape {tuple(value.shape)}."
       " Pass the axis of positions (axis=1 for (batch, sequence, ...) values)."
@@ -358,7 +152,7 @@ def position_mask(name: str, value: Any, axis: int, positions: tuple[int, ...], 
   return (jnp.arange(size) == at).reshape(shape)
 
 
-def _is_axis(axis: Any, rank: int) -> bool:
+def is_axis(axis: Any, rank: int) -> bool:
   """Whether `axis` is an int naming one of `rank` axes (negative: from the end)."""
   return isinstance(axis, int | np.integer) and not isinstance(axis, bool) and -rank <= axis < rank
 
@@ -385,7 +179,7 @@ def row_labels(leads: list[tuple[int, ...]]) -> tuple[Any, ...]:
   return tuple(rows)
 
 
-def _result(
+def sweep_result(
   tree: CallNode, chosen: tuple[int, ...], values: Any, rows: Any, positions: Any
 ) -> SweepResult:
   sites = sites_of(tree)
@@ -393,7 +187,7 @@ def _result(
   return SweepResult(values, _units(names, [r.shape for r in rows]), positions)
 
 
-def _checked_positions(positions: Any) -> tuple[int, ...] | None:
+def checked_positions(positions: Any) -> tuple[int, ...] | None:
   if positions is None:
     return None
   try:
@@ -427,6 +221,41 @@ def _checked_positions(positions: Any) -> tuple[int, ...] | None:
   return out
 
 
+class PairedRuns(NamedTuple):
+  """The clean and corrupted runs of a patching tool, checked against each other.
+
+  Attributes:
+    clean: the clean run's model arguments.
+    corrupted: the corrupted run's model arguments.
+    random_streams: the runs' random streams, resolved.
+    arguments: `(name, shape)` of the corrupted run's arrays (what `with_runs` reads
+      the batch from).
+  """
+
+  clean: ArgsAndKwargs
+  corrupted: ArgsAndKwargs
+  random_streams: Any
+  arguments: list[tuple[str, tuple[int, ...]]]
+
+
+def paired_runs(
+  tree: CallNode,
+  clean: Any,
+  corrupted: Any,
+  random_streams: Any,
+  tool: str,
+  why: str,
+  broadcast: bool,
+) -> PairedRuns:
+  """The runs `tool` (`"fl.sweep"`) compares, as model arguments; refused where their
+  values' shapes differ (or, with `broadcast`, do not broadcast), `why` saying why."""
+  streams = resolve_random_streams(random_streams, tree.where())
+  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
+  check_matching_runs(clean, corrupted, f"{tool} of {tree.where()}", why, broadcast=broadcast)
+  arguments = [(name, tuple(x.shape)) for name, x in _budget.arrays_of(corrupted)]
+  return PairedRuns(clean, corrupted, streams, arguments)
+
+
 def metric_value(
   metric: Callable[[Any], Any],
   output: Any,
@@ -456,19 +285,6 @@ def metric_value(
       " (jnp.real(...), jnp.abs(...))."
     )
   return value
-
-
-def _check_differentiable(sites: list[Site], values: list[Any], part: Any, tool: str) -> None:
-  """Refuses sites whose value (its `part`) is not floating-point: no gradient reaches it."""
-  for site, value in zip(sites, values, strict=True):
-    if not jnp.issubdtype(value.dtype, jnp.inexact):
-      of = "output" if part is None else f"output's part {part!r}"
-      raise ArgumentError(
-        f"{site.name}: {tool} takes gradients at the site's {of}, which is"
-        f" {value.dtype}{list(value.shape)}: an integer or boolean value has no gradient."
-        " Choose sites with floating-point values (an embedding's output, not the token"
-        " ids it reads)."
-      )
 
 
 # --- sweep --------------------------------------------------------------------------------
@@ -530,37 +346,73 @@ def patched_forwards(
 
 def _clean_run(tree, chosen, clean, part, streams) -> tuple[Copies, Any, list, list]:
   """What every sweep starts from: the copies of the tree, the clean run's output and the
-  chosen sites' clean values, and each site's scan axes (`_lead`)."""
+  chosen sites' clean values, and each site's scan axes (`stacked_lead`)."""
   copies = Copies(tree, chosen)
-  clean_output, clean_values = _captured(copies, clean, part, streams)
+  clean_output, clean_values = captured_values(copies, clean, part, streams)
   _, sites = copies.fresh()
-  leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
+  leads = [stacked_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
   return copies, clean_output, clean_values, leads
 
 
-def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams):
-  copies, clean_output, clean_values, leads = _clean_run(tree, chosen, clean, part, streams)
-  bases = np.cumsum([0, *(math.prod(lead) for lead in leads)]).tolist()
+class SitePatch(NamedTuple):
+  """How one swept site takes its clean value in the patched forwards.
+
+  Attributes:
+    on: the side of the call patched, "output" or "input".
+    part: the part of the value patched, or None.
+    clean: the site's clean value (stacked over the scans around it).
+    patcher: `fn(argument, value, clean, unit, position)` (as `fl.modify` calls it): the
+      clean value where the forward's `unit` (and `position`) is this site's, the
+      value elsewhere.
+  """
+
+  on: str
+  part: Any
+  clean: Any
+  patcher: Callable[..., Any]
+
+
+def sweep_forwards(
+  copies: Copies,
+  clean_output: Any,
+  patches: list[SitePatch],
+  units: int,
+  corrupted: ArgsAndKwargs,
+  metric: Callable[[Any], Any],
+  positions: tuple[int, ...] | None,
+  chunk_size: int | None,
+  streams: Any,
+) -> tuple[Any, Any]:
+  """`(values, baselines)` of the patched corrupted forwards of `units` units (and
+  positions), one program: every forward carries each site's patch (`copies`' chosen
+  sites, in order), which keeps the corrupted value but for the forward's unit."""
 
   def patched(unit_and_position: tuple[Any, Any]) -> Any:
     unit, position = unit_and_position
     copy, sites = copies.fresh()
     edits = tuple(
       make_intervention(
-        "modify",
-        site.node,
-        (value, unit, position),
-        None,
-        "output",
-        part,
-        fn=_patcher(site.name, base, lead, positions, axis),
+        "modify", site.node, (p.clean, unit, position), None, p.on, p.part, fn=p.patcher
       )
-      for site, base, lead, value in zip(sites, bases, leads, clean_values, strict=False)
+      for site, p in zip(sites, patches, strict=True)
     )
     output, _ = indexed_run(copy, corrupted, edits, None, streams)
     return metric_value(metric, with_clean(unit, clean_output, output), scalar=False)
 
-  values, baselines = patched_forwards(patched, bases[-1], positions, chunk_size)
+  return patched_forwards(patched, units, positions, chunk_size)
+
+
+def _sweep(tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams):
+  copies, clean_output, clean_values, leads = _clean_run(tree, chosen, clean, part, streams)
+  bases = np.cumsum([0, *(math.prod(lead) for lead in leads)]).tolist()
+  _, sites = copies.fresh()
+  patches = [
+    SitePatch("output", part, value, _patcher(site.name, base, lead, positions, axis))
+    for site, base, lead, value in zip(sites, bases, leads, clean_values, strict=False)
+  ]
+  values, baselines = sweep_forwards(
+    copies, clean_output, patches, bases[-1], corrupted, metric, positions, chunk_size, streams
+  )
   return values, row_labels(leads), baselines
 
 
@@ -747,14 +599,14 @@ def sweep(
   check_tree(tree, "fl.sweep")
   check_callable(metric, "metric", "fl.sweep")
   part = checked_part(part, "fl.sweep")
-  if isinstance(at, list | tuple) and any(hasattr(a, "sweep_units") for a in at):
-    # One sweep per site of many units (fl.heads) and per run of other sites, rows joined.
+  if isinstance(at, list | tuple) and any(isinstance(a, SiteObject) for a in at):
+    # One sweep per site object (fl.heads) and per run of other sites, rows joined.
     options = dict(positions=positions, axis=axis, part=part, chunk_size=chunk_size)
     options.update(budget=budget, per_example=per_example, share_prefix=share_prefix)
     options.update(random_streams=random_streams, jit=jit)
     groups = _site_groups(at)
     return _joined([sweep(tree, clean, corrupted, g, metric, **options) for g in groups])
-  positions = _checked_positions(positions)
+  positions = checked_positions(positions)
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ArgumentError(f"chunk_size= is a positive integer or None, got {chunk_size!r}.")
   budget = _budget.checked_budget(budget, "fl.sweep")
@@ -763,85 +615,56 @@ def sweep(
       f"fl.sweep: chunk_size={chunk_size} and budget={budget} both set how many patched"
       " forwards run at once. Pass one of them: budget= chooses the chunk size for you."
     )
-  sweeps_itself = getattr(at, "sweep_units", None)  # a site of many units (fl.heads)
-  chosen = None if sweeps_itself is not None else _chosen(tree, at, part)
-  streams = resolve_random_streams(random_streams, tree.where())
-  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
-  check_matching_runs(
-    clean,
-    corrupted,
-    f"fl.sweep of {tree.where()}",
-    "fl.sweep patches each site's value from the clean run into the corrupted run, so the"
-    " clean run's values must have the corrupted run's shapes (or broadcast to them).",
-    broadcast=True,
-  )
+  if isinstance(at, SiteObject) and not isinstance(at, Sweepable):
+    raise refuse_site_object(at, Sweepable, "fl.sweep")
+  sweeps_itself = at if isinstance(at, Sweepable) else None  # a site of many units (fl.heads)
+  chosen = None if sweeps_itself is not None else chosen_sites(tree, at, part)
+  runs = paired_runs(tree, clean, corrupted, random_streams, "fl.sweep", _MATCHING, True)
+  clean, corrupted, streams = runs.clean, runs.corrupted, runs.random_streams
   if share_prefix not in (None, False, True):
     raise ArgumentError(
       f"fl.sweep: share_prefix= is True, False or None (chosen for you), got {share_prefix!r}."
     )
-  arguments = [(name, tuple(x.shape)) for name, x in _budget.arrays_of(corrupted)]
   if share_prefix is None:
     share_prefix = _shares_by_default(sweeps_itself, chunk_size, budget)
   if share_prefix:
     _check_shared_prefix(tree, sweeps_itself, chunk_size, corrupted, metric, streams, budget)
     run = _shared_prefix_sweep_compiled if jit else _shared_prefix_sweep
-    values, rows, (clean_metric, corrupted_metric) = run(
+    values, rows, baselines = run(
       tree, clean, corrupted, chosen, metric, positions, axis, part, streams
     )
-    return _statistics.with_runs(
-      _result(tree, chosen, values, rows, positions),
-      clean_metric,
-      corrupted_metric,
-      per_example=per_example,
-      where="fl.sweep",
-      arguments=arguments,
-    )
-  if budget is not None:
-    chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
-  if sweeps_itself is not None:
-    options = (positions, axis, part, chunk_size, streams, jit)
-    values, heads, (clean_metric, corrupted_metric) = sweeps_itself(
-      tree, clean, corrupted, metric, options
-    )
-    names = tuple(f"{site} head {h}" for site, h in heads)
-    return _statistics.with_runs(
-      SweepResult(values, names, positions, heads=heads),
-      clean_metric,
-      corrupted_metric,
-      per_example=per_example,
-      where="fl.sweep",
-      arguments=arguments,
-    )
-  run = _sweep_compiled if jit else _sweep
-  values, rows, (clean_metric, corrupted_metric) = run(
-    tree,
-    clean,
-    corrupted,
-    chosen,
-    metric,
-    positions,
-    axis,
-    part,
-    chunk_size,
-    streams,
-  )
-  result = _result(tree, chosen, values, rows, positions)
+    result = sweep_result(tree, chosen, values, rows, positions)
+  else:
+    if budget is not None:
+      chunk_size = _forwards_in(tree, corrupted, metric, streams, budget)
+    if sweeps_itself is not None:
+      options = SweepOptions(positions, axis, part, chunk_size, streams, jit)
+      swept = sweeps_itself.sweep_units(tree, clean, corrupted, metric, options)
+      result = SweepResult(swept.values, swept.names, positions, heads=swept.heads)
+      baselines = (swept.clean, swept.corrupted)
+    else:
+      run = _sweep_compiled if jit else _sweep
+      values, rows, baselines = run(
+        tree, clean, corrupted, chosen, metric, positions, axis, part, chunk_size, streams
+      )
+      result = sweep_result(tree, chosen, values, rows, positions)
   return _statistics.with_runs(
-    result,
-    clean_metric,
-    corrupted_metric,
-    per_example=per_example,
-    where="fl.sweep",
-    arguments=arguments,
+    result, *baselines, per_example=per_example, where="fl.sweep", arguments=runs.arguments
   )
+
+
+_MATCHING = (
+  "fl.sweep patches each site's value from the clean run into the corrupted run, so the"
+  " clean run's values must have the corrupted run's shapes (or broadcast to them)."
+)
 
 
 def _site_groups(at: list | tuple) -> list[Any]:
-  """The sites of a list holding sites of many units (`fl.heads`): each such site alone,
-  and each run of other sites between them as one list, in the list's order."""
+  """The sites of a list holding site objects (`fl.heads`): each site object alone, and
+  each run of other sites between them as one list, in the list's order."""
   groups: list[Any] = []
   for a in at:
-    if hasattr(a, "sweep_units"):
+    if isinstance(a, SiteObject):
       groups.append(a)
     elif groups and isinstance(groups[-1], list):
       groups[-1].append(a)
@@ -901,235 +724,3 @@ def _check_shared_prefix(tree, sweeps_itself, chunk_size, corrupted, metric, str
       f" budget={budget:,} bytes holds one. Give a budget of at least two forwards, or"
       " leave share_prefix=False."
     )
-
-
-# --- attribution patching and gradients ----------------------------------------------------
-
-
-def _adder(name: str, lead: tuple[int, ...]) -> Callable:
-  """The edit adding a delta (stacked over the site's scans) to a site's value."""
-
-  def add_delta(argument: Any, value: Any, delta: Any) -> Any:
-    del argument
-    found = scan_iteration(name, lead)
-    if found is None:
-      return value
-    iterations, _ = found
-    return value + (delta[tuple(iterations)] if iterations else delta)
-
-  return add_delta
-
-
-def _with_deltas(copies: Copies, leads: list, part: Any, deltas: list, capture: bool) -> tuple:
-  """A fresh copy of the tree, the edits adding `deltas` at its sites, and what to capture."""
-  tree, sites = copies.fresh()
-  edits = tuple(
-    make_intervention(
-      "modify", site.node, (delta,), None, "output", part, fn=_adder(site.name, lead)
-    )
-    for site, lead, delta in zip(sites, leads, deltas, strict=True)
-  )
-  return tree, sites, edits, tuple(s.node for s in sites) if capture else None
-
-
-def _reduce(contribution: Any, lead: int, positions: Any, axis: int, name: str) -> Any:
-  """Sums a site's contribution over each iteration's axes (all but `axis` with positions)."""
-  rank = contribution.ndim - lead
-  if positions is None:
-    return contribution.sum(axis=tuple(range(lead, contribution.ndim)))
-  if not _is_axis(axis, rank):
-    raise ArgumentError(
-      f"{name}: axis={axis!r} is not an axis of the value, of shape"
-      f" {tuple(contribution.shape[lead:])}. Pass the axis of positions (axis=1 for (batch,"
-      " sequence, ...) values)."
-    )
-  moved = jnp.moveaxis(contribution, lead + axis % rank, -1)
-  per_position = moved.sum(axis=tuple(range(lead, moved.ndim - 1)))
-  size = per_position.shape[-1]
-  outside = [p for p in positions if not 0 <= p < size]
-  if outside:
-    raise ArgumentError(
-      f"{name}: positions {outside} are outside axis {axis % rank} of the value, of shape"
-      f" {tuple(contribution.shape[lead:])}. Give positions from 0 to {size - 1}."
-    )
-  return per_position[..., jnp.asarray(positions)]
-
-
-def _attribute(tree, clean, corrupted, chosen, metric, positions, axis, part, streams):
-  copies = Copies(tree, chosen)
-  clean_output, clean_values = _captured(copies, clean, part, streams)
-  _, sites = copies.fresh()
-  _check_differentiable(sites, clean_values, part, "fl.attribute")
-  leads = [_lead(s, v, part) for s, v in zip(sites, clean_values, strict=True)]
-
-  def corrupted_metric(deltas: list) -> Any:
-    copy, sites, edits, capture = _with_deltas(copies, leads, part, deltas, capture=True)
-    output, cache = indexed_run(copy, corrupted, edits, capture, streams)
-    values = [get_part(cache[s.name], part, s.name, "output") for s in sites]
-    return metric_value(metric, output, scalar=True), values
-
-  zeros = [jnp.zeros_like(v) for v in clean_values]
-  (corrupted_metric_value, corrupted_values), grads = jax.value_and_grad(
-    corrupted_metric, has_aux=True
-  )(zeros)
-  values = [
-    _reduce((c - x) * g, len(lead), positions, axis, s.name).reshape(
-      -1, *(() if positions is None else (len(positions),))
-    )
-    for s, lead, c, x, g in zip(sites, leads, clean_values, corrupted_values, grads, strict=True)
-  ]
-  baselines = (metric_value(metric, clean_output, scalar=True), corrupted_metric_value)
-  return jnp.concatenate(values), row_labels(leads), baselines
-
-
-_attribute_compiled = jit_keyed_on_function(_attribute, "metric", "fl.attribute")
-
-
-@takes_model_arguments("fl.attribute(tree, clean, corrupted, 'Block_*', metric)")
-def attribute(
-  tree: CallNode,
-  clean: Any,
-  corrupted: Any,
-  /,
-  at: Any,
-  metric: Callable[[Any], Any],
-  *,
-  positions: Any = None,
-  axis: int = 1,
-  part: Any = None,
-  random_streams: Any = None,
-  jit: bool = True,
-) -> SweepResult:
-  """Attribution patching: the linear estimate of `fl.sweep`'s patches from gradients.
-
-  For each site, `sum((clean - corrupted) * d metric / d value)` with the value and its
-  gradient taken on the corrupted run: the first-order change of the metric if the
-  site were patched with its clean value. One clean forward, one corrupted forward and
-  one backward pass estimate every site (every iteration of a call inside an
-  `nn.scan`/`nnx.scan` body) and, with `positions`, every position (the sum then runs
-  over all axes but `axis`). Arguments and result as for `fl.sweep`; `metric` must
-  return a scalar. The result's `measure` is `"change"` (values estimate `patched -
-  corrupted`); its `clean` and `corrupted` metrics come from the two forwards it runs
-  anyway. It holds no per-example values: for intervals and p-values, run `fl.sweep`
-  with `per_example=True`.
-
-  Example:
-    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
-    >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
-    >>> clean, corrupted = jnp.ones((1, 3)), -jnp.ones((1, 3))
-    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), clean), clean)
-    >>> result = fl.attribute(tree, clean, corrupted, "layers_2", lambda out: out[0, 0])
-    >>> exact = fl.sweep(tree, clean, corrupted, "layers_2", lambda out: out[0, 0])
-    >>> baseline = fl.run(tree, corrupted)[0, 0]
-    >>> bool(jnp.allclose(result.values, exact.values - baseline, atol=1e-6))  # linear site
-    True
-  """
-  check_tree(tree, "fl.attribute")
-  check_callable(metric, "metric", "fl.attribute")
-  part = checked_part(part, "fl.attribute")
-  positions = _checked_positions(positions)
-  chosen = _chosen(tree, at, part)
-  streams = resolve_random_streams(random_streams, tree.where())
-  clean, corrupted = model_arguments(clean), model_arguments(corrupted)
-  check_matching_runs(
-    clean,
-    corrupted,
-    f"fl.attribute of {tree.where()}",
-    "fl.attribute multiplies the difference of each site's clean and corrupted values by"
-    " the gradient there, so the clean run's values must have the corrupted run's shapes"
-    " (or broadcast to them).",
-    broadcast=True,
-  )
-  run = _attribute_compiled if jit else _attribute
-  values, rows, (clean_metric, corrupted_metric) = run(
-    tree,
-    clean,
-    corrupted,
-    chosen,
-    metric,
-    positions,
-    axis,
-    part,
-    streams,
-  )
-  result = dataclasses.replace(_result(tree, chosen, values, rows, positions), measure="change")
-  return _statistics.with_runs(
-    result, clean_metric, corrupted_metric, per_example=False, where="fl.attribute"
-  )
-
-
-def _grad_at(tree, argument, chosen, loss, part, streams):
-  copies = Copies(tree, chosen)
-
-  def values() -> list:
-    copy, sites = copies.fresh()
-    _, cache = indexed_run(copy, argument, (), tuple(s.node for s in sites), streams)
-    return [get_part(cache[s.name], part, s.name, "output") for s in sites]
-
-  shapes = jax.eval_shape(values)
-  _, sites = copies.fresh()
-  _check_differentiable(sites, shapes, part, "fl.grad_at")
-  leads = [_lead(s, v, part) for s, v in zip(sites, shapes, strict=True)]
-
-  def loss_of(deltas: list) -> Any:
-    copy, _, edits, _ = _with_deltas(copies, leads, part, deltas, capture=False)
-    output, _ = indexed_run(copy, argument, edits, None, streams)
-    return metric_value(loss, output, scalar=True)
-
-  zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
-  value, grads = jax.value_and_grad(loss_of)(zeros)
-  return value, {s.name: g for s, g in zip(sites, grads, strict=True)}
-
-
-_grad_at_compiled = jit_keyed_on_function(_grad_at, "loss", "fl.grad_at")
-
-
-@takes_model_arguments("fl.grad_at(tree, x, 'Block_*', lambda out: out.sum())")
-def grad_at(
-  tree: CallNode,
-  args: Any,
-  /,
-  at: Any,
-  metric: Callable[[Any], Any],
-  *,
-  part: Any = None,
-  random_streams: Any = None,
-  jit: bool = True,
-) -> tuple[Any, dict[str, Any]]:
-  """The gradient of `metric(output)` with respect to the outputs of chosen calls.
-
-  Runs the tree on `args` with a zero delta added to each site's output and
-  differentiates with respect to the deltas, as Flax's `perturb` does, without editing
-  the model. A call inside an `nn.scan`/`nnx.scan` body gets its gradient stacked along
-  the scan axis.
-
-  Args:
-    tree: a converted tree (`fl.unflaxify`).
-    args: the model's arguments, as `fl.run` takes them: one value, a tuple of
-      positional arguments, or `fl.ArgsAndKwargs` (keyword arguments too).
-    at: the sites, as `fl.run` takes them.
-    metric: a function of the model's output returning a scalar (a loss, say).
-    part: for sites returning a tuple, dict or dataclass, which part to differentiate
-      by (Hugging Face blocks return tuples: `part=0`; docs/interventions.md,
-      "Structured values: part=").
-    random_streams: as for a tree call.
-    jit: compile (default); pass False inside your own `jax.jit`.
-
-  Returns:
-    `(metric value, {site: gradient})`, each gradient shaped as the site's output.
-
-  Example:
-    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
-    >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
-    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
-    >>> loss, grads = fl.grad_at(tree, x, "layers_2", lambda out: out.sum())
-    >>> grads["layers_2"].tolist()  # d sum(out) / d out
-    [[1.0, 1.0]]
-  """
-  check_tree(tree, "fl.grad_at")
-  check_callable(metric, "metric", "fl.grad_at")
-  part = checked_part(part, "fl.grad_at")
-  chosen = _chosen(tree, at, part)
-  streams = resolve_random_streams(random_streams, tree.where())
-  run = _grad_at_compiled if jit else _grad_at
-  return run(tree, model_arguments(args), chosen, metric, part, streams)

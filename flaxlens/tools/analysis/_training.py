@@ -40,6 +40,7 @@ from flaxlens.errors import (
 from flaxlens.tools.analysis._sweeps import metric_value
 from flaxlens.tools.base._intervention import Intervention, kind_of
 from flaxlens.tools.base._probed import checked_interventions, nodes_by_name, run
+from flaxlens.tools.base._site_objects import SiteObject
 from flaxlens.tools.base._sites import select_sites, sites_of
 
 
@@ -329,7 +330,7 @@ class _Objective:
 def _source_site(tree: CallNode, at: Any) -> Any:
   """`(what to capture, the key of its value)` of a source intervention's site, or the
   names of the calls it names where it names several."""
-  if hasattr(at, "capture_edits"):  # a site object (fl.heads): captured under its keys
+  if isinstance(at, SiteObject):  # a site object (fl.heads): captured under its keys
     keys = [edit.key for _, edit in at.capture_edits(tree, sites_of(tree), None)]
     return (at, keys[0]) if len(keys) == 1 else keys
   chosen = select_sites(tree, at)

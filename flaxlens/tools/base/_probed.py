@@ -40,6 +40,7 @@ from flaxlens.tools.base._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.base._index import checked, is_array
 from flaxlens.tools.base._index import split as _split_index
 from flaxlens.tools.base._intervention import Intervention, maker_label, static_at
+from flaxlens.tools.base._site_objects import Intervenable, SiteObject, refuse_site_object
 from flaxlens.tools.base._sites import (
   Called,
   Site,
@@ -97,9 +98,9 @@ def edited_calls(
       fields["required"] = fields.get("required", False) or required
   if capture is not None and capture is not False:
     options = capture if isinstance(capture, tuple) else (capture,)
-    # A site that captures through edits of its own (`fl.heads`) says where they go.
-    recording = [o for o in options if hasattr(o, "capture_edits")]
-    plain = tuple(o for o in options if not hasattr(o, "capture_edits"))
+    # A site object (`fl.heads`) captures through edits of its own and says where they go.
+    recording = [o for o in options if isinstance(o, SiteObject)]
+    plain = tuple(o for o in options if not isinstance(o, SiteObject))
     # An empty list names no site: refused (`select_sites`), as a patch at no site is.
     chosen = (
       sites
@@ -124,14 +125,71 @@ def edited_calls(
   }
 
 
+def probed_run(
+  tree: CallNode,
+  argument: ArgsAndKwargs,
+  probes: dict[int, EditedCall],
+  random_streams: Any,
+  key: Any,
+  unreached_fix: str,
+  *,
+  indexed: bool = False,
+  every_call: bool = False,
+) -> tuple[Any, dict[str, Any]]:
+  """`(output, captured)` of one run of `tree` on `argument`, each call in `probes` (by
+  `id` of its node, as `edited_calls` makes them) run through its `EditedCall`.
+
+  Args:
+    tree: the tree run (a `Copies.fresh()` copy where the run may write state).
+    argument: the model's arguments.
+    probes: the edited calls.
+    random_streams: the run's random streams, resolved.
+    key: what, with the tree's structure, tells compiled runs apart (the edits and
+      captures, hashable).
+    unreached_fix: the end of the refusal of a required call the run did not make.
+    indexed: whether edits read the scan iterations they run in (`scan_iterations()`).
+    every_call: whether the probes are every call (the run's, not conversion's).
+  """
+  probing = Probing(probes, indexed=indexed, unreached_fix=unreached_fix, every_call=every_call)
+  output = run_tree(tree, argument, random_streams, {}, probing=probing, probing_key=key)
+  return output, probing.captured
+
+
+class Copies:
+  """Fresh copies of a tree to run and throw away, and of the sites chosen among
+  `sites_of(tree)` (by index): each copy's variables are its own (`Scratch`), so a run
+  that writes state leaves the tree and the other copies alone.
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> from flaxlens.tools.base._probed import Copies
+    >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> copy, sites = Copies(tree, (2,)).fresh()
+    >>> copy is tree, [site.name for site in sites]
+    (False, ['layers_2'])
+  """
+
+  def __init__(self, tree: CallNode, chosen: tuple[int, ...] | None = None):
+    self.scratch = Scratch(tree)
+    self.chosen = chosen
+
+  def fresh(self) -> tuple[CallNode, list[Site]]:
+    """A copy of the tree and its chosen sites (every site where none were chosen)."""
+    copy = self.scratch.copy()
+    sites = sites_of(copy)
+    return copy, sites if self.chosen is None else [sites[k] for k in self.chosen]
+
+
 def _edits_of(
   tree: CallNode, intervention: Intervention, sites: list[Site]
 ) -> list[tuple[Site, Any]]:
   """The calls `intervention` edits and the edit each runs: itself at each site its `at`
-  names, or what a site object that resolves itself (`fl.heads`: `edits_of`) says."""
-  resolve = getattr(intervention.at, "edits_of", None)
-  if resolve is not None:
-    return resolve(tree, sites, intervention)
+  names, or what a site object (`fl.heads`) says."""
+  if isinstance(intervention.at, Intervenable):
+    return intervention.at.edits_of(tree, sites, intervention)
+  if isinstance(intervention.at, SiteObject):
+    raise refuse_site_object(intervention.at, Intervenable, "fl.run")
   return [(site, intervention) for site in select_sites(tree, intervention.at, sites)]
 
 
@@ -198,10 +256,10 @@ def run_once(tree: CallNode, argument: ArgsAndKwargs, options: RunOptions) -> An
   all_calls = unreached == "raise" and (
     every_call(capture) or any(every_call(i.at) for i in interventions)
   )
-  probing = Probing(probes, unreached_fix=_UNREACHED_FIX, every_call=all_calls)
   key = (interventions, capture, options.inputs, options.index, options.dtype)
-  output = run_tree(tree, argument, options.random_streams, {}, probing=probing, probing_key=key)
-  return output, probing.captured
+  return probed_run(
+    tree, argument, probes, options.random_streams, key, _UNREACHED_FIX, every_call=all_calls
+  )
 
 
 _UNREACHED_FIX = (

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from flaxlens.core._edit import EditedCall
 from flaxlens.core._node import CallNode
 from flaxlens.core._selectors import path_matches
 from flaxlens.core._walk import Relation, calls
@@ -20,6 +21,7 @@ from flaxlens.errors import (
   SelectionError,
 )
 from flaxlens.tools.base._parts import one_array
+from flaxlens.tools.base._site_objects import NestsTree, SiteObject
 
 # --- sites --------------------------------------------------------------------------------
 
@@ -101,8 +103,8 @@ def _sites(root: CallNode, prefix: str | None, seen: dict[str, int]) -> list[Sit
 def _nested_name(layer: Any, node: CallNode) -> str:
   """How the sites of a tree nested in a replacement are named under the replaced call:
   the name of the edit holding it (`fl.splice`'s `name=`), else its module's class."""
-  for edit in getattr(layer, "edits", ()):
-    if getattr(edit, "module", None) is node:
+  for edit in layer.edits if isinstance(layer, EditedCall) else ():
+    if isinstance(edit, NestsTree) and edit.module is node:
       return edit.name
   return node.module_type.__name__
 
@@ -137,6 +139,13 @@ def _matches(at: Any, site: Site, root: CallNode) -> bool:
     return issubclass(site.node.module_type, at)
   if callable(at):
     return bool(at(site.node))
+  if isinstance(at, SiteObject):
+    raise SelectionError(
+      f"{root.where()}: the site object {at!r} resolves itself, and this takes site"
+      " patterns only (a path pattern, a module class, a call node or a predicate). Give"
+      " the pattern of the calls it names, or use it with fl.run, fl.capture, fl.sweep or"
+      " fl.path_patch."
+    )
   raise ArgumentError(
     f"A site is a path pattern (str), a Flax module class, a CallNode or a predicate"
     f" on call nodes, got {type(at).__name__}."

@@ -28,6 +28,7 @@ from flaxlens.core._variables import (
   variables_in,
 )
 from flaxlens.errors import ExportError, FlaxlensError
+from flaxlens.tools.analysis._heads import Heads
 from flaxlens.tools.base._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.base._compare import EquivalenceReport, compare_trees
 from flaxlens.tools.base._intervention import Intervention, kind_of, non_finite, where_mask
@@ -231,7 +232,7 @@ def _fold_one(
 ) -> dict[str, Any]:
   """`{label: new value}` of the parameters that express `intervention` in `root`."""
   rule = _fold_rule(intervention)
-  if hasattr(intervention.at, "splits"):  # fl.heads: a view of another call's value
+  if isinstance(intervention.at, Heads):  # fl.heads: a view of another call's value
     raise ExportError(_heads_refusal(root, intervention))
   unfit = non_finite(intervention)  # made under tracing, its operands were not checked
   if unfit is not None:
