@@ -20,7 +20,7 @@ from comparisons import assert_trees_equal
 from flax import nnx
 
 import flaxlens as fl
-from flaxlens.tools.base._kinds import Adds, Edited, InterventionKind, Unfoldable, check_fits
+from flaxlens.extend import Adds, Edited, InterventionKind, Unfoldable, check_fits
 
 LO, HI, SHIFT = -0.3, 0.2, jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
 

@@ -1,9 +1,9 @@
 """A site object written outside flaxlens plugs into every tool its protocols allow.
 
 `FirstFeatures(at, k)`, defined here only, names the first `k` features of the outputs of
-the calls `at` names. It implements the protocols of `flaxlens/tools/base/_site_objects.py`
-(`SiteObject`, `Intervenable`, `Sweepable`, `PathPatchable`) with the extension names only
-(`Edit`, `RecordingEdit`, `Struct`, `select_sites`, `active_probing`, the result tuples),
+the calls `at` names. It implements the protocols of `flaxlens.extend` (`SiteObject`,
+`Intervenable`, `Sweepable`, `PathPatchable`) with public names only (`flaxlens.extend`:
+`Edit`, `RecordingEdit`, `select_sites`, `active_probing`, the result tuples; `fl.Struct`),
 and is checked against the same edits written natively by hand, on a Linen and an NNX
 model whose weights and inputs are multiples of 1/4 (every float32 operation exact), bit
 for bit. A site object lacking a capability is refused by the tool needing it, naming it.
@@ -23,19 +23,20 @@ from flax import nnx
 from frameworks import LINEN, NNX
 
 import flaxlens as fl
-from flaxlens.core._edit import Edit, RecordingEdit
-from flaxlens.core._probes import active_probing
-from flaxlens.core._struct import Struct, static_field
+from flaxlens import Struct, static_field
 from flaxlens.errors import FlaxlensError
-from flaxlens.tools.base._site_objects import (
+from flaxlens.extend import (
+  Edit,
   Intervenable,
   PathPatchable,
   PathSites,
+  RecordingEdit,
   SiteObject,
   Sweepable,
   SweptUnits,
+  active_probing,
+  select_sites,
 )
-from flaxlens.tools.base._sites import select_sites
 
 WIDTH, K = 4, 2
 
