@@ -21,14 +21,14 @@ from flaxlens import errors
 API_PAGE = Path(__file__).parents[2] / "docs" / "api.md"
 
 
-def _documented() -> list[tuple[str, str]]:
-  """`(section, name)` for each `::: flaxlens.NAME` of the API reference, in page order."""
+def _documented(namespace: str = "flaxlens") -> list[tuple[str, str]]:
+  """`(section, name)` for each `::: NAMESPACE.NAME` of the API reference, in page order."""
   found, section = [], ""
   for line in API_PAGE.read_text().splitlines():
     if line.startswith("## "):
       section = line[3:]
-    elif line.startswith("::: flaxlens."):
-      found.append((section, line.removeprefix("::: flaxlens.")))
+    elif line.startswith(f"::: {namespace}.") and "." not in line.removeprefix(f"::: {namespace}."):
+      found.append((section, line.removeprefix(f"::: {namespace}.")))
   return found
 
 
@@ -51,6 +51,27 @@ RECEIVED_ONLY = {
 
 def test_all_lists_the_names_the_api_reference_documents_in_its_order():
   assert fl.__all__ == [name for _, name in _documented()]
+
+
+# The top level holds the everyday verbs; a research family (dictionaries, attribution
+# graphs) or an audience of its own (extension authors: `flaxlens.extend`) gets a public
+# module, so `fl.<tab>` stays learnable (docs/architecture.md, "The public surface").
+TOP_LEVEL_AT_MOST = 100
+
+
+def test_the_top_level_stays_the_everyday_verbs():
+  assert len(fl.__all__) <= TOP_LEVEL_AT_MOST, (
+    f"fl has {len(fl.__all__)} names: put a new family in a module of its own"
+  )
+
+
+@pytest.mark.parametrize("namespace", ["extend"])
+def test_a_namespace_lists_what_its_api_section_documents_with_docstrings(namespace):
+  module = importlib.import_module(f"flaxlens.{namespace}")
+  assert module.__all__ == [name for _, name in _documented(f"flaxlens.{namespace}")]
+  for name in module.__all__:
+    assert inspect.getdoc(getattr(module, name)), name
+    assert getattr(module, name).__module__.startswith("flaxlens."), name
 
 
 def test_every_public_name_is_listed_once():
