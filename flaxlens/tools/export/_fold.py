@@ -28,13 +28,15 @@ from flaxlens.core._variables import (
   variables_in,
 )
 from flaxlens.errors import ExportError, FlaxlensError
-from flaxlens.tools.analysis._heads import Heads
 from flaxlens.tools.base._calling import model_arguments, takes_model_arguments
 from flaxlens.tools.base._compare import EquivalenceReport, compare_trees
+from flaxlens.tools.base._index import index_text
+from flaxlens.tools.base._index import split as split_index
 from flaxlens.tools.base._intervention import Intervention, kind_of, non_finite, where_mask
 from flaxlens.tools.base._kinds import Adds, FoldRule, MapsFeatures, Multiplies, Unfoldable
 from flaxlens.tools.base._parts import get_part
 from flaxlens.tools.base._probed import checked_interventions, nodes_by_name, run
+from flaxlens.tools.base._site_objects import PathPatchable, SiteObject
 from flaxlens.tools.base._sites import Site, select_sites, sites_of
 from flaxlens.tools.isolation._isolate import isolate
 from flaxlens.tools.isolation._replay import IsolatedSubmodel
@@ -232,8 +234,8 @@ def _fold_one(
 ) -> dict[str, Any]:
   """`{label: new value}` of the parameters that express `intervention` in `root`."""
   rule = _fold_rule(intervention)
-  if isinstance(intervention.at, Heads):  # fl.heads: a view of another call's value
-    raise ExportError(_heads_refusal(root, intervention))
+  if isinstance(intervention.at, SiteObject):  # fl.heads: a view of other calls' values
+    raise ExportError(_site_object_refusal(root, intervention))
   unfit = non_finite(intervention)  # made under tracing, its operands were not checked
   if unfit is not None:
     raise ExportError(f"{unfit}, and fold writes only finite weights; give finite values")
@@ -278,31 +280,25 @@ def _fold_one(
   return edits
 
 
-def _heads_refusal(root: CallNode, intervention: Intervention) -> str:
-  """Why a head site does not fold, and the intervention on the call holding the heads
-  that does: the same edit of that call's value, its `where=` choosing the heads."""
-  at = intervention.at
-  splits = at.splits(root)
-  split = splits[0]
-  operands = "".join(f"{name}, " for name in kind_of(intervention).operand_names)
-  each = ""
-  if not split.merged:
-    where = f"jnp.s_[..., {split.heads[0] if len(split.heads) == 1 else list(split.heads)}, :]"
-  elif len(split.heads) == 1:
-    width = split.once[-1] // split.count
-    where = f"jnp.s_[..., {split.heads[0] * width}:{(split.heads[0] + 1) * width}]"
-  else:
-    width = split.once[-1] // split.count
-    where, each = (
-      f"jnp.s_[..., h * {width}:(h + 1) * {width}]",
-      f" for each head h in {split.heads}",
-    )
-  calls = ", ".join(repr(name) for name in dict.fromkeys(s.site.name for s in splits))
+def _site_object_refusal(root: CallNode, intervention: Intervention) -> str:
+  """Why an intervention on a site object (`fl.heads`: a view of calls' values) does not
+  fold, and, where the object names its units as slices of calls (`PathPatchable`), the
+  intervention on the call holding them that does: the same edit, its `where=` choosing
+  the units."""
+  at, kind = intervention.at, kind_of(intervention)
+  refusal = f"{at!r} is a site object, a view of calls' values, and fold folds edits of calls"
+  if not isinstance(at, PathPatchable):
+    return f"{refusal}. Fold the same edit of the call whose value it views, with where="
+  units = at.path_sites(root)
+  operands = "".join(f"{name}, " for name in kind.operand_names)
+  wheres = [index_text(*split_index(w if isinstance(w, tuple) else (w,))) for w in units.where]
+  where, each = (f"jnp.s_{wheres[0]}", "") if len(wheres) == 1 else ("W", f" for W in {wheres}")
+  calls = ", ".join(repr(name) for name in units.calls)
   return (
-    f"{at!r} is a head site, a view of the {split.on} of {calls}, and fold folds edits of"
-    " calls, not of head views. Fold the same edit of that call's value with where="
-    f" choosing the heads: {kind_of(intervention).maker}({split.site.name!r}, {operands}"
-    f"on={split.on!r}, where={where}){each}, its operands and where= written for that value"
+    f"{refusal} (here the {units.on} of {calls}), not views of them. Fold the same edit of"
+    f" that call's value with where= choosing the units: {kind.maker}({units.calls[0]!r},"
+    f" {operands}on={units.on!r}, where={where}){each}, its operands and where= written for"
+    " that value"
   )
 
 
