@@ -697,3 +697,49 @@ def test_rooms_too_big_finds_a_long_module_and_a_long_function_unless_it_says_wh
 def test_every_module_and_function_fits_in_ones_head():
   found = rooms_too_big(SOURCE)
   assert not found, "too big to hold in one's head:\n" + "\n".join(found)
+
+
+# `tools.base` is the bottom of `tools`: it imports no other job, and the jobs other than
+# `analysis` (and the families to come) stand on it, not on `analysis`.
+STANDS_ON_BASE = ("base", "export", "files", "harvest", "isolation", "view")
+
+
+def tools_above_base(imports: dict[str, list[Import]]) -> list[Import]:
+  """Imports by `tools.base` of another job, and by the jobs of `STANDS_ON_BASE` of
+  `tools.analysis`."""
+  found = []
+  for i in _all(imports):
+    parts, taken = i.importer.split("."), i.module.split(".")
+    if len(parts) < 3 or parts[1] != "tools" or len(taken) < 3 or taken[1] != "tools":
+      continue
+    job, other = parts[2], taken[2]
+    if (job == "base" and other != "base") or (job in STANDS_ON_BASE and other == "analysis"):
+      found.append(i)
+  return found
+
+
+def test_tools_base_is_the_bottom_and_the_other_jobs_do_not_stand_on_analysis(imports):
+  found = tools_above_base(imports)
+  assert not found, "imports above tools.base:\n" + "\n".join(map(str, found))
+
+
+def test_the_base_rule_finds_base_importing_a_job_and_a_job_importing_analysis(tmp_path):
+  source = _write(
+    tmp_path,
+    {
+      "__init__.py": "",
+      "tools/__init__.py": "",
+      "tools/base/__init__.py": "",
+      "tools/base/_a.py": "from flaxlens.tools.view import _v\n",
+      "tools/view/__init__.py": "",
+      "tools/view/_v.py": "x = 1\n",
+      "tools/harvest/__init__.py": "",
+      "tools/harvest/_h.py": "from flaxlens.tools.analysis._s import sweep\n",
+      "tools/analysis/__init__.py": "",
+      "tools/analysis/_s.py": "from flaxlens.tools.base._a import x\nsweep = 1\n",
+    },
+  )
+  assert list(map(str, tools_above_base(read_imports(source)))) == [
+    "flaxlens.tools.base._a:1 imports flaxlens.tools.view._v",
+    "flaxlens.tools.harvest._h:1 imports flaxlens.tools.analysis._s.sweep",
+  ]
