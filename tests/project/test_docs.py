@@ -31,6 +31,7 @@ WORKFLOW_PAGES = [
   "training-interventions.md",
   "circuits.md",
   "compilation.md",
+  "architecture.md",
 ]
 
 
