@@ -71,8 +71,8 @@ def test_a_dataclass_config_and_a_namedtuple_of_an_allowed_package_round_trip(tm
   module = ConfiguredBlock(BlockConfig(5, nn.silu), Widths(6, 1))
   isolated = fl.isolate(fl.unflaxify(module, module.init(jax.random.key(0), X), X), X, "")
   fl.save_isolated(isolated, tmp_path / "a")
-  assert read_manifest(tmp_path / "a")["requires"] == ["artifacts"]
-  loaded = fl.load_isolated(tmp_path / "a", allow=["artifacts"])
+  assert read_manifest(tmp_path / "a")["requires"] == ["files"]
+  loaded = fl.load_isolated(tmp_path / "a", allow=["files"])
   assert loaded.submodel.module.config == module.config
   assert loaded.submodel.module.widths == module.widths
   assert loaded.replay().bitwise
@@ -82,7 +82,7 @@ def test_a_config_of_a_package_not_allowed_is_refused(tmp_path):
   module = ConfiguredBlock(BlockConfig(5))
   tree = fl.unflaxify(module, module.init(jax.random.key(0), X), X)
   fl.save_isolated(fl.isolate(tree, X, ""), tmp_path / "a")
-  with pytest.raises(fl.ArtifactError, match=r"allow=\['artifacts'\]"):
+  with pytest.raises(fl.ArtifactError, match=r"allow=\['files'\]"):
     fl.load_isolated(tmp_path / "a")
 
 
