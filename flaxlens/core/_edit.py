@@ -50,7 +50,7 @@ class Edit(Protocol):
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from flaxlens.core._edit import Edit
+    >>> from flaxlens.extend import Edit
     >>> class Halve:
     ...   on, part = "output", None
     ...   def edit(self, site, argument, value):

@@ -40,7 +40,7 @@ from flaxlens.core._walk import Relation, calls
 from flaxlens.errors import ArgumentError, SelectionError, UnsupportedFlaxFeatureError
 from flaxlens.tools.analysis import _statistics
 from flaxlens.tools.analysis._sweep_result import SweepResult
-from flaxlens.tools.analysis._sweeps import UNREACHED_FIX, metric_value, paired_runs
+from flaxlens.tools.analysis._sweeps import UNREACHED_IN_PAIRED_RUNS, metric_value, paired_runs
 from flaxlens.tools.base._calling import (
   check_callable,
   takes_model_arguments,
@@ -360,7 +360,9 @@ class _Run:
     tree, sites = self.copies.fresh()
     nodes = tuple(sites[k].node for k in indices)
     probes = edited_calls(tree, (), nodes, True, None)
-    output, captured = probed_run(tree, argument, probes, self.streams, nodes, UNREACHED_FIX)
+    output, captured = probed_run(
+      tree, argument, probes, self.streams, nodes, UNREACHED_IN_PAIRED_RUNS
+    )
     return sites, captured, output
 
   def edited(self, argument: ArgsAndKwargs, edits: Callable[[list[Site]], dict]) -> tuple:
@@ -375,7 +377,9 @@ class _Run:
       for k, e in by_site.items()
     }
     key = tuple(e for es in by_site.values() for e in es)
-    return probed_run(tree, argument, probes, self.streams, key, UNREACHED_FIX, indexed=True)
+    return probed_run(
+      tree, argument, probes, self.streams, key, UNREACHED_IN_PAIRED_RUNS, indexed=True
+    )
 
 
 def _record(name: str, value: Any) -> None:

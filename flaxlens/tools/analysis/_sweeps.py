@@ -82,11 +82,11 @@ def indexed_run(
   """Runs `tree` with `edits`, capturing `capture`; edits may read `scan_iterations()`."""
   probes = edited_calls(tree, edits, capture, False, None)
   return probed_run(
-    tree, argument, probes, random_streams, (edits, capture), UNREACHED_FIX, indexed=True
+    tree, argument, probes, random_streams, (edits, capture), UNREACHED_IN_PAIRED_RUNS, indexed=True
   )
 
 
-UNREACHED_FIX = (
+UNREACHED_IN_PAIRED_RUNS = (
   "Choose sites that every run makes (the clean and the corrupted one), or convert with"
   " example arguments that take this branch."
 )

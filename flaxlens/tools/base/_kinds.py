@@ -116,7 +116,7 @@ class InterventionKind(Protocol):
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
-    >>> from flaxlens.tools.base._kinds import Unfoldable, check_fits
+    >>> from flaxlens.extend import Unfoldable, check_fits
     >>> class Clamp:
     ...   name, maker, operand_names = "clamp", "Clamp", ("bound",)
     ...   region, source, fold = None, None, Unfoldable("it clips the value")

@@ -92,7 +92,7 @@ class SiteObject(Protocol):
 
   Example:
     >>> import flaxlens as fl
-    >>> from flaxlens.tools.base._site_objects import SiteObject, Sweepable
+    >>> from flaxlens.extend import SiteObject, Sweepable
     >>> isinstance(fl.heads("attn"), SiteObject), isinstance("attn", SiteObject)
     (True, False)
     >>> isinstance(fl.attention_pattern("attn"), Sweepable)
@@ -163,6 +163,6 @@ def refuse_site_object(at: Any, capability: type, where: str) -> SelectionError:
   method, done = _CAPABILITIES[capability]
   return SelectionError(
     f"{where}: the site object {at!r} cannot be {done}: it has no {method} (the"
-    f" {capability.__name__} protocol of flaxlens.tools.base._site_objects). Give a site"
+    f" {capability.__name__} protocol of flaxlens.extend). Give a site"
     f" pattern or a site object that implements {method}."
   )

@@ -53,7 +53,7 @@ def sites_of(root: CallNode) -> list[Site]:
 
   Example:
     >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
-    >>> from flaxlens.tools.base._sites import sites_of
+    >>> from flaxlens.extend import sites_of
     >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
     >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
     >>> [site.name for site in sites_of(tree)]
