@@ -20,6 +20,8 @@ from flaxlens.tools.dictionaries._activations import (
   JumpReLU,
   ReLU,
   TopK,
+  heaviside,
+  jump_relu,
 )
 from flaxlens.tools.dictionaries._modules import (
   SAE,
@@ -41,5 +43,7 @@ __all__ = [
   "ReLU",
   "TopK",
   "Transcoder",
+  "heaviside",
+  "jump_relu",
   "make_dictionary",
 ]
