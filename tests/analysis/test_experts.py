@@ -348,6 +348,8 @@ def test_a_grouped_capture_holds_its_expert_rows_only():
 
 
 def test_an_experts_sweep_equals_each_native_patch():
+  """Every (layer, expert) row is the corrupted run with that expert's clean output put
+  back natively; to a float32 rounding, as the sweep's forwards run batched (vmap)."""
   model = Blocks()
   tree, native = _linen(model)
   clean, corrupted = X, X[:, ::-1] * 0.5
