@@ -72,7 +72,7 @@ from flaxlens.tools.analysis._heads import Heads as Heads
 from flaxlens.tools.analysis._attention_pattern import attention_pattern as attention_pattern
 from flaxlens.tools.analysis._attention_pattern import AttentionPattern as AttentionPattern
 from flaxlens.tools.analysis._experts import experts as experts
-from flaxlens.tools.analysis._experts import routing as routing
+from flaxlens.tools.analysis._experts_routing import routing as routing
 from flaxlens.tools.analysis._sweeps import sweep as sweep
 from flaxlens.tools.analysis._sweep_result import SweepResult as SweepResult
 from flaxlens.tools.analysis._attribution import attribute as attribute
@@ -186,9 +186,9 @@ __all__ = [
   "heads",
   "Heads",
   "attention_pattern",
+  "AttentionPattern",
   "experts",
   "routing",
-  "AttentionPattern",
   "sweep",
   "SweepResult",
   "path_patch",

@@ -1,31 +1,23 @@
-"""Experts and routers of mixture-of-experts layers as sites: `fl.experts`, `fl.routing`.
+"""Experts of mixture-of-experts layers as sites: capture, edit and sweep one expert.
 
-An MoE layer is any call whose own sub-calls hold its experts, found from what a
-converted tree shows (calls, their values, their parameters), never from class names.
-The experts are one of three layouts: one call per expert (sub-calls of one module
-type numbered `0..n-1`: `experts_3`, `experts/3`); one call of a module whose parameters
-all lead with the expert axis (`[experts, ...]`, the last such call: stacked weights),
-whose output holds the experts on the one axis of that size (dense `einsum` dispatch,
-or a capacity buffer `[experts, capacity, features]`); or such a call whose output has
-no expert axis and whose positional arguments include the group sizes `[experts]`
-(`jax.lax.ragged_dot`): expert `e` is the rows `[start_e, end_e)` of its output. The
-router is the other sub-call whose output ends in the expert axis. Experts computed in
-the layer's own code (an einsum on the layer's own stacked parameters) are a value no
-edit reaches: they are refused, naming the layer and how to make them a call.
-Every edit is the one edit concept (`core/_edit.py`), made where the experts are; a
-`fl.experts` site has every capability but path patching, `fl.routing` is captured and
-intervened on (its interventions edit the router's logits). No Flax internals here.
+`fl.experts(at, which)` names experts of the MoE layers `at` names, found as
+`_experts_layers.py` finds them: one call per expert, one call whose output has an
+expert axis (stacked weights, dense `einsum` or capacity dispatch), or one call whose
+output rows are grouped by expert (`jax.lax.ragged_dot`, the group sizes an argument).
+Every edit is the one edit concept (`core/_edit.py`), made on the calls holding the
+experts, each named expert's values edited on their own; captures are edits that record
+them (`records`). An `Experts` site has every site-object capability but path patching
+(`tools/base/_site_objects.py`); its sweeps run as `fl.sweep` does, one compiled
+program. The routers are `_experts_routing.py`'s. No Flax internals here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -36,7 +28,15 @@ from flaxlens.core._node import CallNode
 from flaxlens.core._probes import active_probing
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.errors import SelectionError
-from flaxlens.tools.analysis._head_settings import own_calls, setting_of, value_spec
+from flaxlens.tools.analysis._experts_layers import (
+  Layer,
+  Layout,
+  expert_numbers,
+  moe_layers,
+  shown_site,
+  static_layer_site,
+)
+from flaxlens.tools.analysis._head_settings import value_spec
 from flaxlens.tools.analysis._sweeps import (
   SitePatch,
   indexed_run,
@@ -44,265 +44,10 @@ from flaxlens.tools.analysis._sweeps import (
   scan_iteration,
   sweep_forwards,
 )
-from flaxlens.tools.base._intervention import Intervention, make_intervention
+from flaxlens.tools.base._intervention import Intervention
 from flaxlens.tools.base._probed import Copies
 from flaxlens.tools.base._site_objects import SweepOptions, SweptUnits
-from flaxlens.tools.base._sites import Site, select_sites, sites_of
-
-TOP_K_SETTINGS = (
-  "num_experts_per_tok",
-  "num_experts_per_token",
-  "num_selected_experts",
-  "experts_per_token",
-  "top_k",
-  "k",
-)
-_NUMBERED = re.compile(r"^(.*?)[_/.](\d+)$")
-_MAKE_A_CALL = (
-  "Compute the experts in a submodule of their own: one module per expert, or one module"
-  " holding the stacked weights [experts, ...] whose output has an expert axis (dense"
-  " einsum dispatch, a capacity buffer) or that takes the group sizes (ragged_dot)."
-)
-
-# --- finding an MoE layer's experts and router --------------------------------------------
-
-
-class Layout(NamedTuple):
-  """How a layer's experts are held.
-
-  Attributes:
-    kind: "modules" (one call per expert), "axis" (one call's output has an expert
-      axis) or "grouped" (one call's output rows are grouped by expert, their sizes an
-      argument of the call).
-    count: the number of experts.
-    axis: for "axis", the expert axis counted from the end (negative); else None.
-    sizes: for "grouped", which positional argument holds the group sizes; else None.
-  """
-
-  kind: str
-  count: int
-  axis: int | None = None
-  sizes: int | None = None
-
-
-class Layer(NamedTuple):
-  """One MoE layer as a site of experts (and its router).
-
-  Attributes:
-    name: the layer's site name (`"block_0/moe"`): captures and rows are named after it.
-    experts: the calls holding the experts: one per expert ("modules"), else one.
-    layout: how they hold them.
-    router: the router call, or None where none was found.
-    which: the experts named, in order.
-  """
-
-  name: str
-  experts: tuple[Site, ...]
-  layout: Layout
-  router: Site | None
-  which: tuple[int, ...]
-
-
-def _children(sites: list[Site], layer: Site) -> list[tuple[str, Site]]:
-  """The calls the layer's module makes (in its own calls), as `(name, site)`."""
-  by_node = {id(s.node): s for s in sites}
-  out = []
-  for node in own_calls(layer.node):
-    for key, child in node.submodule_calls.items():
-      if isinstance(child, CallNode) and tuple(child.path) != tuple(layer.node.path):
-        if id(child) in by_node:
-          out.append((key[1].rsplit(".", 1)[0], by_node[id(child)]))
-  return out
-
-
-def _numbered(children: list[tuple[str, Site]], named: str | None) -> dict[str, list[Site]]:
-  """Groups of calls of one module type numbered `0..n-1` (n >= 2), by their common
-  prefix (`"experts"`); only the prefix `named` where one is given."""
-  groups: dict[str, dict[int, Site]] = {}
-  for name, site in children:
-    found = _NUMBERED.match(name)
-    if found is not None and (named is None or found[1] == named):
-      groups.setdefault(found[1], {})[int(found[2])] = site
-  return {
-    prefix: [members[i] for i in range(len(members))]
-    for prefix, members in groups.items()
-    if len(members) >= 2
-    and sorted(members) == list(range(len(members)))
-    and len({m.node.module_type for m in members.values()}) == 1
-  }
-
-
-def _leading(site: Site) -> int | None:
-  """The leading size every parameter of the call's module shares (its stacked expert
-  axis), or None (no parameters, a scalar one, or differing sizes)."""
-  shapes = [np.shape(p.value) for p in site.node.scope_data.parameters.values()]
-  if not shapes or any(len(s) < 2 for s in shapes) or len({s[0] for s in shapes}) != 1:
-    return None
-  return shapes[0][0] if shapes[0][0] >= 2 else None
-
-
-def _stacked_layout(site: Site, count: int) -> Layout | None:
-  """The layout of a stacked-weights call: "axis" where its output has one axis of size
-  `count`, "grouped" where it has none and a positional argument is `[count]` integers;
-  None where neither (or several axes could be the expert axis)."""
-  output = value_spec(site, "output")
-  if not isinstance(output, jax.ShapeDtypeStruct):
-    return None
-  axes = [a - len(output.shape) for a, n in enumerate(output.shape) if n == count]
-  if len(axes) == 1:
-    return Layout("axis", count, axis=axes[0])
-  if axes or site.inputs is None:
-    return None
-  args = jax.tree_util.tree_unflatten(*site.inputs)[0]
-  sizes = [
-    n
-    for n, a in enumerate(args)
-    if isinstance(a, jax.ShapeDtypeStruct)
-    and a.shape == (count,)
-    and jnp.issubdtype(a.dtype, jnp.integer)
-  ]
-  return Layout("grouped", count, sizes=sizes[0]) if len(sizes) == 1 else None
-
-
-def _refuse_unseen(layer: Site, named: str | None, names: list[str]) -> SelectionError:
-  own = {k: np.shape(p.value) for k, p in layer.node.scope_data.parameters.items()}
-  held = (
-    f" Its own parameters {own} are used in its own code, where no edit reaches." if own else ""
-  )
-  looked = f"no call named {named!r}_<n> or {named!r}" if named else "no calls"
-  return SelectionError(
-    f"{layer.name}: flaxlens cannot see into this layer's expert dispatch: it makes"
-    f" {looked} of one module numbered 0..n-1, and no call of a module whose parameters all"
-    f" lead with an expert axis and whose output has that axis or that takes the group"
-    f" sizes (its calls: {names[:8]}).{held} {_MAKE_A_CALL} Or name the call holding the"
-    " experts: fl.experts(at, experts='name')."
-  )
-
-
-def _find_experts(
-  layer: Site, sites: list[Site], named: str | None
-) -> tuple[tuple[Site, ...], Layout]:
-  """The calls holding the layer's experts and their layout (see the module docstring).
-
-  Raises:
-    SelectionError: no experts found, or several groups that could be them.
-  """
-  children = _children(sites, layer)
-  groups = _numbered(children, named)
-  if len(groups) > 1:
-    raise SelectionError(
-      f"{layer.name}: several groups of numbered calls could be its experts"
-      f" ({sorted(groups)}). Name the group: fl.experts(at, experts='{sorted(groups)[0]}')."
-    )
-  if groups:
-    members = next(iter(groups.values()))
-    return tuple(members), Layout("modules", len(members))
-  stacked = [
-    (s, _leading(s)) for name, s in children if (named is None or name == named) and _leading(s)
-  ]
-  if stacked:
-    site, count = stacked[-1]
-    layout = _stacked_layout(site, count)
-    if layout is not None:
-      return (site,), layout
-    output = value_spec(site, "output")
-    shape = tuple(output.shape) if isinstance(output, jax.ShapeDtypeStruct) else output
-    raise SelectionError(
-      f"{layer.name}: {site.name} holds {count} stacked experts, but flaxlens cannot see"
-      f" where each expert's values are: its output {shape} has not exactly one axis of"
-      f" size {count}, and no positional argument is the [{count}] group sizes. Convert"
-      f" with example arguments whose sizes differ from {count} (batch, length,"
-      f" features), or make the call return [..., {count}, features]."
-    )
-  raise _refuse_unseen(layer, named, [name for name, _ in children])
-
-
-def _find_router(layer: Site, sites: list[Site], experts: tuple[Site, ...], count: int, named):
-  """The layer's router: the other call it makes whose output ends in `count` logits
-  (the call named `named` where given), or None."""
-  held = {id(s.node) for s in experts}
-  found = []
-  for name, site in _children(sites, layer):
-    if id(site.node) in held or (named is not None and name != named):
-      continue
-    output = value_spec(site, "output")
-    if isinstance(output, jax.ShapeDtypeStruct) and output.shape[-1:] == (count,):
-      found.append(site)
-  if len(found) > 1:
-    raise SelectionError(
-      f"{layer.name}: several calls could be its router (outputs ending in {count}"
-      f" logits: {[s.name for s in found]}). Name it: router='{found[0].name.rsplit('/', 1)[-1]}'."
-    )
-  return found[0] if found else None
-
-
-def _layers(spec: Experts | Routing, tree: CallNode, sites: list[Site]) -> list[Layer]:
-  """The MoE layers `spec.at` names (a call inside a layer already found is that layer's).
-
-  Raises:
-    SelectionError: nothing named, a call without experts found, an expert out of range.
-  """
-  matched = select_sites(tree, spec.at, sites)
-  if not matched:
-    raise SelectionError(
-      f"{spec!r}: the pattern names no call of this tree. Name the MoE layers' calls"
-      " ('block_*/moe'); fl.summary(tree) lists them."
-    )
-  found: list[Layer] = []
-  paths: list[tuple] = []
-  for site in matched:
-    path = tuple(site.node.path)
-    if any(len(path) > len(p) and path[: len(p)] == p for p in paths):
-      continue
-    experts, layout = _find_experts(site, sites, spec.experts)
-    router = _find_router(site, sites, experts, layout.count, spec.router)
-    which = checked_experts(
-      spec.which if isinstance(spec, Experts) else None, layout.count, site.name
-    )
-    found.append(Layer(site.name, experts, layout, router, which))
-    paths.append(path)
-  return found
-
-
-def checked_experts(which: tuple[int, ...] | None, count: int, name: str) -> tuple[int, ...]:
-  """The experts named, made non-negative; every expert where None.
-
-  Raises:
-    SelectionError: an expert out of range, or one named twice.
-  """
-  if which is None:
-    return tuple(range(count))
-  outside = [e for e in which if not -count <= e < count]
-  if outside:
-    raise SelectionError(
-      f"{name}: experts {outside} are out of range; this layer has {count} experts. Give"
-      f" expert numbers from 0 to {count - 1} (negative ones count from the end)."
-    )
-  out = tuple(e % count for e in which)
-  if len(set(out)) < len(out):
-    raise SelectionError(f"{name}: which={list(which)} names an expert twice. Name each once.")
-  return out
-
-
-def _static_site(at: Any, maker: str) -> Any:
-  if isinstance(at, CallNode):
-    raise SelectionError(
-      f"{maker}: give the layer's path pattern ('{at.readable_path()[0]}'), a module class or"
-      " a predicate: a call node is not kept by compiled runs."
-    )
-  return tuple(at) if isinstance(at, list) else at
-
-
-def _expert_numbers(which: Any, maker: str) -> tuple[int, ...] | None:
-  if which is None:
-    return None
-  items = np.asarray([which] if isinstance(which, int | np.integer) else which)
-  if isinstance(which, bool) or items.size == 0 or not np.issubdtype(items.dtype, np.integer):
-    raise SelectionError(
-      f"{maker}: {which!r} names no experts. Give an expert number or a list of them."
-    )
-  return tuple(int(e) for e in items.reshape(-1))
-
+from flaxlens.tools.base._sites import Site, sites_of
 
 # --- the edits -----------------------------------------------------------------------------
 
@@ -408,7 +153,7 @@ class Experts:
   router: str | None = None
 
   def __repr__(self) -> str:
-    shown = [repr(self.at) if isinstance(self.at, str) else getattr(self.at, "__name__", "…")]
+    shown = [shown_site(self.at)]
     if self.which is not None:
       shown.append(repr(list(self.which)))
     shown += [f"{k}={v!r}" for k, v in (("experts", self.experts), ("router", self.router)) if v]
@@ -416,7 +161,7 @@ class Experts:
 
   def layers(self, tree: CallNode, sites: list[Site] | None = None) -> list[Layer]:
     """The MoE layers named, each with its experts' calls, layout and router."""
-    return _layers(self, tree, sites_of(tree) if sites is None else sites)
+    return moe_layers(self, self.which, tree, sites_of(tree) if sites is None else sites)
 
   def edits_of(
     self, tree: CallNode, sites: list[Site], intervention: Intervention
@@ -531,7 +276,7 @@ def experts(
   for name, value in (("experts", experts), ("router", router)):
     if value is not None and not isinstance(value, str):
       raise SelectionError(f"{maker}: {name}={value!r} is no call name. Give a str or None.")
-  return Experts(_static_site(at, maker), _expert_numbers(which, maker), experts, router)
+  return Experts(static_layer_site(at, maker), expert_numbers(which, maker), experts, router)
 
 
 # --- sweeps over experts --------------------------------------------------------------------
@@ -603,226 +348,3 @@ def _sweep_experts(tree, clean, corrupted, spec, metric, chunk_size, streams):
 
 
 _sweep_compiled = jit_keyed_on_function(_sweep_experts, "metric", "fl.sweep")
-
-
-# --- routing --------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RouteEdit:
-  """The `fl.modify` function of `Routing.force`/`Routing.forbid`: the forbidden
-  experts' logits set to `-inf`, the forced ones' to just above the row's largest logit
-  (so they are chosen first, and weighted as the top choice was)."""
-
-  force: tuple[int, ...]
-  forbid: tuple[int, ...]
-
-  def __call__(self, argument: Any, logits: Any) -> Any:
-    del argument
-    if self.forbid:
-      logits = logits.at[..., list(self.forbid)].set(-jnp.inf)
-    if self.force:
-      top = jnp.max(logits, axis=-1, keepdims=True)
-      logits = logits.at[..., list(self.force)].set(jnp.nextafter(top, jnp.inf))
-    return logits
-
-
-class RoutingCapture(Struct):
-  """Records a router call's output as `"<layer>:router_logits"` and its top `k`
-  experts as `"<layer>:chosen"`, changing nothing."""
-
-  records = True
-  on = "output"
-  part = None
-  layer: str = static_field()
-  k: int = static_field()
-  shape: Any = static_field(default=None)
-
-  def edit(self, site: str, argument: ArgsAndKwargs, value: Any) -> Any:
-    del site, argument
-    probing = active_probing()
-    if probing is not None:
-      for key, x in (("router_logits", value), ("chosen", jax.lax.top_k(value, self.k)[1])):
-        name = f"{self.layer}:{key}"
-        shape = None if self.shape is None else (lambda y, name=name: self.shape(name, y))
-        probing.record(name, x, shape)
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class Routing:
-  """The routers of the MoE layers `at` names (made by `fl.routing`).
-
-  Captured, it records each router's logits (`"<layer>:router_logits"`) and its top-k
-  experts (`"<layer>:chosen"`); interventions (`fl.ablate`, `fl.steer`, ...) on it
-  edit the logits, and `force`/`forbid` make the interventions that force or forbid
-  routes; `load` counts the tokens routed to each expert.
-
-  Attributes:
-    at: the MoE layers: a path pattern, a module class or a predicate.
-    k: the experts chosen per token, or None (read from the layer's settings).
-    experts: the name of the call (or numbered calls) holding the experts, or None.
-    router: the name of the router call, or None.
-
-  Example:
-    >>> import flaxlens as fl
-    >>> fl.routing("block_*/moe", k=2).forbid(3).kind
-    'modify'
-  """
-
-  at: Any
-  k: int | None = None
-  experts: str | None = None
-  router: str | None = None
-
-  def __repr__(self) -> str:
-    shown = [repr(self.at) if isinstance(self.at, str) else getattr(self.at, "__name__", "…")]
-    shown += [
-      f"{k}={v!r}"
-      for k, v in (("k", self.k), ("experts", self.experts), ("router", self.router))
-      if v is not None
-    ]
-    return f"fl.routing({', '.join(shown)})"
-
-  def routers(self, tree: CallNode, sites: list[Site]) -> list[tuple[Layer, Site]]:
-    """Each layer named and its router call.
-
-    Raises:
-      SelectionError: a layer whose router cannot be found.
-    """
-    out = []
-    for layer in _layers(self, tree, sites):
-      if layer.router is None:
-        raise SelectionError(
-          f"{layer.name}: no router found: none of the other calls this layer makes"
-          f" returns [..., {layer.layout.count}] logits (one per expert). Name the call"
-          " that computes the routing logits: fl.routing(at, router='name'); a router"
-          " computed in the layer's own code must be made a submodule call (a Dense)."
-        )
-      out.append((layer, layer.router))
-    return out
-
-  def top_k(self, tree: CallNode, layer: Layer) -> int:
-    """The experts chosen per token: `k=`, else the layer's settings (`top_k`,
-    `num_experts_per_tok`, ...), also under `config`."""
-    if self.k is not None:
-      return self.k
-    site = next(s for s in sites_of(tree) if s.name == layer.name)
-    settings = site.node.settings()
-    for holder in (settings, settings.get("config")):
-      found = setting_of(holder, TOP_K_SETTINGS) if holder is not None else None
-      if found is not None:
-        return found[1]
-    raise SelectionError(
-      f"{layer.name}: how many experts each token is routed to is not known (its module has"
-      f" no {' / '.join(TOP_K_SETTINGS[:4])} setting). Give it: fl.routing(at, k=n)."
-    )
-
-  def capture_edits(
-    self, tree: CallNode, sites: list[Site], shape: Callable[[str, Any], Any] | None
-  ) -> list[tuple[Site, Edit]]:
-    """The edits recording each router's logits and top-k experts (`fl.run`)."""
-    return [
-      (router, RoutingCapture(layer.name, self.top_k(tree, layer), shape))
-      for layer, router in self.routers(tree, sites)
-    ]
-
-  def edits_of(
-    self, tree: CallNode, sites: list[Site], intervention: Intervention
-  ) -> list[tuple[Site, Edit]]:
-    """The router calls and the intervention each runs on its logits (`fl.run`)."""
-    out = []
-    for layer, router in self.routers(tree, sites):
-      if isinstance(intervention.fn, RouteEdit):
-        checked_experts(
-          intervention.fn.force + intervention.fn.forbid, layer.layout.count, layer.name
-        )
-      out.append((router, intervention))
-    return out
-
-  def force(self, experts: Any) -> Intervention:
-    """The intervention routing every token to `experts` (each chosen first)."""
-    return self._route(experts, "force")
-
-  def forbid(self, experts: Any) -> Intervention:
-    """The intervention routing no token to `experts` (their logits `-inf`)."""
-    return self._route(experts, "forbid")
-
-  def _route(self, experts: Any, how: str) -> Intervention:
-    named = _expert_numbers(experts, f"{self!r}.{how}")
-    edit = RouteEdit(named, ()) if how == "force" else RouteEdit((), named)
-    return make_intervention("modify", self, (), None, "output", None, fn=edit)
-
-  def load(self, tree: CallNode, values: Any) -> np.ndarray:
-    """Tokens routed to each expert of one layer: from its captured `"<layer>:chosen"`
-    (integers) or router logits (`"<layer>:router_logits"`, or a harvest's rows of the
-    router call, `fl.open_harvest(path)["block_0/moe/router"]`), read in blocks.
-
-    Returns:
-      The count per expert (`int64`, `[experts]`); divide by its sum for the fractions.
-    """
-    layers = _layers(self, tree, sites_of(tree))
-    if len(layers) != 1:
-      raise SelectionError(
-        f"{self!r}.load: the load is one layer's, and this names {len(layers)}. Name one layer."
-      )
-    layer = layers[0]
-    counts = np.zeros(layer.layout.count, np.int64)
-    step = 1 << 16
-    for start in range(0, len(values), step):
-      block = np.asarray(values[start : start + step])
-      if not np.issubdtype(block.dtype, np.integer):
-        if block.shape[-1:] != (layer.layout.count,):
-          raise SelectionError(
-            f"{layer.name}: load() takes the chosen experts or router logits [...,"
-            f" {layer.layout.count}], got rows of shape {block.shape[1:]}. Give them."
-          )
-        block = np.asarray(jax.lax.top_k(jnp.asarray(block), self.top_k(tree, layer))[1])
-      counts += np.bincount(block.reshape(-1), minlength=layer.layout.count)[: layer.layout.count]
-    return counts
-
-
-def routing(
-  at: Any, *, k: int | None = None, experts: str | None = None, router: str | None = None
-) -> Routing:
-  """Names the routers of mixture-of-experts layers: capture, force, forbid, count.
-
-  The router of an MoE layer (found as `fl.experts` finds its experts) is the other
-  call the layer makes whose output ends in one logit per expert. `fl.capture` of a
-  routing site records `"<layer>:router_logits"` and `"<layer>:chosen"`, the top `k`
-  experts per token (the router's choice: tokens a capacity limit then drops are
-  counted); interventions on it edit the logits; `.force(e)` and `.forbid(e)` make the
-  interventions that route every token to, or none to, experts `e`; `.load(tree,
-  values)` counts the tokens each expert gets, over a capture or a harvest.
-
-  Args:
-    at: the MoE layers: a path pattern (`"block_*/moe"`), a module class or a predicate.
-    k: the experts chosen per token, where the layer's settings do not say it.
-    experts: the name of the call holding the experts, where more than one could be.
-    router: the name of the router call, where more than one could be.
-
-  Returns:
-    A `fl.routing` site (a `Routing`).
-
-  Example:
-    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
-    >>> class Moe(nn.Module):
-    ...   @nn.compact
-    ...   def __call__(self, x):
-    ...     gates = jax.nn.softmax(nn.Dense(2, name="router")(x))
-    ...     out = jnp.stack([nn.Dense(3, name=f"experts_{e}")(x) for e in range(2)], -2)
-    ...     return jnp.einsum("be,bed->bd", gates, out)
-    >>> x = jnp.ones((4, 3))
-    >>> tree = fl.unflaxify(Moe(), Moe().init(jax.random.key(0), x), x)
-    >>> site = fl.routing("Moe.__call__", k=1)
-    >>> _, cache = fl.capture(tree, x, at=site, interventions=[site.force(1)])
-    >>> cache["Moe.__call__:chosen"][:, 0].tolist(), site.load(tree, cache["Moe.__call__:chosen"])
-    ([1, 1, 1, 1], array([0, 4]))
-  """
-  maker = f"fl.routing({at!r})"
-  if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-    raise SelectionError(f"{maker}: k={k!r} is no expert count. Give a positive int.")
-  for name, value in (("experts", experts), ("router", router)):
-    if value is not None and not isinstance(value, str):
-      raise SelectionError(f"{maker}: {name}={value!r} is no call name. Give a str or None.")
-  return Routing(_static_site(at, maker), k, experts, router)
