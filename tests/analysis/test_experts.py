@@ -184,6 +184,20 @@ class NoRouter(nn.Module):
     return StackedExperts(name="experts")(x).mean(axis=-2)
 
 
+class AutoNamed(nn.Module):
+  """Modules named by Linen (`Dense_0` router, `Dense_1` shared expert), stacked experts."""
+
+  hook: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    gates = _dense_gates(nn.Dense(E)(x))
+    shared = nn.Dense(D)(x)
+    outs = StackedExperts()(x)
+    outs = outs if self.hook is None else self.hook(outs)
+    return shared + jnp.einsum("bse,bsed->bsd", gates, outs)
+
+
 class Blocks(nn.Module):
   """Residual MoE blocks (Stacked layers), for sweeps; `hooks[i]` edits block i natively."""
 
@@ -246,12 +260,14 @@ class NnxStacked(nnx.Module):
   def __init__(self, rngs):
     self.gate = nnx.Linear(D, E, rngs=rngs)
     self.experts = NnxStackedExperts(rngs)
-    self.hook = None
+    self.hook = self.router_hook = None
 
   def __call__(self, x):
+    logits = self.gate(x)
+    logits = logits if self.router_hook is None else self.router_hook(logits)
     outs = self.experts(x)
     outs = outs if self.hook is None else self.hook(outs)
-    return jnp.einsum("bse,bsed->bsd", _dense_gates(self.gate(x)), outs)
+    return jnp.einsum("bse,bsed->bsd", _dense_gates(logits), outs)
 
 
 def _nnx(cls: type) -> tuple[Any, Any]:
@@ -260,10 +276,11 @@ def _nnx(cls: type) -> tuple[Any, Any]:
   model = nnx.merge(graph, _quarters(state))
   tree = fl.unflaxify(model, X)
 
-  def native(hook: Any = None) -> Any:
+  def native(**hooks: Any) -> Any:
     def run(state, x):
       copy = nnx.merge(graph, state)
-      copy.hook = hook
+      for name, hook in hooks.items():
+        setattr(copy, name, hook)
       return copy(x)
 
     return jax.jit(run)(_quarters(state), X)
@@ -305,6 +322,16 @@ def test_an_ablated_expert_equals_the_native_ablation(layout):
   ablated = fl.run(tree, X, interventions=[fl.ablate(fl.experts(layer, 1))])
   _same(ablated, native(hook=_zero_expert(1, "ragged" in layout)))
   assert not np.array_equal(ablated, native())
+
+
+def test_numbered_calls_of_different_structure_are_not_experts():
+  """`Dense_0` (the router, 4 logits) and `Dense_1` (a shared expert) share a module type
+  and numbering, not a structure: the experts are the stacked call."""
+  tree, native = _linen(AutoNamed())
+  ablated = fl.run(tree, X, interventions=[fl.ablate(fl.experts("AutoNamed.__call__", 2))])
+  _same(ablated, native(hook=_zero_expert(2, False)))
+  _, cache = fl.capture(tree, X, at=[fl.routing("AutoNamed.__call__", k=K), "Dense_0"])
+  _same(cache["AutoNamed.__call__:router_logits"], cache["Dense_0"])
 
 
 @pytest.mark.parametrize("layout", ["linen stacked einsum", "linen one module per expert"])
@@ -388,7 +415,9 @@ def test_router_logits_and_chosen_experts_are_the_routers():
   _same(cache[f"{layer}:chosen"], jax.lax.top_k(cache["gate"], K)[1])
 
 
-@pytest.mark.parametrize("layout", ["linen stacked einsum", "linen ragged_dot", "linen capacity"])
+@pytest.mark.parametrize(
+  "layout", ["linen stacked einsum", "linen ragged_dot", "linen capacity", "nnx stacked einsum"]
+)
 def test_forbidding_an_expert_equals_the_native_edit_of_the_logits(layout):
   tree, native, layer = LAYOUTS[layout]()
   site = fl.routing(layer, k=K)

@@ -89,9 +89,28 @@ def _children(sites: list[Site], layer: Site) -> list[tuple[str, Site]]:
   return out
 
 
+def _shape(value: Any) -> tuple[int, ...] | None:
+  """The shape of an abstract array; None for anything else (a tuple, nothing)."""
+  return tuple(value.shape) if isinstance(value, jax.ShapeDtypeStruct) else None
+
+
+def _structure(site: Site) -> tuple:
+  """What calls of experts share: the module type, the output's and first argument's
+  shapes, and the shapes of the parameters of every call inside, in call order (so a
+  router `Dense_0` and an output projection `Dense_1` are not taken for two experts)."""
+  shapes, frontier = [], [site.node]
+  while frontier:
+    node = frontier.pop(0)
+    held = sorted(node.scope_data.parameters.items())
+    shapes.append(tuple((name, np.shape(p.value)) for name, p in held))
+    frontier.extend(c for c in node.submodule_calls.values() if isinstance(c, CallNode))
+  values = tuple(_shape(value_spec(site, on)) for on in ("output", "input"))
+  return site.node.module_type, values, tuple(shapes)
+
+
 def _numbered(children: list[tuple[str, Site]], named: str | None) -> dict[str, list[Site]]:
-  """Groups of calls of one module type numbered `0..n-1` (n >= 2), by their common
-  prefix (`"experts"`); only the prefix `named` where one is given."""
+  """Groups of calls numbered `0..n-1` (n >= 2) of the same structure (`_structure`), by
+  their common prefix (`"experts"`); only the prefix `named` where one is given."""
   groups: dict[str, dict[int, Site]] = {}
   for name, site in children:
     found = _NUMBERED.match(name)
@@ -102,7 +121,7 @@ def _numbered(children: list[tuple[str, Site]], named: str | None) -> dict[str, 
     for prefix, members in groups.items()
     if len(members) >= 2
     and sorted(members) == list(range(len(members)))
-    and len({m.node.module_type for m in members.values()}) == 1
+    and len({_structure(m) for m in members.values()}) == 1
   }
 
 
@@ -179,8 +198,7 @@ def _find_experts(
     layout = _stacked_layout(site, count)
     if layout is not None:
       return (site,), layout
-    output = value_spec(site, "output")
-    shape = tuple(output.shape) if isinstance(output, jax.ShapeDtypeStruct) else output
+    shape = _shape(value_spec(site, "output"))
     raise SelectionError(
       f"{layer.name}: {site.name} holds {count} stacked experts, but flaxlens cannot see"
       f" where each expert's values are: its output {shape} has not exactly one axis of"
