@@ -212,6 +212,25 @@ class Blocks(nn.Module):
     return x
 
 
+class ScanBody(nn.Module):
+  hook: Any = None
+
+  @nn.compact
+  def __call__(self, x, _):
+    return x + Stacked(hook=self.hook, name="moe")(x), None
+
+
+class Scanned(nn.Module):
+  """Three Stacked blocks under `nn.scan`: parameters `[layers, experts, ...]`."""
+
+  hook: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    scan = nn.scan(ScanBody, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+    return scan(hook=self.hook, name="layers")(x, None)[0]
+
+
 def _linen(model: nn.Module, x: Any = X) -> tuple[Any, Any]:
   """`(tree, native)`: the converted model and `native(**fields)`, the same model with
   those fields (hooks) applied natively, compiled."""
@@ -332,6 +351,21 @@ def test_numbered_calls_of_different_structure_are_not_experts():
   _same(ablated, native(hook=_zero_expert(2, False)))
   _, cache = fl.capture(tree, X, at=[fl.routing("AutoNamed.__call__", k=K), "Dense_0"])
   _same(cache["AutoNamed.__call__:router_logits"], cache["Dense_0"])
+
+
+def test_experts_under_a_scan_over_layers_follow_the_scans_parameter_axis():
+  """Under `nn.scan` the stacked weights are `[layers, experts, ...]`: the experts are
+  the second axis, and a sweep has a row per (iteration, expert)."""
+  tree, native = _linen(Scanned())
+  ablated = fl.run(tree, X, interventions=[fl.ablate(fl.experts("layers/moe", 1))])
+  _same(ablated, native(hook=_zero_expert(1, False)))
+  result = fl.sweep(tree, X, X[:, ::-1], fl.experts("layers/moe", [0, 3]), lambda o: o.sum())
+  assert result.sites[:3] == (
+    "layers/moe[0] expert 0",
+    "layers/moe[0] expert 3",
+    "layers/moe[1] expert 0",
+  )
+  assert len(result.sites) == 6
 
 
 @pytest.mark.parametrize("layout", ["linen stacked einsum", "linen one module per expert"])

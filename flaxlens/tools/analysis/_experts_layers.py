@@ -125,13 +125,21 @@ def _numbered(children: list[tuple[str, Site]], named: str | None) -> dict[str, 
   }
 
 
-def _leading(site: Site) -> int | None:
-  """The leading size every parameter of the call's module shares (its stacked expert
-  axis), or None (no parameters, a scalar one, or differing sizes)."""
+def _expert_counts(site: Site) -> list[int]:
+  """The sizes that could be the call's stacked expert axis, most likely first: the size
+  every parameter of its module shares on one axis, each keeping at least one axis after
+  it. That axis is the first (`[experts, ...]`); in a call whose variables a lifted
+  transform slices (`nn.scan`/`nnx.scan` over layers: `[layers, experts, ...]`), the
+  first holds the transform's iterations, so the axes after it, outermost first. Empty
+  for no parameters or a scalar one.
+  """
   shapes = [np.shape(p.value) for p in site.node.scope_data.parameters.values()]
-  if not shapes or any(len(s) < 2 for s in shapes) or len({s[0] for s in shapes}) != 1:
-    return None
-  return shapes[0][0] if shapes[0][0] >= 2 else None
+  if not shapes or any(len(shape) < 2 for shape in shapes):
+    return []
+  deepest = min(len(shape) for shape in shapes) - 1
+  axes = range(1, deepest) if site.node.sliced else [0]
+  sizes = [{shape[axis] for shape in shapes} for axis in axes]
+  return [size.pop() for size in sizes if len(size) == 1 and min(size) >= 2]
 
 
 def _stacked_layout(site: Site, count: int) -> Layout | None:
@@ -191,13 +199,18 @@ def _find_experts(
     members = next(iter(groups.values()))
     return tuple(members), Layout("modules", len(members))
   stacked = [
-    (s, _leading(s)) for name, s in children if (named is None or name == named) and _leading(s)
+    (site, counts)
+    for name, site in children
+    if (named is None or name == named) and (counts := _expert_counts(site))
   ]
+  for site, counts in reversed(stacked):  # the last call that holds them: their output
+    for count in counts:
+      layout = _stacked_layout(site, count)
+      if layout is not None:
+        return (site,), layout
   if stacked:
-    site, count = stacked[-1]
-    layout = _stacked_layout(site, count)
-    if layout is not None:
-      return (site,), layout
+    site, counts = stacked[-1]
+    count = counts[0]
     shape = _shape(value_spec(site, "output"))
     raise SelectionError(
       f"{layer.name}: {site.name} holds {count} stacked experts, but flaxlens cannot see"
