@@ -422,7 +422,8 @@ def test_an_experts_sweep_equals_each_native_patch():
   result = fl.sweep(tree, clean, corrupted, fl.experts("moe_*"), metric)
   assert result.sites == tuple(f"moe_{i} expert {e}" for i in range(2) for e in range(E))
   variables = _quarters(model.init(jax.random.key(0), X))
-  for row, (layer, expert) in enumerate((i, e) for i in range(2) for e in range(E)):
+  for layer, expert in ((0, 0), (0, 3), (1, 2)):  # a native compile each: three rows
+    row = layer * E + expert
     clean_outs = cache[f"moe_{layer}/experts"][..., expert, :]
     hooks = [None, None]
     hooks[layer] = lambda outs, c=clean_outs, e=expert: outs.at[..., e, :].set(c)
