@@ -197,6 +197,24 @@ TARGETS: dict[str, Target] = {
     " corrupted inputs must reuse it, never compile again.",
     "heads",
   ),
+  # Issue 39 (mixture of experts).
+  "experts_sweep_vs_batched": Target(
+    "experts sweep (every layer × expert) of an 8-layer, 8-expert MoE in one call / as many"
+    " plain forwards batched",
+    "≤",
+    "1.10",
+    "Batched, an experts sweep does the work of layers × experts forwards; 10% bounds the"
+    " cost of patching one expert's slice of the stacked experts' output in each.",
+    "experts",
+  ),
+  "experts_sweep_compiles": Target(
+    "compiled programs for experts sweeps on new inputs of the same shapes",
+    "=",
+    "1",
+    "An experts sweep is one program over every (layer, expert): new clean or corrupted"
+    " inputs must reuse it, never compile again.",
+    "experts",
+  ),
   # Issue 23 (compiling once).
   "second_process_first_call": Target(
     "first call of a question in a second process (persistent cache) / a steady call",

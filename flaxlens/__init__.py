@@ -71,6 +71,8 @@ from flaxlens.tools.analysis._heads import heads as heads
 from flaxlens.tools.analysis._heads import Heads as Heads
 from flaxlens.tools.analysis._attention_pattern import attention_pattern as attention_pattern
 from flaxlens.tools.analysis._attention_pattern import AttentionPattern as AttentionPattern
+from flaxlens.tools.analysis._experts import experts as experts
+from flaxlens.tools.analysis._experts_routing import routing as routing
 from flaxlens.tools.analysis._sweeps import sweep as sweep
 from flaxlens.tools.analysis._sweep_result import SweepResult as SweepResult
 from flaxlens.tools.analysis._attribution import attribute as attribute
@@ -185,6 +187,8 @@ __all__ = [
   "Heads",
   "attention_pattern",
   "AttentionPattern",
+  "experts",
+  "routing",
   "sweep",
   "SweepResult",
   "path_patch",

@@ -22,6 +22,7 @@ WORKFLOW_PAGES = [
   "sweeps.md",
   "path-patching.md",
   "heads.md",
+  "experts.md",
   "intervention-specs.md",
   "lenses.md",
   "isolate.md",
