@@ -39,7 +39,7 @@ def step_rows(
   found: dict[str, Any] = {}
   sizes, lengths = None, []
   for site in plan.sites:
-    value = one_array(captured[site.name], site.part, site.name, "output")
+    value = _iterations_behind(site, one_array(captured[site.name], site.part, site.name, "output"))
     if value.ndim < (1 if site.rule is None else 2):
       raise ArgumentError(
         f"{site.name}: fl.harvest stores a site's output as rows, and this output has shape"
@@ -57,6 +57,17 @@ def step_rows(
     found[site.name] = _select(site, value, batch, ids, masks, groups)
   found["sizes"] = jnp.asarray([sizes[0], *lengths], jnp.int32)
   return found
+
+
+def _iterations_behind(site: SitePlan, value: Any) -> Any:
+  """`value` with the axes a capture stacked it along (a call inside scan or vmap bodies:
+  `(layers, batch, positions, ...)`) moved behind the example and positions, so that each
+  row holds every iteration's value: `(batch, positions, layers, ...)`."""
+  stacked = 0 if site.once_ndim is None else value.ndim - site.once_ndim
+  if stacked <= 0:
+    return value
+  kept = min(1 if site.rule is None else 2, site.once_ndim)
+  return jnp.moveaxis(value, range(stacked), range(kept, kept + stacked))
 
 
 def row_features(found: dict[str, Any]) -> list[int]:
