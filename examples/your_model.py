@@ -268,7 +268,12 @@ def main() -> None:
   # layers, (rows, layers, dim); layer i's rows are [:, i].
   batches = [jax.random.randint(jax.random.key(i), (2, 8), 0, config.vocab) for i in range(3)]
   store = fl.harvest(tree, batches, "decoder/layers", str(workdir / "harvest"))
-  print("    harvested rows:", store["decoder/layers"].shape)
+  print(
+    "    harvested rows:",
+    store["decoder/layers"].shape,
+    "layer 2's:",
+    store["decoder/layers"][:, 2].shape,
+  )
 
   write_hf_checkpoint(workdir / "model.safetensors", config)
   llama = load_safetensors(workdir / "model.safetensors", config)
