@@ -1,7 +1,7 @@
-"""A site inside an `nn.scan`/`nnx.scan` body: `fl.capture` stacks its values along the
-iterations, first; `fl.harvest` keeps a row per example (and position) whose value holds
-every iteration, `(rows, iterations, ...)`, so that each row is one example's, as for any
-other site."""
+"""A site inside an `nn.scan`/`nnx.scan` or vmap body: `fl.capture` stacks its values along
+the iterations (or members), first; `fl.harvest` keeps a row per example (and position)
+whose value holds every iteration, `(rows, iterations, ...)`, so that each row is one
+example's, as for any other site."""
 
 from __future__ import annotations
 
@@ -14,19 +14,26 @@ from frameworks import LINEN, NNX
 
 import flaxlens as fl
 
-SCANNED = {LINEN: ("layers/Dense_0", 3), NNX: ("blocks/linear", 4)}
+# (framework, corpus case): the call inside the body, and the body's iterations or members.
+STACKED = {
+  (LINEN, "scan"): ("layers/Dense_0", 3),
+  (NNX, "scan"): ("blocks/linear", 4),
+  (LINEN, "vmap"): ("ensemble", 3),
+  (NNX, "vmap_ensemble"): ("members", 3),
+}
 
 
-@pytest.mark.parametrize("framework", [LINEN, NNX])
 @pytest.mark.parametrize("positions", ["all", None])
-def test_harvest_rows_of_a_scanned_call_hold_every_iteration(
-  framework, positions, corpora, tmp_path
+@pytest.mark.parametrize("setting", list(STACKED), ids=lambda s: f"{s[0].name}-{s[1]}")
+def test_harvest_rows_of_a_call_in_a_scan_or_vmap_hold_every_iteration(
+  setting, positions, corpora, tmp_path
 ):
-  case = corpora[framework]["scan"]
-  if framework is NNX:
+  framework, name = setting
+  case = corpora[framework][name]
+  if setting == (NNX, "scan"):  # its blocks hold a Dropout
     case = dataclasses.replace(case, model=nnx.view(case.model, deterministic=True))
   tree = framework.convert(case)
-  site, iterations = SCANNED[framework]
+  site, iterations = STACKED[setting]
   x = case.args[0]
   batches = [x, -x]
   store = fl.harvest(tree, batches, site, str(tmp_path / "h"), positions=positions)
