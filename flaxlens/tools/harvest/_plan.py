@@ -32,9 +32,10 @@ class SitePlan:
   rule: Any  # "all", "last", None, or a function of the batch giving a (batch, positions) mask
   dtype: Any  # the stored dtype, or None to keep the captured one
   part: Any = None  # which part of a structured output is stored (the `part=` rule)
-  # The dimensions of one run of the call's output (its `part`), where conversion saw it:
-  # a capture stacks a call inside an `nn.scan`/`nnx.scan` (or vmap) body along leading
-  # axes, one per enclosing body, which the step moves behind the example and positions.
+  # For a call inside `nn.scan`/`nnx.scan` (or vmap) bodies (a sliced call): the dimensions
+  # of one run of its output (its `part`) as conversion saw it. A capture stacks such a
+  # call's values along leading axes, one per enclosing body, which the step moves behind
+  # the example and positions. None for any other call.
   once_ndim: int | None = None
 
 
@@ -109,6 +110,9 @@ def plan_harvest(
       f" (batch,) or (batch, positions), got {type(ids).__name__}. For token ids:"
       " ids=lambda tokens: tokens."
     )
-  ndims = [None if value is None else value.ndim for value in once]
+  ndims = [
+    value.ndim if value is not None and site.node.sliced else None
+    for site, value in zip(chosen, once, strict=True)
+  ]
   planned = zip(names, rules, dtypes, parts, ndims, strict=True)
   return HarvestPlan(capture, tuple(SitePlan(*site) for site in planned), ids)

@@ -39,13 +39,15 @@ def step_rows(
   found: dict[str, Any] = {}
   sizes, lengths = None, []
   for site in plan.sites:
-    value = _iterations_behind(site, one_array(captured[site.name], site.part, site.name, "output"))
-    if value.ndim < (1 if site.rule is None else 2):
+    value = one_array(captured[site.name], site.part, site.name, "output")
+    stacked = 0 if site.once_ndim is None else max(0, value.ndim - site.once_ndim)
+    if value.ndim - stacked < (1 if site.rule is None else 2):
       raise ArgumentError(
         f"{site.name}: fl.harvest stores a site's output as rows, and this output has shape"
         f" {tuple(value.shape)}. Give a site whose output is one array of shape (batch,"
         " positions, ...) (or (batch, ...) with positions=None)."
       )
+    value = _iterations_behind(site, value, stacked)
     size = value.shape[:1] if site.rule is None else value.shape[:2]
     lengths.append(1 if site.rule is None else value.shape[1])
     if sizes is None or len(size) > len(sizes):
@@ -59,14 +61,13 @@ def step_rows(
   return found
 
 
-def _iterations_behind(site: SitePlan, value: Any) -> Any:
-  """`value` with the axes a capture stacked it along (a call inside scan or vmap bodies:
-  `(layers, batch, positions, ...)`) moved behind the example and positions, so that each
-  row holds every iteration's value: `(batch, positions, layers, ...)`."""
-  stacked = 0 if site.once_ndim is None else value.ndim - site.once_ndim
-  if stacked <= 0:
+def _iterations_behind(site: SitePlan, value: Any, stacked: int) -> Any:
+  """`value` with the `stacked` axes a capture stacked it along (a call inside scan or vmap
+  bodies: `(layers, batch, positions, ...)`) moved behind the example and positions, so
+  that each row holds every iteration's value: `(batch, positions, layers, ...)`."""
+  if not stacked:
     return value
-  kept = min(1 if site.rule is None else 2, site.once_ndim)
+  kept = 1 if site.rule is None else 2
   return jnp.moveaxis(value, range(stacked), range(kept, kept + stacked))
 
 
