@@ -10,8 +10,9 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# Scripts on third-party models need their package (installed by the `models` extra).
-NEEDS = {"hf_gpt2.py": "transformers"}
+# Scripts on third-party models or checkpoints need their package (the `models` or `export`
+# extra).
+NEEDS = {"hf_gpt2.py": "transformers", "your_model.py": "orbax.checkpoint"}
 # Scripts whose full run is a slow test of its own: CI runs their quick path.
 ARGS = {"induction_heads.py": ["--quick"]}  # the full run: tests/zoo/test_induction_heads.py
 SCRIPTS = sorted(p.name for p in (ROOT / "examples").glob("*.py"))

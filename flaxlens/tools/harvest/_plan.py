@@ -32,6 +32,11 @@ class SitePlan:
   rule: Any  # "all", "last", None, or a function of the batch giving a (batch, positions) mask
   dtype: Any  # the stored dtype, or None to keep the captured one
   part: Any = None  # which part of a structured output is stored (the `part=` rule)
+  # For a call inside `nn.scan`/`nnx.scan` (or vmap) bodies (a sliced call): the dimensions
+  # of one run of its output (its `part`) as conversion saw it. A capture stacks such a
+  # call's values along leading axes, one per enclosing body, which the step moves behind
+  # the example and positions. None for any other call.
+  once_ndim: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,13 +103,16 @@ def plan_harvest(
   rules = _per_site(positions, names, "positions", _checked_rule)
   dtypes = _per_site(dtype, names, "dtype", _checked_store_dtype)
   parts = _per_site(part, names, "part", lambda p: checked_part(p, "fl.harvest"))
-  for site, site_part in zip(chosen, parts, strict=True):
-    check_part(site, site_part, "output", at, sites)
+  once = [check_part(site, p, "output", at, sites) for site, p in zip(chosen, parts, strict=True)]
   if ids is not None and not callable(ids):
     raise ArgumentError(
       f"fl.harvest: ids= must be a function of the batch giving an integer array of shape"
       f" (batch,) or (batch, positions), got {type(ids).__name__}. For token ids:"
       " ids=lambda tokens: tokens."
     )
-  planned = zip(names, rules, dtypes, parts, strict=True)
+  ndims = [
+    value.ndim if value is not None and site.node.sliced else None
+    for site, value in zip(chosen, once, strict=True)
+  ]
+  planned = zip(names, rules, dtypes, parts, ndims, strict=True)
   return HarvestPlan(capture, tuple(SitePlan(*site) for site in planned), ids)

@@ -40,12 +40,14 @@ def step_rows(
   sizes, lengths = None, []
   for site in plan.sites:
     value = one_array(captured[site.name], site.part, site.name, "output")
-    if value.ndim < (1 if site.rule is None else 2):
+    stacked = 0 if site.once_ndim is None else max(0, value.ndim - site.once_ndim)
+    if value.ndim - stacked < (1 if site.rule is None else 2):
       raise ArgumentError(
         f"{site.name}: fl.harvest stores a site's output as rows, and this output has shape"
         f" {tuple(value.shape)}. Give a site whose output is one array of shape (batch,"
         " positions, ...) (or (batch, ...) with positions=None)."
       )
+    value = _iterations_behind(site, value, stacked)
     size = value.shape[:1] if site.rule is None else value.shape[:2]
     lengths.append(1 if site.rule is None else value.shape[1])
     if sizes is None or len(size) > len(sizes):
@@ -57,6 +59,16 @@ def step_rows(
     found[site.name] = _select(site, value, batch, ids, masks, groups)
   found["sizes"] = jnp.asarray([sizes[0], *lengths], jnp.int32)
   return found
+
+
+def _iterations_behind(site: SitePlan, value: Any, stacked: int) -> Any:
+  """`value` with the `stacked` axes a capture stacked it along (a call inside scan or vmap
+  bodies: `(layers, batch, positions, ...)`) moved behind the example and positions, so
+  that each row holds every iteration's value: `(batch, positions, layers, ...)`."""
+  if not stacked:
+    return value
+  kept = 1 if site.rule is None else 2
+  return jnp.moveaxis(value, range(stacked), range(kept, kept + stacked))
 
 
 def row_features(found: dict[str, Any]) -> list[int]:
