@@ -21,6 +21,8 @@ from flaxlens.tools.dictionaries._activations import (
   ReLU,
   TopK,
 )
+from flaxlens.tools.dictionaries._files import load, save
+from flaxlens.tools.dictionaries._foreign import load_circuit_tracer, load_gemma_scope, load_saelens
 from flaxlens.tools.dictionaries._modules import (
   SAE,
   CrossLayerTranscoder,
@@ -41,5 +43,10 @@ __all__ = [
   "ReLU",
   "TopK",
   "Transcoder",
+  "load",
+  "load_circuit_tracer",
+  "load_gemma_scope",
+  "load_saelens",
   "make_dictionary",
+  "save",
 ]
