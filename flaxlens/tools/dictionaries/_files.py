@@ -257,10 +257,12 @@ def check_tensors(
   shapes: Mapping[str, tuple[int, ...]],
   where: str,
   config: DictionaryConfig,
+  fix: str = _FIX,
   labels: Mapping[str, str] | None = None,
 ) -> None:
-  """Refuses (ArtifactError naming `where`) tensors missing, extra or of the wrong shape
-  for a dictionary of `config`; `labels` gives each tensor's name in the file."""
+  """Refuses (ArtifactError naming `where`, ending with `fix`) tensors missing, extra or
+  of the wrong shape for a dictionary of `config`; `labels` gives each tensor's name in
+  the file."""
   labels = labels or {}
   missing = sorted(set(expected) - set(shapes))
   extra = sorted(set(shapes) - set(expected))
@@ -270,19 +272,18 @@ def check_tensors(
   )
   if missing:
     raise ArtifactError(
-      f"{where} lacks the tensors {[labels.get(n, n) for n in missing]} that {described}"
-      f" has. {_FIX}"
+      f"{where} lacks the tensors {[labels.get(n, n) for n in missing]} that {described} has. {fix}"
     )
   if extra:
     raise ArtifactError(
       f"{where} holds the tensors {[labels.get(n, n) for n in extra]}, which {described}"
-      f" does not have. {_FIX}"
+      f" does not have. {fix}"
     )
   for name, want in expected.items():
     if tuple(shapes[name]) != tuple(want.shape):
       raise ArtifactError(
         f"{where}: tensor {labels.get(name, name)!r} has shape {list(shapes[name])}, but"
-        f" {described} needs {list(want.shape)}: the config and the weights disagree. {_FIX}"
+        f" {described} needs {list(want.shape)}: the config and the weights disagree. {fix}"
       )
 
 
@@ -290,12 +291,14 @@ def assemble(
   config: DictionaryConfig,
   arrays: Mapping[str, np.ndarray],
   where: str,
+  fix: str = _FIX,
   labels: Mapping[str, str] | None = None,
 ) -> Dictionary:
   """The dictionary of `config` holding `arrays` (by our names, cast to the config's
   dtype), after `check_tensors` and a NaN check; ArtifactError naming `where`."""
   expected = expected_tensors(config)
-  check_tensors(expected, {n: tuple(a.shape) for n, a in arrays.items()}, where, config, labels)
+  shapes = {n: tuple(a.shape) for n, a in arrays.items()}
+  check_tensors(expected, shapes, where, config, fix, labels)
   for name, array in arrays.items():
     if np.isnan(array).any():
       raise ArtifactError(

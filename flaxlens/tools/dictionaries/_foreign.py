@@ -180,7 +180,7 @@ def load_saelens(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_BYTES)
   if "threshold" in arrays:
     arrays["activation.threshold"] = arrays.pop("threshold")
   labels = {"activation.threshold": "threshold"}
-  return assemble(config, arrays, f"{directory.path}: {SAELENS_WEIGHTS}", labels)
+  return assemble(config, arrays, f"{directory.path}: {SAELENS_WEIGHTS}", fix, labels)
 
 
 def _saelens_config(cfg: dict, where: str, fix: str) -> tuple[DictionaryConfig, bool]:
@@ -257,7 +257,7 @@ def load_gemma_scope(
     raise ArtifactError(f"{where} describes no valid dictionary: {error} {fix}") from None
   if "threshold" in arrays:
     arrays["activation.threshold"] = arrays.pop("threshold")
-  return assemble(config, arrays, where, {"activation.threshold": "threshold"})
+  return assemble(config, arrays, where, fix, {"activation.threshold": "threshold"})
 
 
 def _shape(arrays: dict, name: str, ndim: int, where: str, fix: str) -> tuple[int, ...]:
@@ -394,7 +394,7 @@ def _plt(tensors: dict[str, np.ndarray], where: str) -> Transcoder:
   except ArgumentError as error:
     raise ArtifactError(f"{where} describes no valid transcoder: {error} {fix}") from None
   labels = {"activation.threshold": "activation_function.threshold"}
-  return assemble(config, arrays, where, labels)
+  return assemble(config, arrays, where, fix, labels)
 
 
 def _threshold(threshold: np.ndarray, where: str) -> np.ndarray:
@@ -456,4 +456,4 @@ def _clt(directory: Directory, names: set[str], max_bytes: int, fix: str) -> Dic
   except ArgumentError as error:
     raise ArtifactError(f"{directory.path} describes no valid CLT: {error} {fix}") from None
   labels = {f"W_dec.{i}": f"W_dec_{i}" for i in range(layers)}
-  return assemble(config, arrays, str(directory.path), labels)
+  return assemble(config, arrays, str(directory.path), fix, labels)
