@@ -157,6 +157,19 @@ def load_saelens(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_BYTES)
   Raises:
     ArtifactError: a file is missing, damaged, too large or describes what flaxlens
       cannot compute, naming the file and the key.
+
+  Example:
+    >>> import json, os, tempfile, numpy as np, flaxlens.dictionaries as fld
+    >>> from safetensors.numpy import save_file
+    >>> folder = tempfile.mkdtemp()
+    >>> save_file({"W_enc": np.ones((4, 8), np.float32), "b_enc": np.zeros(8, np.float32),
+    ...            "W_dec": np.ones((8, 4), np.float32), "b_dec": np.zeros(4, np.float32)},
+    ...           os.path.join(folder, "sae_weights.safetensors"))
+    >>> with open(os.path.join(folder, "cfg.json"), "w") as f:
+    ...   json.dump({"architecture": "topk", "k": 2, "d_in": 4, "d_sae": 8}, f)
+    >>> sae = fld.load_saelens(folder)
+    >>> sae.config.activation, sae.config.k, sae.config.center_input
+    ('topk', 2, True)
   """
   with Directory(pathlib.Path(path)) as directory:
     where = f"{directory.path}: {SAELENS_CONFIG}"
@@ -238,6 +251,16 @@ def load_gemma_scope(
 
   Raises:
     ArtifactError: the file is missing, damaged, holds pickles or unexpected arrays.
+
+  Example:
+    >>> import os, tempfile, numpy as np, flaxlens.dictionaries as fld
+    >>> path = os.path.join(tempfile.mkdtemp(), "params.npz")
+    >>> np.savez(path, W_enc=np.ones((4, 8), np.float32), W_dec=np.ones((8, 4), np.float32),
+    ...          b_enc=np.zeros(8, np.float32), b_dec=np.zeros(4, np.float32),
+    ...          threshold=np.full(8, 0.5, np.float32))
+    >>> sae = fld.load_gemma_scope(path)
+    >>> sae.config.kind, sae.config.activation, sae.config.center_input
+    ('sae', 'jumprelu', False)
   """
   path = pathlib.Path(path)
   folder, name = (path, GEMMA_SCOPE) if path.is_dir() else _split(path)
@@ -335,6 +358,17 @@ def load_circuit_tracer(
 
   Raises:
     ArtifactError: files missing, damaged, disagreeing in shape, or a negative threshold.
+
+  Example:
+    >>> import os, tempfile, numpy as np, flaxlens.dictionaries as fld
+    >>> from safetensors.numpy import save_file
+    >>> folder = tempfile.mkdtemp()
+    >>> for layer in range(2):
+    ...   save_file({"W_enc": np.ones((8, 4), np.float32), "b_enc": np.zeros(8, np.float32),
+    ...              "W_dec": np.ones((8, 4), np.float32), "b_dec": np.zeros(4, np.float32)},
+    ...             os.path.join(folder, f"layer_{layer}.safetensors"))
+    >>> [t.W_enc.shape for t in fld.load_circuit_tracer(folder)]
+    [(4, 8), (4, 8)]
   """
   path = pathlib.Path(path)
   fix = "Load a folder or file circuit-tracer's to_safetensors wrote."
