@@ -255,3 +255,15 @@ def test_a_negative_circuit_tracer_threshold_is_refused(tmp_path):
   save_file(tensors, tmp_path / "layer_0.safetensors")
   with pytest.raises(fl.ArtifactError, match="threshold is negative"):
     fld.load_circuit_tracer(tmp_path / "layer_0.safetensors")
+
+
+def test_saelens_files_from_before_6_0_load_as_saelens_6_computes_them(tmp_path):
+  topk = shutil.copytree(FIXTURES / "saelens_topk", tmp_path / "topk")
+  old = {"d_in": 8, "d_sae": 32, "activation_fn": "topk", "activation_fn_kwargs": {"k": 4}}
+  (topk / "cfg.json").write_text(json.dumps(old))
+  _check_against(fld.load_saelens(topk), "saelens_topk.expected.safetensors")
+  jump = shutil.copytree(FIXTURES / "saelens_jumprelu", tmp_path / "jump")
+  tensors = load_file(jump / "sae_weights.safetensors")
+  tensors["log_threshold"] = np.log(tensors.pop("threshold"))
+  save_file(tensors, jump / "sae_weights.safetensors")
+  _check_against(fld.load_saelens(jump), "saelens_jumprelu.expected.safetensors")
