@@ -174,6 +174,7 @@ SAELENS = {
   "saelens_transcoder": ("transcoder", "relu"),
   "saelens_skip_transcoder": ("transcoder", "relu"),
   "saelens_jumprelu_transcoder": ("transcoder", "jumprelu"),
+  "saelens_jumprelu_skip_transcoder": ("transcoder", "jumprelu"),
 }
 
 
