@@ -26,7 +26,12 @@ from typing import Any
 import numpy as np
 
 from flaxlens.errors import ArgumentError, ArtifactError
-from flaxlens.tools.dictionaries._files import DEFAULT_MAX_BYTES, assemble
+from flaxlens.tools.dictionaries._files import (
+  DEFAULT_MAX_BYTES,
+  assemble,
+  check_tensors,
+  expected_tensors,
+)
 from flaxlens.tools.dictionaries._modules import Dictionary, DictionaryConfig, Transcoder
 from flaxlens.tools.files._arrays import MAX_HEADER_BYTES
 from flaxlens.tools.files._artifact import Directory
@@ -184,16 +189,19 @@ def load_saelens(path: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_BYTES)
     arrays["threshold"] = np.exp(arrays.pop("log_threshold"))
   if config.skip and "W_skip" in arrays:  # SAELens's W_skip is [d_out, d_in].
     arrays["W_skip"] = arrays["W_skip"].T
-  if fold and {"W_enc", "b_enc", "W_dec"} <= set(arrays):
+  if "threshold" in arrays:
+    arrays["activation.threshold"] = arrays.pop("threshold")
+  labels = {"activation.threshold": "threshold"}
+  where = f"{directory.path}: {SAELENS_WEIGHTS}"
+  if fold:  # TopK on pre-activations scaled by the decoder norms, decoded unscaled.
+    shapes = {name: array.shape for name, array in arrays.items()}
+    check_tensors(expected_tensors(config), shapes, where, config, fix, labels)
     norms = np.linalg.norm(arrays["W_dec"].astype(np.float64), axis=-1)
     dtype = arrays["W_enc"].dtype
     arrays["W_enc"] = (arrays["W_enc"] * norms).astype(dtype)
     arrays["b_enc"] = (arrays["b_enc"] * norms).astype(dtype)
     arrays["W_dec"] = (arrays["W_dec"] / norms[:, None]).astype(dtype)
-  if "threshold" in arrays:
-    arrays["activation.threshold"] = arrays.pop("threshold")
-  labels = {"activation.threshold": "threshold"}
-  return assemble(config, arrays, f"{directory.path}: {SAELENS_WEIGHTS}", fix, labels)
+  return assemble(config, arrays, where, fix, labels)
 
 
 def _saelens_config(cfg: dict, where: str, fix: str) -> tuple[DictionaryConfig, bool]:
