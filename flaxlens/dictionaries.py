@@ -23,6 +23,8 @@ from flaxlens.tools.dictionaries._activations import (
   heaviside,
   jump_relu,
 )
+from flaxlens.tools.dictionaries._files import load, save
+from flaxlens.tools.dictionaries._foreign import load_circuit_tracer, load_gemma_scope, load_saelens
 from flaxlens.tools.dictionaries._modules import (
   SAE,
   CrossLayerTranscoder,
@@ -45,5 +47,10 @@ __all__ = [
   "Transcoder",
   "heaviside",
   "jump_relu",
+  "load",
+  "load_circuit_tracer",
+  "load_gemma_scope",
+  "load_saelens",
   "make_dictionary",
+  "save",
 ]
