@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from flaxlens.errors import ArgumentError
@@ -135,7 +136,7 @@ class JumpReLU(nnx.Module):
   name = "jumprelu"
 
   def __init__(self, shape: tuple[int, ...], *, threshold: float, bandwidth: float, dtype: Any):
-    self.threshold = nnx.Param(jnp.full(shape, threshold, dtype))
+    self.threshold = nnx.Param(jnp.asarray(np.full(shape, threshold), dtype))
     self.bandwidth = float(bandwidth)
 
   def __call__(self, pre: jax.Array) -> jax.Array:
@@ -174,7 +175,7 @@ class BatchTopK(nnx.Module):
 
   def __init__(self, k: int, *, momentum: float, dtype: Any):
     self.k = int(k)
-    self.threshold = nnx.BatchStat(jnp.zeros((), dtype))
+    self.threshold = nnx.BatchStat(jnp.asarray(np.zeros(()), dtype))
     self.momentum = float(momentum)
     self.use_running_average = True
 

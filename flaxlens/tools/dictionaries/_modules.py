@@ -114,10 +114,16 @@ class DictionaryConfig:
     return dataclasses.asdict(self)
 
 
-def _unit_rows(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-  """Random directions of unit norm along the last axis."""
-  rows = jax.random.normal(key, shape, jnp.float32)
-  return (rows / jnp.linalg.norm(rows, axis=-1, keepdims=True)).astype(dtype)
+def _unit_rows(key: jax.Array, shape: tuple[int, ...]) -> np.ndarray:
+  """Random float32 directions of unit norm along the last axis, drawn on the host from a
+  NumPy generator seeded by `key` (building a dictionary compiles nothing)."""
+  generator = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
+  rows = generator.standard_normal(shape, np.float32)
+  return rows / np.linalg.norm(rows, axis=-1, keepdims=True)
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+  return jnp.asarray(np.zeros(shape), dtype)
 
 
 class Dictionary(nnx.Module):
@@ -329,26 +335,31 @@ def _build(dictionary: Dictionary, config: DictionaryConfig, rngs: nnx.Rngs) -> 
   layers = (config.layers,) if config.kind == "clt" else ()
   shape = layers + (config.width,)
   if config.kind == "clt":
-    decoders = [
-      nnx.Param(
-        _unit_rows(rngs.params(), (config.width, config.layers - layer, config.d_out), dtype)
-        / np.sqrt(config.layers - layer)
-      )
-      for layer in range(config.layers)
-    ]
-    dictionary.W_dec = nnx.List(decoders)
+    # One draw for every layer's decoders, split by target count: `W_dec[l]` holds the
+    # rows of layers l..L-1, each layer's scaled by 1/sqrt(L - l).
+    counts = [config.layers - layer for layer in range(config.layers)]
+    rows = _unit_rows(rngs.params(), (config.width, sum(counts), config.d_out))
+    starts = np.cumsum([0, *counts])
+    dictionary.W_dec = nnx.List(
+      [
+        nnx.Param(jnp.asarray(rows[:, start : start + count] / np.sqrt(count), dtype))
+        for start, count in zip(starts, counts, strict=False)
+      ]
+    )
   else:
-    dictionary.W_dec = nnx.Param(_unit_rows(rngs.params(), (config.width, config.d_out), dtype))
+    dictionary.W_dec = nnx.Param(
+      jnp.asarray(_unit_rows(rngs.params(), (config.width, config.d_out)), dtype)
+    )
   if config.kind == "sae":
-    encoder = jnp.swapaxes(dictionary.W_dec[...], -1, -2)
+    encoder = np.swapaxes(np.asarray(dictionary.W_dec[...], np.float32), -1, -2)
   else:
-    encoder = _unit_rows(rngs.params(), layers + (config.width, config.d_in), dtype)
-    encoder = jnp.swapaxes(encoder, -1, -2)
+    encoder = np.swapaxes(_unit_rows(rngs.params(), layers + (config.width, config.d_in)), -1, -2)
+  encoder = jnp.asarray(encoder, dtype)
   dictionary.W_enc = nnx.Param(encoder)
-  dictionary.b_enc = nnx.Param(jnp.zeros(shape, dtype))
-  dictionary.b_dec = nnx.Param(jnp.zeros(layers + (config.d_out,), dtype))
+  dictionary.b_enc = nnx.Param(_zeros(shape, dtype))
+  dictionary.b_dec = nnx.Param(_zeros(layers + (config.d_out,), dtype))
   if config.skip:
-    dictionary.W_skip = nnx.Param(jnp.zeros(layers + (config.d_in, config.d_out), dtype))
+    dictionary.W_skip = nnx.Param(_zeros(layers + (config.d_in, config.d_out), dtype))
   dictionary.activation = make_activation(
     config.activation,
     shape,
