@@ -29,6 +29,12 @@ from flaxlens.tools.dictionaries._modules import (
   Transcoder,
   make_dictionary,
 )
+from flaxlens.tools.dictionaries._splicing import (
+  LayerEncoder,
+  LayerSplice,
+  replacement_run,
+  splice,
+)
 
 __all__ = [
   "SAE",
@@ -38,8 +44,12 @@ __all__ = [
   "Dictionary",
   "DictionaryConfig",
   "JumpReLU",
+  "LayerEncoder",
+  "LayerSplice",
   "ReLU",
   "TopK",
   "Transcoder",
   "make_dictionary",
+  "replacement_run",
+  "splice",
 ]
