@@ -29,12 +29,7 @@ from flaxlens.tools.dictionaries._modules import (
   Transcoder,
   make_dictionary,
 )
-from flaxlens.tools.dictionaries._splicing import (
-  LayerEncoder,
-  LayerSplice,
-  replacement_run,
-  splice,
-)
+from flaxlens.tools.dictionaries._splicing import Replacement, replacement_run, splice
 
 __all__ = [
   "SAE",
@@ -44,9 +39,8 @@ __all__ = [
   "Dictionary",
   "DictionaryConfig",
   "JumpReLU",
-  "LayerEncoder",
-  "LayerSplice",
   "ReLU",
+  "Replacement",
   "TopK",
   "Transcoder",
   "make_dictionary",

@@ -152,7 +152,7 @@ def clt_edit(clt, feature_edit, record=None):
   and as `feature_edit(l, f)` changes them (all plain JAX on the CLT's weights);
   `record[j]` gets the MLP's own output `y_j` (what capturing the call gives)."""
   w_enc, b_enc, b_dec = clt.W_enc[...], clt.b_enc[...], clt.b_dec[...]
-  w_dec = [clt.W_dec[l][...] for l in range(LAYERS)]
+  w_dec = [clt.W_dec[layer][...] for layer in range(LAYERS)]
   store = {}
 
   def edit(j, x, y):
@@ -325,3 +325,21 @@ def test_refusals_name_the_site_and_the_fix(fw):
     fld.splice(fw.tree, make_clt(), fw.mlps[::-1])
   with pytest.raises(fl.ArgumentError, match=r"not a fld.Dictionary"):
     fld.splice(fw.tree, nnx.Linear(D, D, rngs=nnx.Rngs(0)), fw.mlps[0])
+
+
+class KeywordCall(nnx.Module):
+  def __init__(self, rngs):
+    self.mlp = NNXMlp(rngs)
+
+  def __call__(self, h):
+    return self.mlp(x=h)
+
+
+def test_a_call_without_positional_input_is_refused_naming_it():
+  x = jnp.ones((2, D))
+  tree = fl.unflaxify(KeywordCall(nnx.Rngs(0)), x)
+  with pytest.raises(fl.ArgumentError, match=r"first positional argument of mlp.*positionally"):
+    fld.splice(tree, make_transcoder(False), "mlp")
+  clt = fld.CrossLayerTranscoder(1, D, D, WIDTH, rngs=nnx.Rngs(0))
+  with pytest.raises(fl.ArgumentError, match=r"a CLT layer reads .* of mlp"):
+    fld.splice(tree, clt, ["mlp"])

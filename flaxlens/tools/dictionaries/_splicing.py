@@ -98,9 +98,7 @@ class _Features(NamedTuple):
 
 
 # {run's interceptor: {splice token: {layer: _Features}}}; see the module docstring.
-_RUNS: weakref.WeakKeyDictionary[Any, dict[Any, dict[int, _Features]]] = (
-  weakref.WeakKeyDictionary()
-)
+_RUNS: weakref.WeakKeyDictionary[Any, dict[Any, dict[int, _Features]]] = weakref.WeakKeyDictionary()
 
 
 class LayerSplice(Struct):
@@ -217,6 +215,19 @@ def _one_site(tree: CallNode, at: Any, sites: list[Site], what: str) -> tuple[Si
   return found[0], output
 
 
+def _call_input(site: Site, what: str) -> Any:
+  """The first positional argument of `site`'s call as conversion saw it, refused where
+  the call takes none or it is not one array."""
+  args = jax.tree_util.tree_unflatten(*site.inputs)[0] if site.inputs is not None else ()
+  if not args:
+    raise ArgumentError(
+      f"fld.splice: {what} reads the first positional argument of {site.name}, and this"
+      " call takes none (or conversion did not see it). Splice a call that takes its input"
+      " positionally (the MLP itself, not a wrapper called with keywords)."
+    )
+  return one_array(args[0], None, site.name, "input")
+
+
 def _check_width(site: Site, value: Any, width: int, dtype: str, reads: str, what: str) -> None:
   """Refuses a dictionary whose `width` (its d_in or d_out) or dtype does not fit `value`,
   the call's input or output (`reads`)."""
@@ -271,7 +282,8 @@ def splice(
   Example:
     >>> import flaxlens as fl, flaxlens.dictionaries as fld, jax.numpy as jnp
     >>> from flax import nnx
-    >>> model = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 4, rngs=nnx.Rngs(1)))
+    >>> rngs = nnx.Rngs(0)
+    >>> model = nnx.Sequential(nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs))
     >>> x = jnp.ones((2, 4))
     >>> tree = fl.unflaxify(model, x)
     >>> clt = fld.CrossLayerTranscoder(2, 4, 4, 8, rngs=nnx.Rngs(2))
@@ -297,8 +309,8 @@ def splice(
   site, output = _one_site(tree, at, sites, "at")
   _check_width(site, output, config.d_out, config.dtype, "output", "d_out")
   if config.kind == "transcoder":
-    _check_width(site, check_part(site, None, "input", at, sites), config.d_in, config.dtype,
-                 "input", "d_in")  # fmt: skip
+    _check_width(site, _call_input(site, "a transcoder"), config.d_in, config.dtype, "input",
+                 "d_in")  # fmt: skip
   reads = "output" if config.kind == "sae" else "input"
   return splice_module(tree, Called(site.name), dictionary, error=error, reads=reads, name=name)
 
@@ -334,7 +346,7 @@ def _splice_clt(
   edits = []
   for layer, (site, output) in enumerate(chosen):
     _check_width(site, output, config.d_out, config.dtype, "output", "d_out")
-    x = check_part(site, None, "input", at[layer], sites)
+    x = _call_input(site, "a CLT layer")
     _check_width(site, x, config.d_in, config.dtype, "input", "d_in")
     encoder = adapter.convert(LayerEncoder(clt, layer), jnp.zeros(x.shape, x.dtype))
     # Each layer's encoder holds variables of the same names: labelled by its site.
@@ -383,7 +395,8 @@ def replacement_run(
   Example:
     >>> import flaxlens as fl, flaxlens.dictionaries as fld, jax.numpy as jnp
     >>> from flax import nnx
-    >>> model = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 4, rngs=nnx.Rngs(1)))
+    >>> rngs = nnx.Rngs(0)
+    >>> model = nnx.Sequential(nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs))
     >>> x = jnp.ones((2, 4))
     >>> clt = fld.CrossLayerTranscoder(2, 4, 4, 8, rngs=nnx.Rngs(2))
     >>> run = fld.replacement_run(fl.unflaxify(model, x), clt, ["layers/0", "layers/1"], x)
