@@ -343,3 +343,24 @@ def test_a_call_without_positional_input_is_refused_naming_it():
   clt = fld.CrossLayerTranscoder(1, D, D, WIDTH, rngs=nnx.Rngs(0))
   with pytest.raises(fl.ArgumentError, match=r"a CLT layer reads .* of mlp"):
     fld.splice(tree, clt, ["mlp"])
+
+
+@pytest.mark.parametrize(
+  "activation, k", [("jumprelu", None), ("topk", 3), ("batchtopk", 3)], ids=lambda v: str(v)
+)
+def test_each_layers_features_are_the_clts_own_encoding_for_every_activation(activation, k):
+  fw = NNX()
+  clt = fld.CrossLayerTranscoder(LAYERS, D, D, WIDTH, activation=activation, k=k,
+                                 rngs=nnx.Rngs(1))  # fmt: skip
+  state = nnx.state(clt.activation)  # distinct per-layer thresholds
+  nnx.update(
+    clt.activation,
+    jax.tree.map(lambda v: jax.random.uniform(jax.random.key(8), v.shape) * 0.3, state),
+  )
+  features = [f"{site}/clt/activation" for site in fw.mlps]
+  _, cache = fl.capture(fld.splice(fw.tree, clt, fw.mlps), TOKENS, features, jit=False)
+  _, inputs = fl.capture(fw.tree, TOKENS, fw.mlps, inputs=True, jit=False)
+  native = clt.encode(jnp.stack([inputs[f"{site}:input"] for site in fw.mlps]))
+  for j, name in enumerate(features):
+    np.testing.assert_allclose(cache[name], native[j], rtol=1e-6, atol=1e-6)
+    assert (cache[name] != 0).any()
