@@ -177,7 +177,7 @@ class LayerSplice(Struct):
 
   def _features(self, x: Any, interceptor: Any) -> _Features:
     edited = self.module(ArgsAndKwargs(args=(x,), kwargs={}))
-    probing = interceptor.probing if interceptor is not None else None
+    probing = interceptor.probing  # None in a run without interventions or captures
     nodes = {id(node) for node in own_call_nodes(self.module)}
     changed = probing is not None and any(
       layer.edits and key in nodes for key, layer in probing.edited_calls.items()
