@@ -219,6 +219,16 @@ def test_a_transcoder_with_its_error_term_leaves_the_output_bit_for_bit_unchange
   assert_equal(fl.run(spliced, TOKENS, jit=True), fw.native(jit=True))
 
 
+def test_a_transcoder_at_every_mlp_runs_compiled_and_each_layers_features_are_sites(fw):
+  spliced = fw.tree
+  for j, site in enumerate(fw.mlps):
+    spliced = fld.splice(spliced, make_transcoder(skip=j == 0), site)
+  features = [f"{site}/transcoder/activation" for site in fw.mlps]
+  out, cache = fl.capture(spliced, TOKENS, features, jit=True)
+  assert_equal(out, fw.native(jit=True))
+  assert sorted(cache) == sorted(features)
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_ablating_a_clt_feature_of_layer_0_changes_every_later_mlp_as_native(fw, jit):
   clt = make_clt(skip=True)

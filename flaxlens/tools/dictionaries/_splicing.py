@@ -1,8 +1,10 @@
 """Dictionaries in a tree: `splice` puts an SAE, a transcoder or a cross-layer
 transcoder (CLT) into a converted tree, with its features as sites.
 
-An SAE (at a site) and a transcoder (at an MLP call, reading its input) go through
-`fl.splice` as they are: a dictionary's call returns the reconstruction.
+An SAE (at a site) and a transcoder (at an MLP call, reading its input) are placed as
+`fl.splice`'s edit (`Splice`) as they are (a dictionary's call returns the
+reconstruction), their variables labelled under the site, so that dictionaries spliced
+at several calls (a transcoder per MLP) run together compiled.
 
 A CLT crosses calls: features born at call `l` write into the outputs of calls `l..L-1`.
 It is spliced as one edit per call (`LayerSplice`, placed like `fl.splice`'s edit):
@@ -44,7 +46,7 @@ from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._variables import relabel_variables
 from flaxlens.core._walk import own_call_nodes, pristine
 from flaxlens.errors import ArgumentError, UnsupportedFlaxFeatureError
-from flaxlens.tools.analysis._splice import splice as splice_module
+from flaxlens.tools.analysis._splice import Splice
 from flaxlens.tools.base._parts import one_array
 from flaxlens.tools.base._probed import capture, placed
 from flaxlens.tools.base._sites import Called, Site, check_part, select_sites, sites_of
@@ -251,7 +253,7 @@ def splice(
   """The tree with a dictionary spliced in: its features become sites.
 
   - An SAE (`config.kind == "sae"`) replaces the output of the call `at` by its
-    reconstruction (`fl.splice`); features: `"<at>/sae/activation"`.
+    reconstruction (as `fl.splice` does); features: `"<at>/sae/activation"`.
   - A transcoder replaces the output of the call `at` (an MLP) by its prediction from
     the call's input; features: `"<at>/transcoder/activation"`.
   - A CLT takes `at` as a list of its `layers` calls (the MLPs, in layer order): layer
@@ -303,16 +305,34 @@ def splice(
     raise ArgumentError(f"fld.splice: error= is True or False, got {error!r}.")
   config = dictionary.config
   name = DEFAULT_NAMES[config.kind] if name is None else name
+  if not isinstance(name, str) or not name or "/" in name or "." in name:
+    raise ArgumentError(
+      f"fld.splice: name= is the dictionary's name among the sites, a non-empty str"
+      f" without '/' or '.', got {name!r}."
+    )
   sites = sites_of(tree)
   if config.kind == "clt":
     return _splice_clt(tree, dictionary, at, sites, error, name)
   site, output = _one_site(tree, at, sites, "at")
   _check_width(site, output, config.d_out, config.dtype, "output", "d_out")
-  if config.kind == "transcoder":
-    _check_width(site, _call_input(site, "a transcoder"), config.d_in, config.dtype, "input",
-                 "d_in")  # fmt: skip
-  reads = "output" if config.kind == "sae" else "input"
-  return splice_module(tree, Called(site.name), dictionary, error=error, reads=reads, name=name)
+  read = output if config.kind == "sae" else _call_input(site, "a transcoder")
+  _check_width(site, read, config.d_in, config.dtype, "input", "d_in")
+  edit = Splice(
+    module=_converted(dictionary, read, f"{site.name}/{name}/"),
+    at=Called(site.name),
+    name=name,
+    reads="output" if config.kind == "sae" else "input",
+    error=error,
+  )
+  return placed(tree, (edit,), "fld.splice")
+
+
+def _converted(module: nnx.Module, example: Any, prefix: str) -> CallNode:
+  """`module` converted on zeros shaped as `example`, its variables labelled under
+  `prefix` (the site it is spliced at), so that dictionaries spliced at several calls
+  keep distinct labels (`fl.variable_jit`, `fl.run(..., jit=True)` need them)."""
+  adapter = next(a for a in registered_adapters() if a.accepts(module))
+  return relabel_variables(adapter.convert(module, jnp.zeros(example.shape, example.dtype)), prefix)
 
 
 def _splice_clt(
@@ -329,11 +349,6 @@ def _splice_clt(
       f"fld.splice: a CLT of {config.layers} layers takes at= as a list of {config.layers}"
       f" calls (its MLPs, in layer order), got {at!r}. Give one site per layer."
     )
-  if not isinstance(name, str) or not name or "/" in name or "." in name:
-    raise ArgumentError(
-      f"fld.splice: name= is the dictionary's name among the sites, a non-empty str"
-      f" without '/' or '.', got {name!r}."
-    )
   chosen = [_one_site(tree, pattern, sites, f"at[{layer}]") for layer, pattern in enumerate(at)]
   order = [next(i for i, s in enumerate(sites) if s is site) for site, _ in chosen]
   if order != sorted(set(order)):
@@ -341,16 +356,13 @@ def _splice_clt(
       f"fld.splice: at= names {[s.name for s, _ in chosen]}, which are not distinct calls"
       " in the order the model makes them. Give the CLT's calls in layer order."
     )
-  adapter = next(a for a in registered_adapters() if a.accepts(clt))
   token = object()
   edits = []
   for layer, (site, output) in enumerate(chosen):
     _check_width(site, output, config.d_out, config.dtype, "output", "d_out")
     x = _call_input(site, "a CLT layer")
     _check_width(site, x, config.d_in, config.dtype, "input", "d_in")
-    encoder = adapter.convert(LayerEncoder(clt, layer), jnp.zeros(x.shape, x.dtype))
-    # Each layer's encoder holds variables of the same names: labelled by its site.
-    encoder = relabel_variables(encoder, f"{site.name}/{name}/")
+    encoder = _converted(LayerEncoder(clt, layer), x, f"{site.name}/{name}/")
     edits.append(
       LayerSplice(
         module=encoder,
