@@ -33,6 +33,7 @@ from flaxlens.tools.dictionaries._modules import (
   Transcoder,
   make_dictionary,
 )
+from flaxlens.tools.dictionaries._splicing import Replacement, replacement_run, splice
 
 __all__ = [
   "SAE",
@@ -43,6 +44,7 @@ __all__ = [
   "DictionaryConfig",
   "JumpReLU",
   "ReLU",
+  "Replacement",
   "TopK",
   "Transcoder",
   "heaviside",
@@ -53,4 +55,6 @@ __all__ = [
   "load_saelens",
   "make_dictionary",
   "save",
+  "replacement_run",
+  "splice",
 ]
