@@ -29,17 +29,31 @@ from flaxlens.tools.dictionaries._modules import (
   Transcoder,
   make_dictionary,
 )
+from flaxlens.tools.dictionaries._views import (
+  Context,
+  FeatureView,
+  FeatureViews,
+  Histogram,
+  TokenScore,
+  feature_views,
+)
 
 __all__ = [
   "SAE",
   "Activation",
   "BatchTopK",
+  "Context",
   "CrossLayerTranscoder",
   "Dictionary",
   "DictionaryConfig",
+  "FeatureView",
+  "FeatureViews",
+  "Histogram",
   "JumpReLU",
   "ReLU",
+  "TokenScore",
   "TopK",
   "Transcoder",
+  "feature_views",
   "make_dictionary",
 ]
