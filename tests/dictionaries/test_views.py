@@ -146,15 +146,15 @@ def test_an_nnx_linear_or_a_tied_attend_is_the_unembedding(tmp_path, tied):
 
 def test_a_cross_layer_transcoders_layer_reads_its_own_encoder(setting):
   _, _, _, store, _ = setting
-  clt = fld.CrossLayerTranscoder(3, 6, 4, 8, rngs=nnx.Rngs(0))
-  clt.b_enc[...] = jax.random.normal(jax.random.key(5), (3, 8)) * 0.5
+  clt = fld.CrossLayerTranscoder(2, 6, 4, 8, rngs=nnx.Rngs(0))
+  clt.b_enc[...] = jax.random.normal(jax.random.key(5), (2, 8)) * 0.5
   unembedding = np.asarray(jax.random.normal(jax.random.key(6), (4, 16)))
   views = fld.feature_views(
-    clt, store, SITE, [0, 6], layer=1, unembedding=unembedding, top=4, batch_size=BATCH
+    clt, store, SITE, [0, 6], layer=0, unembedding=unembedding, top=4, batch_size=BATCH
   )
   rows = store[SITE][:]
-  features = np.maximum(rows @ np.asarray(clt.W_enc[1]) + np.asarray(clt.b_enc[1]), 0)
-  written = np.asarray(clt.W_dec[1][...]).sum(axis=1)  # into layers 1 and 2
+  features = np.maximum(rows @ np.asarray(clt.W_enc[0]) + np.asarray(clt.b_enc[0]), 0)
+  written = np.asarray(clt.W_dec[0][...]).sum(axis=1)  # into layers 0 and 1
   for feature in (0, 6):
     value = features[:, feature]
     active = np.flatnonzero(value)

@@ -40,7 +40,7 @@ table.tokens td.logit { text-align: right; }
 .promoted td.logit { color: #1a6b2a; } .suppressed td.logit { color: #a3222d; }
 ol.contexts { font-family: monospace; font-size: 0.9em; padding-left: 2.5em; }
 ol.contexts li { margin: 0.15em 0; }
-.token { white-space: pre; border-radius: 2px; }
+.token { white-space: pre; border-radius: 2px; margin-right: 1px; background: #f2f2f2; }
 .token.center { outline: 1px solid #c05a00; font-weight: bold; }
 .where { color: #888; margin-left: 1em; }
 svg.histogram rect { fill: #4a78b5; }
