@@ -4,8 +4,9 @@ Each feature gets a section: how often it is active, its histogram drawn as inli
 bars, the tokens its decoder direction promotes and suppresses, and its top contexts with
 the row's own token marked and shaded by the activation. The page's styles are inline,
 it has no script but the views' data as JSON (`<script type="application/json">`, for
-programs reading the page), and it names no other resource: no server, no network. No
-Flax internals here.
+programs reading the page), and it names no other resource: no server, no network. It
+reads `_views`' data classes (`FeatureViews` and what it holds), annotated `Any` here as
+`_views` imports this module to write the page. No Flax internals here.
 """
 
 from __future__ import annotations
@@ -13,18 +14,9 @@ from __future__ import annotations
 import html
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import Any
 
 from flaxlens.core._checks import check_path
-
-if TYPE_CHECKING:
-  from flaxlens.tools.dictionaries._views import (
-    Context,
-    FeatureView,
-    FeatureViews,
-    Histogram,
-    TokenScore,
-  )
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; max-width: 72em; }
@@ -55,7 +47,7 @@ def _token_text(text: str | None, token: int) -> str:
   return text.replace("\n", "\u21b5").replace("\t", "\u2192") or "\u2205"
 
 
-def _context_html(context: Context, largest: float) -> str:
+def _context_html(context: Any, largest: float) -> str:
   where = f"example {context.example}, position {context.position}"
   value = f"{context.activation:.4g}"
   if context.ids is None:
@@ -74,7 +66,7 @@ def _context_html(context: Context, largest: float) -> str:
   return f'<li>{"".join(shown)}<span class="where">{value}; {where}</span></li>'
 
 
-def _histogram_svg(histogram: Histogram) -> str:
+def _histogram_svg(histogram: Any) -> str:
   """The histogram as inline SVG bars, with the range of values under them."""
   width, height, gap = 320, 90, 1
   counts = [int(c) for c in histogram.counts]
@@ -95,7 +87,7 @@ def _histogram_svg(histogram: Histogram) -> str:
   )
 
 
-def _tokens_table(scores: tuple[TokenScore, ...], kind: str) -> str:
+def _tokens_table(scores: tuple[Any, ...], kind: str) -> str:
   rows = "".join(
     f'<tr><td class="text">{html.escape(_token_text(score.text, score.id))}</td>'
     f'<td class="id">{score.id}</td><td class="logit">{score.logit:+.4g}</td></tr>'
@@ -104,7 +96,7 @@ def _tokens_table(scores: tuple[TokenScore, ...], kind: str) -> str:
   return f'<table class="tokens {kind}">{rows}</table>'
 
 
-def _section(view: FeatureView) -> str:
+def _section(view: Any) -> str:
   histogram = view.histogram
   stats = (
     f"active on {histogram.active:,} of {histogram.rows:,} rows"
@@ -139,7 +131,7 @@ def _section(view: FeatureView) -> str:
   return "\n".join(parts)
 
 
-def page(views: FeatureViews) -> str:
+def page(views: Any) -> str:
   """The page's HTML source."""
   config = views.dictionary
   kind = {"sae": "SAE", "transcoder": "transcoder", "clt": "cross-layer transcoder"}
@@ -165,7 +157,7 @@ def page(views: FeatureViews) -> str:
   )
 
 
-def write_page(views: FeatureViews, path: str | os.PathLike[str] | None) -> str:
+def write_page(views: Any, path: str | os.PathLike[str] | None) -> str:
   """The page of `views`, written to `path` when given; returns its source."""
   if path is not None:
     path = check_path(path, "FeatureViews.to_html", "Pass the file to write, or None.")
