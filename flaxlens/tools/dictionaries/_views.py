@@ -262,7 +262,7 @@ def feature_views(
       `.eval()` mode, the default, uses its running threshold).
     harvest: the `fl.Harvest` (`fl.open_harvest(path)`) holding the rows it reads.
     site: the harvested site it reads (a transcoder's: the input site), rows `[d_in]`.
-    features: the features' numbers.
+    features: the features' numbers (a list, or one int).
     layer: for a cross-layer transcoder, the layer whose features to view (`site` holds
       that layer's input); None for other dictionaries.
     tokens: the dataset's token ids, `[examples, positions]`, in the order of the
@@ -317,7 +317,9 @@ def feature_views(
   _check_count("after", after, 0)
   token_ids = _checked_tokens(tokens)
   _check_vocabulary(vocabulary)
-  logits = None if unembedding is None else unembedded(dictionary, chosen, layer, unembedding, tree)
+  logits = (
+    None if unembedding is None else _unembedded(dictionary, chosen, layer, unembedding, tree)
+  )
   encode = _encoder(dictionary, chosen, layer)
   scan = _scan(rows, encode, len(chosen), top, batch_size)
   counts, edges = _histograms(rows, encode, scan, bins, batch_size)
@@ -590,7 +592,7 @@ def _directions(dictionary: Dictionary, chosen: tuple[int, ...], layer: int | No
   return dictionary.W_dec[layer][...][columns].sum(axis=1)
 
 
-def unembedded(
+def _unembedded(
   dictionary: Dictionary,
   chosen: tuple[int, ...],
   layer: int | None,
