@@ -250,8 +250,8 @@ def check(first: str, second: str, import_path: list[str] | None = None) -> int:
 
 
 def features(options: argparse.Namespace) -> int:
-  """Writes the page of chosen features of the dictionary at `options.dictionary` over the
-  harvest at `options.store` (`fld.feature_views(...).to_html(options.out)`).
+  """Writes the page of chosen features of the dictionary DICTIONARY (saved by `fld.save`)
+  over the harvest STORE (`fl.harvest`'s path): `fld.feature_views(...).to_html(--out)`.
 
   Token ids (`--tokens`) and `W_U` (`--unembedding`) are read from `.npy` files (no
   pickled objects), token texts (`--vocabulary`) from a JSON list of strings.
