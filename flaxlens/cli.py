@@ -7,7 +7,9 @@ function returns (`--json`, `--html`; exit status 2 if the TARGET is wrong);
 what was saved (exit status 0 on an exact match, 1 if it differs, 2 if the artifact is
 refused); `flaxlens check A B` runs two models on A's example inputs and compares their
 outputs and states leaf by leaf (exit status 0 when bitwise equal, 1 if they differ, 2 if
-a model could not be loaded or run). Whatever a TARGET's or an artifact's code raises
+a model could not be loaded or run); `flaxlens features STORE DICTIONARY --site S
+--features 1,2,3 --out page.html` writes the page of chosen features of a dictionary over a
+harvest (exit status 2 if an input is refused). Whatever a TARGET's or an artifact's code raises
 (`sys.exit()` included; `KeyboardInterrupt` aside) is a failure with exit status 2 and a
 message naming it, never a success.
 
@@ -247,6 +249,88 @@ def check(first: str, second: str, import_path: list[str] | None = None) -> int:
   return 0 if report else 1
 
 
+def features(options: argparse.Namespace) -> int:
+  """Writes the page of chosen features of the dictionary DICTIONARY (saved by `fld.save`)
+  over the harvest STORE (`fl.harvest`'s path): `fld.feature_views(...).to_html(--out)`.
+
+  Token ids (`--tokens`) and `W_U` (`--unembedding`) are read from `.npy` files (no
+  pickled objects), token texts (`--vocabulary`) from a JSON list of strings.
+
+  Exit status: 0 the page is written, 2 an input was refused or the page could not be
+  written (the message says what to change).
+  """
+  import json
+  import os
+
+  import numpy as np
+
+  import flaxlens as fl
+  import flaxlens.dictionaries as fld
+
+  def array(path: str | None, flag: str) -> np.ndarray | None:
+    if path is None:
+      return None
+    try:
+      return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as error:
+      raise fl.ArgumentError(
+        f"{flag} {path!r} cannot be read as a .npy array ({error}). Save it with"
+        " numpy.save (a plain array, no objects)."
+      ) from None
+
+  try:
+    chosen = _feature_numbers(options.features)
+    vocabulary = None
+    if options.vocabulary is not None:
+      with open(options.vocabulary, "rb") as file:
+        raw = file.read(_MAX_VOCABULARY_BYTES + 1)
+      vocabulary = json.loads(raw) if len(raw) <= _MAX_VOCABULARY_BYTES else None
+      if not isinstance(vocabulary, list):
+        raise fl.ArgumentError(
+          f"--vocabulary {options.vocabulary!r} is not a JSON list of token texts (of at"
+          f" most {_MAX_VOCABULARY_BYTES:,} bytes). Write the texts in id order, as a list."
+        )
+    views = fld.feature_views(
+      fld.load(options.dictionary),
+      fl.open_harvest(options.store),
+      options.site,
+      chosen,
+      layer=options.layer,
+      tokens=array(options.tokens, "--tokens"),
+      vocabulary=vocabulary,
+      unembedding=array(options.unembedding, "--unembedding"),
+      top=options.top,
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(options.out)), exist_ok=True)
+    views.to_html(options.out)
+  except fl.FlaxlensError as error:
+    print(f"flaxlens features: {error}", file=sys.stderr)
+    return 2
+  except (OSError, ValueError) as error:  # A file that cannot be read or written.
+    print(
+      f"flaxlens features: {error}. Give files that exist and a page path you can write.",
+      file=sys.stderr,
+    )
+    return 2
+  print(f"wrote {options.out}")
+  return 0
+
+
+_MAX_VOCABULARY_BYTES = 2**28
+
+
+def _feature_numbers(text: str) -> list[int]:
+  """`"1,2,3"` as `[1, 2, 3]`; refuses anything else."""
+  import flaxlens as fl
+
+  try:
+    return [int(part) for part in text.split(",")]
+  except ValueError:
+    raise fl.ArgumentError(
+      f"--features {text!r} is not a list of feature numbers. Give them as 1,2,3."
+    ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   if args.command == "demo":  # It says it is importing JAX first.
@@ -255,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     import flaxlens as fl
 
     fl.enable_compilation_cache(args.compilation_cache)
+  if args.command == "features":  # It imports no module by name.
+    return features(args)
   with _importing(args.import_path):
     if args.command == "inspect":
       return inspect(
@@ -290,6 +376,7 @@ def _parser() -> argparse.ArgumentParser:
   _add_inspect(commands, cache)
   _add_replay(commands, cache)
   _add_check(commands, cache)
+  _add_features(commands, cache)
   return parser
 
 
@@ -362,6 +449,36 @@ def _add_check(commands: Any, cache: argparse.ArgumentParser) -> None:
     "second", metavar="OTHER", help="another TARGET, or a path written by fl.save_exported"
   )
   _import_path_option(check_parser)
+
+
+def _add_features(commands: Any, cache: argparse.ArgumentParser) -> None:
+  parser = commands.add_parser(
+    "features",
+    parents=[cache],
+    help="write the page of chosen features of a dictionary over a harvest",
+    description=features.__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument("store", metavar="STORE", help="the harvest store (fl.harvest's path)")
+  parser.add_argument("dictionary", metavar="DICTIONARY", help="the dictionary (fld.save's path)")
+  parser.add_argument("--site", required=True, help="the harvested site the dictionary reads")
+  parser.add_argument(
+    "--features", required=True, metavar="N,N,...", help="the features' numbers, as 1,2,3"
+  )
+  parser.add_argument("--out", required=True, metavar="FILE", help="the page to write")
+  parser.add_argument(
+    "--layer", type=int, help="a cross-layer transcoder's layer whose features to view"
+  )
+  parser.add_argument(
+    "--tokens", metavar="FILE.npy", help="the dataset's token ids, [examples, positions]"
+  )
+  parser.add_argument(
+    "--vocabulary", metavar="FILE.json", help="token texts: a JSON list, indexed by id"
+  )
+  parser.add_argument(
+    "--unembedding", metavar="FILE.npy", help="W_U, [d_out, vocabulary], to score tokens"
+  )
+  parser.add_argument("--top", type=int, default=20, help="top contexts per feature (20)")
 
 
 def _import_path_option(parser: argparse.ArgumentParser) -> None:

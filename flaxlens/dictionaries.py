@@ -34,14 +34,26 @@ from flaxlens.tools.dictionaries._modules import (
   make_dictionary,
 )
 from flaxlens.tools.dictionaries._splicing import Replacement, replacement_run, splice
+from flaxlens.tools.dictionaries._views import (
+  Context,
+  FeatureView,
+  FeatureViews,
+  Histogram,
+  TokenScore,
+  feature_views,
+)
 
 __all__ = [
   "SAE",
   "Activation",
   "BatchTopK",
+  "Context",
   "CrossLayerTranscoder",
   "Dictionary",
   "DictionaryConfig",
+  "FeatureView",
+  "FeatureViews",
+  "Histogram",
   "JumpReLU",
   "ReLU",
   "Replacement",
@@ -53,6 +65,10 @@ __all__ = [
   "load_circuit_tracer",
   "load_gemma_scope",
   "load_saelens",
+  "TokenScore",
+  "TopK",
+  "Transcoder",
+  "feature_views",
   "make_dictionary",
   "save",
   "replacement_run",

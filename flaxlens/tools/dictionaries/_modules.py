@@ -114,9 +114,13 @@ class DictionaryConfig:
     return dataclasses.asdict(self)
 
 
-def _unit_rows(key: jax.Array, shape: tuple[int, ...]) -> np.ndarray:
-  """Random float32 directions of unit norm along the last axis, drawn on the host from a
-  NumPy generator seeded by `key` (building a dictionary compiles nothing)."""
+def _unit_rows(key: jax.Array, shape: tuple[int, ...]) -> Any:
+  """Random float32 directions of unit norm along the last axis. Drawn on the host from a
+  NumPy generator seeded by `key`, so that building a dictionary compiles nothing; drawn
+  with JAX where the key is traced (a dictionary built abstractly, by `nnx.eval_shape`)."""
+  if isinstance(key, jax.core.Tracer):
+    rows = jax.random.normal(key, shape, jnp.float32)
+    return rows / jnp.linalg.norm(rows, axis=-1, keepdims=True)
   generator = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel())
   rows = generator.standard_normal(shape, np.float32)
   return rows / np.linalg.norm(rows, axis=-1, keepdims=True)
@@ -351,10 +355,10 @@ def _build(dictionary: Dictionary, config: DictionaryConfig, rngs: nnx.Rngs) -> 
       jnp.asarray(_unit_rows(rngs.params(), (config.width, config.d_out)), dtype)
     )
   if config.kind == "sae":
-    encoder = np.swapaxes(np.asarray(dictionary.W_dec[...], np.float32), -1, -2)
+    encoder = jnp.swapaxes(dictionary.W_dec[...], -1, -2)
   else:
-    encoder = np.swapaxes(_unit_rows(rngs.params(), layers + (config.width, config.d_in)), -1, -2)
-  encoder = jnp.asarray(encoder, dtype)
+    rows = _unit_rows(rngs.params(), layers + (config.width, config.d_in))
+    encoder = jnp.asarray(rows.swapaxes(-1, -2), dtype)
   dictionary.W_enc = nnx.Param(encoder)
   dictionary.b_enc = nnx.Param(_zeros(shape, dtype))
   dictionary.b_dec = nnx.Param(_zeros(layers + (config.d_out,), dtype))
