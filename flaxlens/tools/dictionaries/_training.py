@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxlens.errors import ArgumentError, TrainingError
@@ -358,7 +359,7 @@ def train(
       step += 1
       saving = saver is not None and saver.due(step, steps)
       if saving or step % REPORT_EVERY == 0 or step == steps:
-        _record(pending, history, step, dictionary, state, stepper, checkpoint)
+        _record(pending, history, step, dictionary, state, checkpoint)
         pending = []
         rate = (step - first) * batch_size / max(time.perf_counter() - start, 1e-9)
         display.update(step, rate, {n: float(history[n][step - 1]) for n in METRICS})
@@ -369,12 +370,12 @@ def train(
     dictionary.eval()
   if saver is not None:
     saver.close()
-  _into(dictionary, stepper, state)
+  _into(dictionary, state)
   seconds = time.perf_counter() - start
   return TrainResult(
     dictionary,
     {**history, "learning_rate": np.asarray([rates(i) for i in range(steps)], np.float32)},
-    np.asarray(jax.device_get(state["since_fired"])),
+    np.asarray(_host(state["since_fired"])),
     steps,
     seconds,
     (steps - first) * batch_size / max(seconds, 1e-9),
@@ -386,12 +387,20 @@ def _feature_shape(dictionary: Dictionary) -> tuple[int, ...]:
   return ((config.layers,) if config.kind == "clt" else ()) + (config.width,)
 
 
-def _into(dictionary: Dictionary, stepper: _Stepper, state: dict[str, Any]) -> None:
-  """Puts the state's parameters and other variables into `dictionary`."""
-  nnx.update(dictionary, jax.device_get(state["params"]), jax.device_get(state["rest"]))
+def _host(value: Any) -> Any:
+  """`value`'s arrays as NumPy arrays, gathered from every process where there are several."""
+  if jax.process_count() > 1:
+    return multihost_utils.process_allgather(value, tiled=True)
+  return jax.device_get(value)
 
 
-def _record(pending, history, step, dictionary, state, stepper, checkpoint) -> None:
+def _into(dictionary: Dictionary, state: dict[str, Any]) -> None:
+  """Puts the state's parameters and other variables into `dictionary` (placed as they
+  were trained: with a mesh, sharded over it)."""
+  nnx.update(dictionary, state["params"], state["rest"])
+
+
+def _record(pending, history, step, dictionary, state, checkpoint) -> None:
   """Writes the pending steps' metrics into `history`; raises `TrainingError` at the first
   step whose loss was not finite (the state then still holds the last good one)."""
   got = jax.device_get(pending)
@@ -399,7 +408,7 @@ def _record(pending, history, step, dictionary, state, stepper, checkpoint) -> N
   for offset, metrics in enumerate(got):
     if not np.isfinite(metrics["loss"]):
       bad = first + offset
-      _into(dictionary, stepper, state)
+      _into(dictionary, state)
       dictionary.eval()
       where = f" The checkpoints in {checkpoint} end before it." if checkpoint else ""
       raise TrainingError(
