@@ -32,9 +32,7 @@ def test_an_sae_recovers_the_planted_features(activation):
   directions = planted.directions(planted.FEATURES, planted.D_IN, seed=0)
   rows = (planted.codes(ROWS, seed=1) @ directions).astype(np.float32)
   sae = fld.SAE(planted.D_IN, WIDTH, activation=activation, rngs=nnx.Rngs(0), **options)
-  fld.train(
-    sae, fld.from_arrays(rows), steps=steps, batch_size=256, recipe=recipe, progress=False
-  )
+  fld.train(sae, fld.from_arrays(rows), steps=steps, batch_size=256, recipe=recipe, progress=False)
   assert planted.recovered(directions, np.asarray(sae.W_dec[...])) >= 0.9
 
 

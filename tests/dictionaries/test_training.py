@@ -187,6 +187,6 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
   with pytest.raises(fl.ArgumentError, match="repeats them"):
     fld.train(fld.SAE(D, WIDTH, rngs=nnx.Rngs(0)), fld.from_arrays(rows), steps=4, batch_size=8,
               checkpoint=path, progress=False)  # fmt: skip
-  with pytest.raises(fl.TrainingError, match="does not fit this run"):
+  with pytest.raises(fl.ArtifactError, match="does not fit this run"):
     fld.train(fld.SAE(D, 2 * WIDTH, rngs=nnx.Rngs(0)), fld.from_arrays(rows), steps=2,
               batch_size=8, checkpoint=path, progress=False)  # fmt: skip

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from flaxlens.errors import ArgumentError, TrainingError
+from flaxlens.errors import ArgumentError, ArtifactError
 
 
 class Position(NamedTuple):
@@ -109,12 +109,11 @@ class Saver:
     try:
       got = self._manager.restore(step, args=self._ocp.args.StandardRestore(abstract))
     except Exception as error:  # Orbax raises many kinds for a checkpoint of another run
-      raise TrainingError(
+      raise ArtifactError(
         f"fld.train: the checkpoint of step {step} in {self.directory} does not fit this"
         f" run ({' '.join(str(error).split())[:300]}). Give checkpoint= a new directory, or"
-        " the dictionary, recipe and data that run had.",
-        step=step, trained=[], losses=np.zeros(0, np.float32),
-      ) from error  # fmt: skip
+        " the dictionary, recipe and optimizer that run had."
+      ) from error
     saved = dict(zip(_SETTINGS, (int(v) for v in got["settings"]), strict=True))
     if saved != self.settings:
       raise ArgumentError(

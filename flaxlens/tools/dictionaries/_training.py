@@ -326,6 +326,11 @@ def train(
   optimizer = optimizer or optax.adam(rates)
   if mesh is None and jax.process_count() > 1:
     mesh = Mesh(np.array(jax.devices()), (DATA_AXIS,))
+  if mesh is not None and DATA_AXIS in mesh.axis_names and batch_size % mesh.shape[DATA_AXIS]:
+    raise ArgumentError(
+      f"fld.train: batch_size={batch_size} does not divide over the mesh's {DATA_AXIS!r}"
+      f" axis ({mesh.shape[DATA_AXIS]} devices). Give a multiple of {mesh.shape[DATA_AXIS]}."
+    )
   dictionary.train()
   params, rest = nnx.state(dictionary, nnx.Param), nnx.state(dictionary, nnx.Not(nnx.Param))
   state = {
