@@ -105,7 +105,7 @@ class _Stepper:
     if self.clt:
       inputs, targets = np.swapaxes(inputs, 0, 1), np.swapaxes(targets, 0, 1)
     if self.mesh is None:
-      return jnp.asarray(inputs), jnp.asarray(targets)
+      return jax.device_put(inputs), jax.device_put(targets)
     return _place(inputs, self.batch_sharding), _place(targets, self.batch_sharding)
 
   def _step(self, state, inputs, targets):
