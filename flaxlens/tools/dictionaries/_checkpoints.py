@@ -67,8 +67,13 @@ class Saver:
   """Writes and reads one run's checkpoints through an Orbax `CheckpointManager`."""
 
   def __init__(self, checkpoints: Checkpoints, settings: dict[str, int]):
-    import orbax.checkpoint as ocp
-
+    try:
+      import orbax.checkpoint as ocp
+    except ImportError:
+      raise ArgumentError(
+        "fld.train: checkpoint= writes Orbax checkpoints, and orbax-checkpoint is not"
+        ' installed. Install it with pip install "flaxlens[export]", or drop checkpoint=.'
+      ) from None
     self._ocp = ocp
     self.checkpoints = checkpoints
     self.settings = settings
