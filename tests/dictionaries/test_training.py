@@ -86,15 +86,16 @@ def test_a_step_is_adam_on_the_relu_loss_written_by_hand():
 
 
 def test_the_unit_rule_keeps_every_decoder_at_unit_norm_a_clt_feature_over_all_its_layers():
-  clt = fld.CrossLayerTranscoder(3, D, D, WIDTH, activation="topk", k=2, rngs=nnx.Rngs(0))
-  inputs = np.random.default_rng(0).normal(size=(4 * BATCH, 3, D)).astype(np.float32)
+  clt = fld.CrossLayerTranscoder(2, D, D, WIDTH, activation="topk", k=2, rngs=nnx.Rngs(0))
+  inputs = np.random.default_rng(0).normal(size=(4 * BATCH, 2, D)).astype(np.float32)
   data = fld.from_arrays(inputs, 2 * inputs)
-  result = fld.train(clt, data, steps=10, batch_size=BATCH, progress=False)
+  recipe = fld.Recipe(learning_rate=1e-2)
+  result = fld.train(clt, data, steps=40, batch_size=BATCH, recipe=recipe, progress=False)
   for decoder in clt.W_dec:
     norms = np.sqrt((np.asarray(decoder[...]) ** 2).sum(axis=(1, 2)))
     np.testing.assert_allclose(norms, 1.0, rtol=1e-5)
-  assert result.since_fired.shape == (3, WIDTH)
-  assert result.history["loss"][-1] < result.history["loss"][0]
+  assert result.since_fired.shape == (2, WIDTH)
+  assert result.history["loss"][-5:].mean() < 0.8 * result.history["loss"][:5].mean()
 
 
 def test_batchtopk_trains_on_the_batch_and_ends_in_eval_with_a_running_threshold():
