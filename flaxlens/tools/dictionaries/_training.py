@@ -372,10 +372,10 @@ def train(
         saver.save(step, state, history, position)
   finally:
     display.close()
+    _into(dictionary, state)  # its own arrays were donated to the first step
     dictionary.eval()
-  if saver is not None:
-    saver.close()
-  _into(dictionary, state)
+    if saver is not None:
+      saver.close()
   seconds = time.perf_counter() - start
   return TrainResult(
     dictionary,
