@@ -23,8 +23,24 @@ from flaxlens.tools.dictionaries._activations import (
   heaviside,
   jump_relu,
 )
-from flaxlens.tools.dictionaries._files import load, save
-from flaxlens.tools.dictionaries._foreign import load_circuit_tracer, load_gemma_scope, load_saelens
+from flaxlens.tools.dictionaries._checkpoints import (
+  Checkpoints,
+)
+from flaxlens.tools.dictionaries._data import (
+  DictionaryData,
+  Rows,
+  from_arrays,
+  from_harvest,
+)
+from flaxlens.tools.dictionaries._files import (
+  load,
+  save,
+)
+from flaxlens.tools.dictionaries._foreign import (
+  load_circuit_tracer,
+  load_gemma_scope,
+  load_saelens,
+)
 from flaxlens.tools.dictionaries._modules import (
   SAE,
   CrossLayerTranscoder,
@@ -33,7 +49,18 @@ from flaxlens.tools.dictionaries._modules import (
   Transcoder,
   make_dictionary,
 )
-from flaxlens.tools.dictionaries._splicing import Replacement, replacement_run, splice
+from flaxlens.tools.dictionaries._recipes import (
+  Recipe,
+)
+from flaxlens.tools.dictionaries._splicing import (
+  Replacement,
+  replacement_run,
+  splice,
+)
+from flaxlens.tools.dictionaries._training import (
+  TrainResult,
+  train,
+)
 from flaxlens.tools.dictionaries._views import (
   Context,
   FeatureView,
@@ -44,33 +71,39 @@ from flaxlens.tools.dictionaries._views import (
 )
 
 __all__ = [
-  "SAE",
-  "Activation",
-  "BatchTopK",
-  "Context",
-  "CrossLayerTranscoder",
   "Dictionary",
+  "SAE",
+  "Transcoder",
+  "CrossLayerTranscoder",
   "DictionaryConfig",
-  "FeatureView",
-  "FeatureViews",
-  "Histogram",
-  "JumpReLU",
-  "ReLU",
-  "Replacement",
-  "TopK",
-  "Transcoder",
-  "heaviside",
-  "jump_relu",
-  "load",
-  "load_circuit_tracer",
-  "load_gemma_scope",
-  "load_saelens",
-  "TokenScore",
-  "TopK",
-  "Transcoder",
-  "feature_views",
   "make_dictionary",
-  "save",
-  "replacement_run",
+  "Activation",
+  "ReLU",
+  "JumpReLU",
+  "TopK",
+  "BatchTopK",
+  "jump_relu",
+  "heaviside",
+  "DictionaryData",
+  "Rows",
+  "from_arrays",
+  "from_harvest",
+  "train",
+  "Recipe",
+  "TrainResult",
+  "Checkpoints",
   "splice",
+  "replacement_run",
+  "Replacement",
+  "save",
+  "load",
+  "load_saelens",
+  "load_gemma_scope",
+  "load_circuit_tracer",
+  "feature_views",
+  "FeatureViews",
+  "FeatureView",
+  "Context",
+  "Histogram",
+  "TokenScore",
 ]
