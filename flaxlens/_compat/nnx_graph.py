@@ -1,11 +1,13 @@
 """NNX's graph as flaxlens reads it: flatten and merge orders, static attributes, sites.
 
-Checked with flax 0.12.6–0.12.8. NNX has no interception hook (flax issue 4666), so
-flaxlens marks the modules of a private copy with a site attribute. Instance attributes
-that are not data ride in the `GraphDef` as static values, so a module re-created inside
-`nnx.scan`, `nnx.vmap`, `nnx.remat` or `nnx.jit` still knows its path and run; the
-attribute's name starts with `_pytree__`, NNX's own bookkeeping prefix, which NNX's
-reprs skip and `nnx.bridge.ToNNX` does not take for a Linen collection.
+Checked with flax 0.12.0–0.12.8 (`flax.nnx.graphlib` was `flax.nnx.graph` up to 0.12.4;
+tree-mode `GraphDef`s, `TreeNodeDef`, came in 0.12.5). NNX has no interception hook
+(flax issue 4666), so flaxlens marks the modules of a private copy with a site
+attribute. Instance attributes that are not data ride in the `GraphDef` as static
+values, so a module re-created inside `nnx.scan`, `nnx.vmap`, `nnx.remat` or `nnx.jit`
+still knows its path and run; the attribute's name starts with `_pytree__`, NNX's own
+bookkeeping prefix, which NNX's reprs skip and `nnx.bridge.ToNNX` does not take for a
+Linen collection.
 
 What else is read here: the leaf order of `flax.nnx.graphlib.flatten` (what `nnx.split`
 runs first, the order `GraphDef.num_leaves` counts and a list of leaves is merged in);
@@ -31,29 +33,40 @@ from typing import Any
 
 from flax import nnx
 
-from flaxlens._compat import Internal, unsupported
+from flaxlens._compat import Formerly, Internal, unsupported
 
-FLATTEN = Internal("flax.nnx.graphlib", "flatten")
-UNFLATTEN = Internal("flax.nnx.graphlib", "unflatten")
-INDEX_MAP = Internal("flax.nnx.graphlib", "IndexMap")
-GET_NODE_IMPL = Internal("flax.nnx.graphlib", "get_node_impl")
-IS_NODE = Internal("flax.nnx.graphlib", "is_node")
+
+def _graphlib(name: str, *, added_in: str = "") -> Internal:
+  """`name` of `flax.nnx.graphlib`, which flax 0.12.0–0.12.4 called `flax.nnx.graph`."""
+  older = Formerly("flax.nnx.graph", name, "flax 0.12.0–0.12.4")
+  return Internal("flax.nnx.graphlib", name, formerly=(older,), added_in=added_in)
+
+
+FLATTEN = _graphlib("flatten")
+UNFLATTEN = _graphlib("unflatten")
+INDEX_MAP = _graphlib("IndexMap")
+GET_NODE_IMPL = _graphlib("get_node_impl")
+IS_NODE = _graphlib("is_node")
 REPRESENTABLE = Internal("flax.nnx.reprlib", "Representable")
 SEQUENCE_REPR_MIXIN = Internal("flax.nnx.reprlib", "SequenceReprMixin")
 MAPPING_REPR_MIXIN = Internal("flax.nnx.reprlib", "MappingReprMixin")
 GRAPH_DATA = tuple(
-  Internal("flax.nnx.graphlib", name)
+  _graphlib(name)
   for name in ("GraphDef", "NodeDef", "NodeRef", "VariableDef", "NodeAttr", "Static", "ArrayRefDef")
 )
-NODE_REF = Internal("flax.nnx.graphlib", "NodeRef")
-VARIABLE_DEF = Internal("flax.nnx.graphlib", "VariableDef")
-ARRAY_REF_DEF = Internal("flax.nnx.graphlib", "ArrayRefDef")
-TREE_NODE_DEF = Internal("flax.nnx.graphlib", "TreeNodeDef")
-NODE_ATTR = Internal("flax.nnx.graphlib", "NodeAttr")
-STATIC = Internal("flax.nnx.graphlib", "Static")
-GENERIC_PYTREE = Internal("flax.nnx.graphlib", "GenericPytree")
+NODE_REF = _graphlib("NodeRef")
+VARIABLE_DEF = _graphlib("VariableDef")
+ARRAY_REF_DEF = _graphlib("ArrayRefDef")
+TREE_NODE_DEF = _graphlib("TreeNodeDef", added_in="flax 0.12.5")
+NODE_ATTR = _graphlib("NodeAttr")
+STATIC = _graphlib("Static")
+GENERIC_PYTREE = _graphlib("GenericPytree")
 PYTREE_STATE = Internal("flax.nnx.pytreelib", "PytreeState")
-HASHABLE_MAPPING = Internal("flax.typing", "HashableMapping")
+HASHABLE_MAPPING = Internal(
+  "flax.typing",
+  "HashableMapping",
+  formerly=(Formerly("flax.nnx.graph", "HashableMapping", "flax 0.12.0–0.12.2"),),
+)
 
 BOOKKEEPING_PREFIX = "_pytree__"
 SITE_ATTRIBUTE = BOOKKEEPING_PREFIX + "flaxlens_site"
@@ -169,8 +182,8 @@ def graph_nodes(graphdef: Any) -> list[tuple[tuple[Any, ...], type, int | None]]
     raise unsupported("flax.nnx.GraphDef.nodes and attributes") from e
   if not nodes:
     return []
-  tree_node_def = TREE_NODE_DEF()
-  if isinstance(nodes[0], tree_node_def):
+  tree_node_def = TREE_NODE_DEF.or_none()  # None: a release without tree mode.
+  if tree_node_def is not None and isinstance(nodes[0], tree_node_def):
     return None
   node_ref, variable_def, array_ref_def = NODE_REF(), VARIABLE_DEF(), ARRAY_REF_DEF()
   node_attr = NODE_ATTR()

@@ -21,7 +21,9 @@ from flaxlens._compat import Internal
 from flaxlens._compat.patching import patched
 
 JIT_WRAPPED_CALL = Internal("flax.nnx.transforms.compilation", "JitWrapped.__call__")
-SIMPLE_JIT_WRAPPED_CALL = Internal("flax.nnx.transforms.compilation", "SimpleJitWrapped.__call__")
+SIMPLE_JIT_WRAPPED_CALL = Internal(
+  "flax.nnx.transforms.compilation", "SimpleJitWrapped.__call__", added_in="flax 0.12.6"
+)
 
 _nnx_local = threading.local()
 
@@ -60,10 +62,9 @@ def jit_keys(handler: Callable[..., Any]) -> Iterator[None]:
   `inline()` calls the function `nnx.jit` wraps (its `fun`) directly, untraced;
   `donates` says whether the jitted function donates any of its arguments.
   """
-  replacements = {
-    JIT_WRAPPED_CALL.site(): _nnx_jit_call,
-    SIMPLE_JIT_WRAPPED_CALL.site(): _nnx_jit_call,
-  }
+  replacements = {JIT_WRAPPED_CALL.site(): _nnx_jit_call}
+  if SIMPLE_JIT_WRAPPED_CALL.or_none() is not None:  # None: a release without it.
+    replacements[SIMPLE_JIT_WRAPPED_CALL.site()] = _nnx_jit_call
   if not hasattr(_nnx_local, "handlers"):
     _nnx_local.handlers = []
   _nnx_local.handlers.append(handler)

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from flaxlens._compat import Internal
+from flaxlens._compat import Formerly, Internal
 
-RAW_VALUE = Internal("flax.nnx.variablelib", "Variable._raw_value")
+RAW_VALUE = Internal(
+  "flax.nnx.variablelib",
+  "Variable._raw_value",
+  formerly=(Formerly("flax.nnx.variablelib", "Variable.raw_value", "flax 0.12.0"),),
+)
 VAR_METADATA = Internal("flax.nnx.variablelib", "Variable._var_metadata")
 VARIABLE_TYPE_CACHE = Internal("flax.nnx.variablelib", "VariableTypeCache")
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from flaxlens._compat import Internal
+from flaxlens._compat import Formerly, Internal
 from flaxlens.errors import UnsupportedFlaxFeatureError
 
-GET_OPAQUE_TRACE_STATE = Internal("jax.extend.core", "get_opaque_trace_state")
+GET_OPAQUE_TRACE_STATE = Internal(
+  "jax.extend.core",
+  "get_opaque_trace_state",
+  formerly=(Formerly("jax._src.core", "get_opaque_trace_state", "jax 0.7.1–0.9.x"),),
+)
 TRACE_STATE_CLEAN = Internal("jax._src.core", "trace_state_clean")
 TRACE_CONTEXT = Internal("jax._src.core", "trace_ctx")
 DYNAMIC_JAXPR_TRACE = Internal("jax._src.interpreters.partial_eval", "DynamicJaxprTrace")
