@@ -58,6 +58,7 @@ NODE_REF = _graphlib("NodeRef")
 VARIABLE_DEF = _graphlib("VariableDef")
 ARRAY_REF_DEF = _graphlib("ArrayRefDef")
 TREE_NODE_DEF = _graphlib("TreeNodeDef", added_in="flax 0.12.5")
+DATA_ELEM = _graphlib("DataElem", added_in="flax 0.12.5")
 NODE_ATTR = _graphlib("NodeAttr")
 STATIC = _graphlib("Static")
 GENERIC_PYTREE = _graphlib("GenericPytree")
@@ -118,17 +119,19 @@ def flatten(module: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
 def static_attributes(module: Any, attributes: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """The module's own static attributes, as its `GraphDef` records them.
 
-  A pytree module (the default) keeps which attributes are data in `_pytree__nodes`,
-  set when they are assigned (`nnx.data(...)` marks a dict of variables as data, as
-  `nnx.bridge.ToNNX` does for Linen collections); other modules' attributes are data
-  when `graphlib` flattens them as nodes or leaves. NNX's `_pytree__` bookkeeping is
-  left out. `attributes`: a copy of `vars(module)` taken earlier, to read the static
+  From flax 0.12.5, a pytree module (the default) keeps which attributes are data in
+  `_pytree__nodes`, set when they are assigned (`nnx.data(...)` marks a dict of variables
+  as data, as `nnx.bridge.ToNNX` does for Linen collections); other modules' attributes
+  are data when `graphlib` flattens them as nodes or leaves. NNX's `_pytree__` bookkeeping
+  is left out. `attributes`: a copy of `vars(module)` taken earlier, to read the static
   attributes the module had then (by default, those it has now).
   """
   if attributes is None:
     attributes = vars(module)
   try:
-    if module._pytree__is_pytree:
+    # Before flax 0.12.5 (no `DataElem`), the graph took any attribute of a type it
+    # traverses (a dict, a list) as a node, whatever `_pytree__nodes` said.
+    if module._pytree__is_pytree and DATA_ELEM.or_none() is not None:
       nodes = attributes.get("_pytree__nodes", None)
       nodes = module._pytree__nodes if nodes is None else nodes
     else:
@@ -138,7 +141,7 @@ def static_attributes(module: Any, attributes: Mapping[str, Any] | None = None) 
   get_node_impl = GET_NODE_IMPL() if nodes is None else None
   static = {}
   for name, value in attributes.items():
-    if name.startswith(BOOKKEEPING_PREFIX):
+    if is_bookkeeping(name):  # (flax <= 0.12.5's `nnx.List` keeps items under int names)
       continue
     if nodes is not None:
       data = nodes.get(name, False)

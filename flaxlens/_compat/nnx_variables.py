@@ -1,6 +1,6 @@
 """An NNX `Variable`'s slots, and NNX's registry of variable types by collection name.
 
-Checked with flax 0.12.6–0.12.8. A `flax.nnx.variablelib.Variable` keeps its value in
+Checked with flax 0.12.1–0.12.8. A `flax.nnx.variablelib.Variable` keeps its value in
 the slot `_raw_value` (`set_raw_value` first checks that the current trace is the one
 the variable was made in) and its metadata in the slot `_var_metadata`
 (`get_metadata` copies it). `flax.nnx.variablelib.VariableTypeCache` maps collection
@@ -11,13 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from flaxlens._compat import Formerly, Internal
+from flaxlens._compat import Internal
 
-RAW_VALUE = Internal(
-  "flax.nnx.variablelib",
-  "Variable._raw_value",
-  formerly=(Formerly("flax.nnx.variablelib", "Variable.raw_value", "flax 0.12.0"),),
-)
+RAW_VALUE = Internal("flax.nnx.variablelib", "Variable._raw_value")
 VAR_METADATA = Internal("flax.nnx.variablelib", "Variable._var_metadata")
 VARIABLE_TYPE_CACHE = Internal("flax.nnx.variablelib", "VariableTypeCache")
 
