@@ -1,11 +1,11 @@
 """JAX's trace state: which trace calls are made in now, and what it traces for.
 
-Checked with jax 0.10.0–0.10.2. `current_trace` is `jax.extend.core.get_opaque_trace_state`
-(new in jax 0.10; `jax._src.core` had it before). `at_top_level` reads
+Checked with jax 0.8.1–0.10.2. `current_trace` is
+`jax.extend.core.get_opaque_trace_state` (new in jax 0.10; `jax._src.core` had it
+before, and it is looked up there then). `at_top_level` reads
 `jax._src.core.trace_state_clean`, and `runs_compiled` walks the trace stack from
 `jax._src.core.trace_ctx.trace` up `parent_trace`, asking each
-`partial_eval.DynamicJaxprTrace` what it stages for (`frame.debug_info.traced_for`).
-"""
+`partial_eval.DynamicJaxprTrace` what it stages for (`frame.debug_info.traced_for`)."""
 
 from __future__ import annotations
 
