@@ -8,7 +8,8 @@ caches its trace on the `GraphDef`s of its arguments. While a run is active thei
 jitted call's key into the site attributes of the modules passed, or run the function
 inline. Whether a wrapper donates its arguments is read from its `jitted_fn` (a
 `jax.jit` function): the `donate_argnums`/`donate_argnames` of its `_jit_info` (checked
-with jax 0.10)."""
+with jax 0.10).
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ Checked with jax 0.8.1–0.10.2. `current_trace` is
 before, and it is looked up there then). `at_top_level` reads
 `jax._src.core.trace_state_clean`, and `runs_compiled` walks the trace stack from
 `jax._src.core.trace_ctx.trace` up `parent_trace`, asking each
-`partial_eval.DynamicJaxprTrace` what it stages for (`frame.debug_info.traced_for`)."""
+`partial_eval.DynamicJaxprTrace` what it stages for (`frame.debug_info.traced_for`).
+"""
 
 from __future__ import annotations
 
