@@ -25,13 +25,15 @@ internal (`tests/project/test_architecture.py` checks it); docs/compat.md lists 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import re
+from typing import Any, NamedTuple
 
 from flaxlens.errors import UnsupportedFlaxFeatureError
 
-# The versions flaxlens is tested with; pyproject.toml's dependencies say the same.
-SUPPORTED = "flax 0.12.6–0.12.x with jax 0.10.x"
-INSTALL = "pip install 'flax>=0.12.6,<0.13' 'jax>=0.10.0,<0.11' 'jaxlib>=0.10.0,<0.11'"
+# The versions flaxlens is tested with; pyproject.toml's dependencies say the same (each
+# Flax release installs with the JAX releases it accepts: flax 0.12.7 and 0.12.8 need jax 0.10).
+SUPPORTED = "flax 0.12.1–0.12.x with jax 0.8.1–0.10.x"
+INSTALL = "pip install 'flax>=0.12.1,<0.13' 'jax>=0.8.1,<0.11' 'jaxlib>=0.8.1,<0.11'"
 
 
 def _installed_versions() -> str:
@@ -53,25 +55,50 @@ def unsupported(name: str) -> UnsupportedFlaxFeatureError:
   )
 
 
+class Formerly(NamedTuple):
+  """Where older Flax or JAX releases kept an internal under another module or name.
+
+  `versions` says which releases (for docs/compat.md and the reader), e.g.
+  `"flax 0.12.0–0.12.4"`.
+  """
+
+  module: str
+  name: str
+  versions: str
+
+
 class Internal:
   """One Flax or JAX internal: `name` (dotted: an attribute of an attribute) of `module`.
 
   Calling it returns the object, imported and looked up on the first call and kept;
-  an import or lookup that fails raises `UnsupportedFlaxFeatureError` (see
-  `unsupported`), at that call and at every later one.
+  where the installed release lacks it, each of `formerly` (where older releases kept
+  it) is tried in turn, and a lookup that fails in all of them raises
+  `UnsupportedFlaxFeatureError` (see `unsupported`), at that call and at every later one.
+  `added_in` (e.g. `"flax 0.12.6"`): the first release that has it, for internals that
+  older releases lack altogether; `or_none` gives None on those.
 
   Example:
-    >>> from flaxlens._compat import Internal
+    >>> from flaxlens._compat import Formerly, Internal
     >>> Internal("flax.core.scope", "LazyRng")().__name__
     'LazyRng'
+    >>> Internal(
+    ...   "flax.nnx.no_such_module", "GraphDef",
+    ...   formerly=(Formerly("flax.nnx", "GraphDef", "every release"),),
+    ... )().__name__
+    'GraphDef'
   """
 
-  __slots__ = ("module", "name", "_value")
+  __slots__ = ("module", "name", "formerly", "added_in", "_value", "_site")
 
-  def __init__(self, module: str, name: str):
+  def __init__(
+    self, module: str, name: str, *, formerly: tuple[Formerly, ...] = (), added_in: str = ""
+  ):
     self.module = module
     self.name = name
+    self.formerly = formerly
+    self.added_in = added_in
     self._value: Any = _MISSING
+    self._site: tuple[Any, str] | None = None
     DECLARED.append(self)
 
   def __repr__(self) -> str:
@@ -84,14 +111,30 @@ class Internal:
   def __call__(self) -> Any:
     value = self._value
     if value is _MISSING:
-      try:
-        value = importlib.import_module(self.module)
-        for part in self.name.split("."):
-          value = getattr(value, part)
-      except (ImportError, AttributeError) as e:
-        raise unsupported(self.full_name) from e
-      self._value = value
+      error: Exception | None = None
+      for module, name in ((self.module, self.name), *((f.module, f.name) for f in self.formerly)):
+        try:
+          owner = importlib.import_module(module)
+          *path, last = name.split(".")
+          for part in path:
+            owner = getattr(owner, part)
+          value = getattr(owner, last)
+        except (ImportError, AttributeError) as e:
+          error = error or e
+          continue
+        self._value, self._site = value, (owner, last)
+        return value
+      raise unsupported(self.full_name) from error
     return value
+
+  def or_none(self) -> Any:
+    """The object, or None where the installed release predates `added_in`.
+
+    A release from `added_in` on that lacks it still raises, as calling it does.
+    """
+    if self.added_in and _installed_before(self.added_in):
+      return None
+    return self()
 
   def site(self) -> tuple[Any, str]:
     """`(owner, name)`: the module or class that holds this internal, and its last name.
@@ -99,15 +142,23 @@ class Internal:
     What `patching.patched` takes to replace it in place; checked to exist first.
     """
     self()
-    owner = importlib.import_module(self.module)
-    *path, last = self.name.split(".")
-    for part in path:
-      owner = getattr(owner, part)
-    return owner, last
+    assert self._site is not None
+    return self._site
 
   def resolved(self) -> bool:
     """Whether this internal has been looked up (successfully) already."""
     return self._value is not _MISSING
+
+
+def _installed_before(release: str) -> bool:
+  """Whether the installed package is older than `release` (`"flax 0.12.6"`)."""
+  package, version = release.split(" ")
+  return _numbers(importlib.import_module(package).__version__) < _numbers(version)
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+  """The leading release numbers of a version string: `"0.12.6.dev1"` -> `(0, 12, 6)`."""
+  return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
 _MISSING = object()

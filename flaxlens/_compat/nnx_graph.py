@@ -1,11 +1,13 @@
 """NNX's graph as flaxlens reads it: flatten and merge orders, static attributes, sites.
 
-Checked with flax 0.12.6–0.12.8. NNX has no interception hook (flax issue 4666), so
-flaxlens marks the modules of a private copy with a site attribute. Instance attributes
-that are not data ride in the `GraphDef` as static values, so a module re-created inside
-`nnx.scan`, `nnx.vmap`, `nnx.remat` or `nnx.jit` still knows its path and run; the
-attribute's name starts with `_pytree__`, NNX's own bookkeeping prefix, which NNX's
-reprs skip and `nnx.bridge.ToNNX` does not take for a Linen collection.
+Checked with flax 0.12.0–0.12.8 (`flax.nnx.graphlib` was `flax.nnx.graph` up to 0.12.4;
+tree-mode `GraphDef`s, `TreeNodeDef`, came in 0.12.5). NNX has no interception hook
+(flax issue 4666), so flaxlens marks the modules of a private copy with a site
+attribute. Instance attributes that are not data ride in the `GraphDef` as static
+values, so a module re-created inside `nnx.scan`, `nnx.vmap`, `nnx.remat` or `nnx.jit`
+still knows its path and run; the attribute's name starts with `_pytree__`, NNX's own
+bookkeeping prefix, which NNX's reprs skip and `nnx.bridge.ToNNX` does not take for a
+Linen collection.
 
 What else is read here: the leaf order of `flax.nnx.graphlib.flatten` (what `nnx.split`
 runs first, the order `GraphDef.num_leaves` counts and a list of leaves is merged in);
@@ -31,29 +33,41 @@ from typing import Any
 
 from flax import nnx
 
-from flaxlens._compat import Internal, unsupported
+from flaxlens._compat import Formerly, Internal, unsupported
 
-FLATTEN = Internal("flax.nnx.graphlib", "flatten")
-UNFLATTEN = Internal("flax.nnx.graphlib", "unflatten")
-INDEX_MAP = Internal("flax.nnx.graphlib", "IndexMap")
-GET_NODE_IMPL = Internal("flax.nnx.graphlib", "get_node_impl")
-IS_NODE = Internal("flax.nnx.graphlib", "is_node")
+
+def _graphlib(name: str, *, added_in: str = "") -> Internal:
+  """`name` of `flax.nnx.graphlib`, which flax 0.12.0–0.12.4 called `flax.nnx.graph`."""
+  older = Formerly("flax.nnx.graph", name, "flax 0.12.0–0.12.4")
+  return Internal("flax.nnx.graphlib", name, formerly=(older,), added_in=added_in)
+
+
+FLATTEN = _graphlib("flatten")
+UNFLATTEN = _graphlib("unflatten")
+INDEX_MAP = _graphlib("IndexMap")
+GET_NODE_IMPL = _graphlib("get_node_impl")
+IS_NODE = _graphlib("is_node")
 REPRESENTABLE = Internal("flax.nnx.reprlib", "Representable")
 SEQUENCE_REPR_MIXIN = Internal("flax.nnx.reprlib", "SequenceReprMixin")
 MAPPING_REPR_MIXIN = Internal("flax.nnx.reprlib", "MappingReprMixin")
 GRAPH_DATA = tuple(
-  Internal("flax.nnx.graphlib", name)
+  _graphlib(name)
   for name in ("GraphDef", "NodeDef", "NodeRef", "VariableDef", "NodeAttr", "Static", "ArrayRefDef")
 )
-NODE_REF = Internal("flax.nnx.graphlib", "NodeRef")
-VARIABLE_DEF = Internal("flax.nnx.graphlib", "VariableDef")
-ARRAY_REF_DEF = Internal("flax.nnx.graphlib", "ArrayRefDef")
-TREE_NODE_DEF = Internal("flax.nnx.graphlib", "TreeNodeDef")
-NODE_ATTR = Internal("flax.nnx.graphlib", "NodeAttr")
-STATIC = Internal("flax.nnx.graphlib", "Static")
-GENERIC_PYTREE = Internal("flax.nnx.graphlib", "GenericPytree")
+NODE_REF = _graphlib("NodeRef")
+VARIABLE_DEF = _graphlib("VariableDef")
+ARRAY_REF_DEF = _graphlib("ArrayRefDef")
+TREE_NODE_DEF = _graphlib("TreeNodeDef", added_in="flax 0.12.5")
+DATA_ELEM = _graphlib("DataElem", added_in="flax 0.12.5")
+NODE_ATTR = _graphlib("NodeAttr")
+STATIC = _graphlib("Static")
+GENERIC_PYTREE = _graphlib("GenericPytree")
 PYTREE_STATE = Internal("flax.nnx.pytreelib", "PytreeState")
-HASHABLE_MAPPING = Internal("flax.typing", "HashableMapping")
+HASHABLE_MAPPING = Internal(
+  "flax.typing",
+  "HashableMapping",
+  formerly=(Formerly("flax.nnx.graph", "HashableMapping", "flax 0.12.0–0.12.2"),),
+)
 
 BOOKKEEPING_PREFIX = "_pytree__"
 SITE_ATTRIBUTE = BOOKKEEPING_PREFIX + "flaxlens_site"
@@ -105,17 +119,19 @@ def flatten(module: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
 def static_attributes(module: Any, attributes: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """The module's own static attributes, as its `GraphDef` records them.
 
-  A pytree module (the default) keeps which attributes are data in `_pytree__nodes`,
-  set when they are assigned (`nnx.data(...)` marks a dict of variables as data, as
-  `nnx.bridge.ToNNX` does for Linen collections); other modules' attributes are data
-  when `graphlib` flattens them as nodes or leaves. NNX's `_pytree__` bookkeeping is
-  left out. `attributes`: a copy of `vars(module)` taken earlier, to read the static
+  From flax 0.12.5, a pytree module (the default) keeps which attributes are data in
+  `_pytree__nodes`, set when they are assigned (`nnx.data(...)` marks a dict of variables
+  as data, as `nnx.bridge.ToNNX` does for Linen collections); other modules' attributes
+  are data when `graphlib` flattens them as nodes or leaves. NNX's `_pytree__` bookkeeping
+  is left out. `attributes`: a copy of `vars(module)` taken earlier, to read the static
   attributes the module had then (by default, those it has now).
   """
   if attributes is None:
     attributes = vars(module)
   try:
-    if module._pytree__is_pytree:
+    # Before flax 0.12.5 (no `DataElem`), the graph took any attribute of a type it
+    # traverses (a dict, a list) as a node, whatever `_pytree__nodes` said.
+    if module._pytree__is_pytree and DATA_ELEM.or_none() is not None:
       nodes = attributes.get("_pytree__nodes", None)
       nodes = module._pytree__nodes if nodes is None else nodes
     else:
@@ -125,7 +141,7 @@ def static_attributes(module: Any, attributes: Mapping[str, Any] | None = None) 
   get_node_impl = GET_NODE_IMPL() if nodes is None else None
   static = {}
   for name, value in attributes.items():
-    if name.startswith(BOOKKEEPING_PREFIX):
+    if is_bookkeeping(name):  # (flax <= 0.12.5's `nnx.List` keeps items under int names)
       continue
     if nodes is not None:
       data = nodes.get(name, False)
@@ -169,8 +185,8 @@ def graph_nodes(graphdef: Any) -> list[tuple[tuple[Any, ...], type, int | None]]
     raise unsupported("flax.nnx.GraphDef.nodes and attributes") from e
   if not nodes:
     return []
-  tree_node_def = TREE_NODE_DEF()
-  if isinstance(nodes[0], tree_node_def):
+  tree_node_def = TREE_NODE_DEF.or_none()  # None: a release without tree mode.
+  if tree_node_def is not None and isinstance(nodes[0], tree_node_def):
     return None
   node_ref, variable_def, array_ref_def = NODE_REF(), VARIABLE_DEF(), ARRAY_REF_DEF()
   node_attr = NODE_ATTR()

@@ -1,6 +1,6 @@
 """An NNX `Variable`'s slots, and NNX's registry of variable types by collection name.
 
-Checked with flax 0.12.6–0.12.8. A `flax.nnx.variablelib.Variable` keeps its value in
+Checked with flax 0.12.1–0.12.8. A `flax.nnx.variablelib.Variable` keeps its value in
 the slot `_raw_value` (`set_raw_value` first checks that the current trace is the one
 the variable was made in) and its metadata in the slot `_var_metadata`
 (`get_metadata` copies it). `flax.nnx.variablelib.VariableTypeCache` maps collection

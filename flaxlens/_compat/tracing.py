@@ -1,7 +1,8 @@
 """JAX's trace state: which trace calls are made in now, and what it traces for.
 
-Checked with jax 0.10.0–0.10.2. `current_trace` is `jax.extend.core.get_opaque_trace_state`
-(new in jax 0.10; `jax._src.core` had it before). `at_top_level` reads
+Checked with jax 0.8.1–0.10.2. `current_trace` is
+`jax.extend.core.get_opaque_trace_state` (new in jax 0.10; `jax._src.core` had it
+before, and it is looked up there then). `at_top_level` reads
 `jax._src.core.trace_state_clean`, and `runs_compiled` walks the trace stack from
 `jax._src.core.trace_ctx.trace` up `parent_trace`, asking each
 `partial_eval.DynamicJaxprTrace` what it stages for (`frame.debug_info.traced_for`).
@@ -11,10 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from flaxlens._compat import Internal
+from flaxlens._compat import Formerly, Internal
 from flaxlens.errors import UnsupportedFlaxFeatureError
 
-GET_OPAQUE_TRACE_STATE = Internal("jax.extend.core", "get_opaque_trace_state")
+GET_OPAQUE_TRACE_STATE = Internal(
+  "jax.extend.core",
+  "get_opaque_trace_state",
+  formerly=(Formerly("jax._src.core", "get_opaque_trace_state", "jax 0.7.1–0.9.x"),),
+)
 TRACE_STATE_CLEAN = Internal("jax._src.core", "trace_state_clean")
 TRACE_CONTEXT = Internal("jax._src.core", "trace_ctx")
 DYNAMIC_JAXPR_TRACE = Internal("jax._src.interpreters.partial_eval", "DynamicJaxprTrace")

@@ -196,8 +196,26 @@ def scan_iterations() -> tuple[Any, ...]:
 # --- carrying captured values out of staged bodies ------------------------------------
 
 
+def _call_signature(function: Callable[..., Any]) -> inspect.Signature:
+  """The parameters `function` takes: its own, or those of the function it wraps where it
+  only passes `*args, **kwargs` on.
+
+  Not simply `inspect.signature`, which reads the innermost wrapped function: jax < 0.10's
+  `jax.remat` is a wrapper taking `concrete` (which flax 0.12.0 and 0.12.1 pass) around a
+  `checkpoint` that does not.
+  """
+
+  def passes_on(candidate: Callable[..., Any]) -> bool:
+    kinds = {p.kind for p in inspect.signature(candidate, follow_wrapped=False).parameters.values()}
+    return kinds == {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+
+  return inspect.signature(
+    inspect.unwrap(function, stop=lambda f: not passes_on(f)), follow_wrapped=False
+  )
+
+
 def _wrap_scan(original: Callable[..., Any]) -> Callable[..., Any]:
-  signature = inspect.signature(original)
+  signature = _call_signature(original)
 
   @functools.wraps(original)
   def scan(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -234,7 +252,7 @@ def _wrap_scan(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrap_mapped(original: Callable[..., Any], axes_argument: str | None) -> Callable[..., Any]:
   """Wraps a transform `original(fun, ...)` returning a function (vmap, checkpoint)."""
-  signature = inspect.signature(original)
+  signature = _call_signature(original)
 
   @functools.wraps(original)
   def transform(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

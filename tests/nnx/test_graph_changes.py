@@ -18,6 +18,8 @@ from frameworks import model_state
 
 import flaxlens as fl
 
+from .corpus import FLAX_RELEASE
+
 X = jnp.ones((1, 4))
 
 
@@ -167,6 +169,12 @@ class Logs(nnx.Module):
     return self.linear(x) * (self.cfg["calls"] + len(self.log) + 1)
 
 
+# Before flax 0.12.5 NNX's graph takes a dict or list attribute for a node, whatever
+# `_pytree__nodes` says, so the values in it are static leaves of that node, not a static
+# attribute of the module; a change to them in place is not detected there (docs/compat.md).
+@pytest.mark.skipif(
+  FLAX_RELEASE < (0, 12, 5), reason="flax < 0.12.5: containers are graph nodes (docs/compat.md)"
+)
 @pytest.mark.parametrize(("change", "name"), [("dict", "cfg"), ("list", "log")])
 def test_a_call_that_changes_a_static_container_in_place_is_refused(change, name):
   model = Logs(change)

@@ -9,6 +9,8 @@ from frameworks import NNX, model_state
 
 import flaxlens as fl
 
+from .corpus import FLAX_RELEASE
+
 
 @pytest.mark.parametrize(
   "name, on_tree, on_model",
@@ -21,10 +23,11 @@ import flaxlens as fl
       lambda t: t.set_attributes(nnx.Dropout, deterministic=True),
       lambda m: m.set_attributes(nnx.Dropout, deterministic=True),
     ),
-    (
+    pytest.param(
       "convnet_train",
       lambda t: t.view(use_running_average=True),
       lambda m: nnx.view(m, use_running_average=True),
+      marks=pytest.mark.skipif(FLAX_RELEASE < (0, 12, 4), reason="nnx.view: flax >= 0.12.4"),
     ),
     ("scan", lambda t: t.eval(), lambda m: m.eval()),
     ("unhashable_static_attributes", lambda t: t.eval(), lambda m: m.eval()),

@@ -5,12 +5,15 @@ Patching behaviours both frameworks share are in tests/shared/test_patching.py.
 
 from __future__ import annotations
 
+import pytest
 from comparisons import assert_trees_equal
 from flax import nnx
 from frameworks import NNX, Wrap
 from replacements import PlusOne, Zeros, plus_one, zeros
 
 import flaxlens as fl
+
+from .corpus import FLAX_RELEASE
 
 
 def test_nnx_jit_inside_the_model_sees_each_calls_patches(cases):
@@ -34,6 +37,7 @@ def test_an_inherited_only_call_is_intercepted_and_patchable(cases):
   assert_trees_equal(NNX.call(patched, case), expected)
 
 
+@pytest.mark.skipif(FLAX_RELEASE < (0, 12, 6), reason="nnx.capture: flax >= 0.12.6")
 def test_nnx_capture_method_outputs_sows_the_same_methods_as_on_the_model(cases):
   """`nnx.capture` skips inherited-only methods; the tree must not add them."""
   case = cases["inherited_call"]

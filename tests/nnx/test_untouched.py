@@ -17,7 +17,10 @@ def _snapshot(model: nnx.Module):
   """Classes, static attributes and variable values of every module of `model`."""
   modules = list(nnx.iter_modules(model))
   types = {path: type(m) for path, m in modules}
-  statics = {path: sorted(k for k in vars(m) if not nnx.is_data(vars(m)[k])) for path, m in modules}
+  statics = {
+    path: sorted((k for k in vars(m) if not nnx.is_data(vars(m)[k])), key=repr)
+    for path, m in modules
+  }
   return types, statics, model_state(model)
 
 

@@ -28,7 +28,7 @@ from frameworks import LINEN, NNX
 
 import flaxlens as fl
 from flaxlens import _compat
-from flaxlens._compat import Internal, linen_lift, nnx_jit, tracing
+from flaxlens._compat import Formerly, Internal, linen_lift, nnx_jit, tracing
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -75,7 +75,10 @@ def _owners(model) -> list:
     classes |= {type(m) for _, m in nnx.iter_modules(model)}
   mro = {c for cls in classes for c in cls.__mro__ if c is not object}
   flax_owners = [flax.core.lift, flax.linen.transforms, flax.core.scope.Scope]
-  return [*mro, *flax_owners, compilation.JitWrapped, compilation.SimpleJitWrapped]
+  jit_wrappers = [compilation.JitWrapped]
+  if nnx_jit.SIMPLE_JIT_WRAPPED_CALL.or_none() is not None:  # flax >= 0.12.6
+    jit_wrappers.append(compilation.SimpleJitWrapped)
+  return [*mro, *flax_owners, *jit_wrappers]
 
 
 @pytest.mark.parametrize(
@@ -128,3 +131,28 @@ def test_every_declared_internal_is_listed_in_the_compat_docs():
   page = (ROOT / "docs" / "compat.md").read_text()
   missing = [i.full_name for i in _declared() if f"`{i.full_name}`" not in page]
   assert not missing, f"docs/compat.md does not list: {missing}"
+
+
+def test_an_internal_an_older_release_kept_elsewhere_is_found_there():
+  moved = Internal(
+    "flax.core.no_such_module",
+    "LazyRng",
+    formerly=(
+      Formerly("flax.core.scope", "NoSuchName", "never"),
+      Formerly("flax.core.scope", "LazyRng", "every release"),
+    ),
+  )
+  assert moved() is flax.core.scope.LazyRng
+  assert moved.site() == (flax.core.scope, "LazyRng")
+  with pytest.raises(fl.UnsupportedFlaxFeatureError, match="flax.core.no_such_module.LazyRng,"):
+    Internal("flax.core.no_such_module", "LazyRng", formerly=moved.formerly[:1])()
+
+
+def test_an_internal_added_in_a_later_release_is_none_before_it_and_required_from_it():
+  later = Internal("flax.core.scope", "NoSuchName", added_in="flax 99.0.0")
+  assert later.or_none() is None
+  assert Internal("flax.core.scope", "LazyRng", added_in="flax 0.1.0").or_none() is (
+    flax.core.scope.LazyRng
+  )
+  with pytest.raises(fl.UnsupportedFlaxFeatureError, match="flax.core.scope.NoSuchName,"):
+    Internal("flax.core.scope", "NoSuchName", added_in="flax 0.1.0").or_none()

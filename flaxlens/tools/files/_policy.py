@@ -169,8 +169,9 @@ def _vetted_bases() -> dict[str, tuple[type, ...]]:
   graph_data = tuple(internal() for internal in nnx_graph.GRAPH_DATA)
   graph_nodes = (nn.Module, nnx.Pytree, nnx.Variable, nnx_graph.GENERIC_PYTREE())
   return {
-    # A class used as a value (a module field, a GraphDef node type, a pytree node type).
-    "type": (*graph_nodes, nnx_graph.PYTREE_STATE(), enum.Enum),
+    # A class used as a value (a module field, a GraphDef node type, a pytree node type:
+    # before flax 0.12.5 a module's FrozenDict attribute is a pytree node of the graph).
+    "type": (*graph_nodes, nnx_graph.PYTREE_STATE(), frozen_dict.FrozenDict, enum.Enum),
     "dataclass": (nn.Module, meta.AxisMetadata, *graph_data, Uninitialized),
     "mapping": (frozen_dict.FrozenDict, nnx_graph.HASHABLE_MAPPING()),
   }
