@@ -52,6 +52,8 @@ def setting(tmp_path_factory):
   store = fl.harvest(tree, [tokens[:3], tokens[3:]], SITE, str(path), progress=False)
   sae = fld.SAE(6, WIDTH, rngs=nnx.Rngs(2))
   sae.b_enc[...] = jax.random.normal(jax.random.key(3), (WIDTH,)) * 0.5
+  # Feature 9 never fires and features 0 and 4 do (the page test reads both kinds).
+  sae.b_enc[...] = sae.b_enc[...].at[9].set(-100.0).at[jnp.array([0, 4])].add(2.0)
   sae.b_dec[...] = jax.random.normal(jax.random.key(4), (6,)) * 0.1
   return tree, variables, tokens, store, sae
 

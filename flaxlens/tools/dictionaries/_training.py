@@ -315,9 +315,13 @@ def train(
     >>> from flax import nnx
     >>> rows = np.random.default_rng(0).normal(size=(512, 8)).astype(np.float32)
     >>> sae = fld.SAE(8, 16, activation="topk", k=2, rngs=nnx.Rngs(0))
-    >>> result = fld.train(sae, fld.from_arrays(rows), steps=20, batch_size=64, progress=False)
-    >>> result.steps, bool(result.history["loss"][-1] < result.history["loss"][0])
-    (20, True)
+    >>> recipe = fld.Recipe(learning_rate=1e-2)
+    >>> result = fld.train(
+    ...   sae, fld.from_arrays(rows), steps=60, batch_size=64, recipe=recipe, progress=False
+    ... )
+    >>> losses = result.history["loss"]
+    >>> result.steps, bool(np.mean(losses[-5:]) < np.mean(losses[:5]))
+    (60, True)
   """
   _check_arguments(steps, batch_size, recipe, optimizer, seed, mesh)
   check_data(dictionary, data, "fld.train")
