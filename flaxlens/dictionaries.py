@@ -29,6 +29,7 @@ from flaxlens.tools.dictionaries._modules import (
   Transcoder,
   make_dictionary,
 )
+from flaxlens.tools.dictionaries._stream import Rows, Stream, stream
 
 __all__ = [
   "SAE",
@@ -39,7 +40,10 @@ __all__ = [
   "DictionaryConfig",
   "JumpReLU",
   "ReLU",
+  "Rows",
+  "Stream",
   "TopK",
   "Transcoder",
   "make_dictionary",
+  "stream",
 ]
