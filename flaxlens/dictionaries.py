@@ -21,6 +21,7 @@ from flaxlens.tools.dictionaries._activations import (
   ReLU,
   TopK,
 )
+from flaxlens.tools.dictionaries._evaluate import Evaluation, evaluate
 from flaxlens.tools.dictionaries._modules import (
   SAE,
   CrossLayerTranscoder,
@@ -38,12 +39,14 @@ __all__ = [
   "CrossLayerTranscoder",
   "Dictionary",
   "DictionaryConfig",
+  "Evaluation",
   "JumpReLU",
   "ReLU",
   "Rows",
   "Stream",
   "TopK",
   "Transcoder",
+  "evaluate",
   "make_dictionary",
   "stream",
 ]
