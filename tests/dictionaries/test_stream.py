@@ -4,12 +4,12 @@ SAE, a transcoder (a call's input to its output) and a CLT's layers."""
 
 from __future__ import annotations
 
-import flaxlens as fl
-import flaxlens.dictionaries as fld
 import jax
 import numpy as np
 import pytest
 
+import flaxlens as fl
+import flaxlens.dictionaries as fld
 from tests.dictionaries.toy_lms import VOCAB, ToyLM
 
 
@@ -41,7 +41,13 @@ def _sorted_rows(*columns):
 def test_sae_rows_are_the_captured_rows(lm, tree):
   site = lm.block.format(0)
   data = fld.stream(tree, _inputs(), site, buffer=8)
-  assert (data.d_in, data.d_out, data.layers, data.reads, data.writes) == (8, 8, 1, (site,), (site,))
+  assert (data.d_in, data.d_out, data.layers, data.reads, data.writes) == (
+    8,
+    8,
+    1,
+    (site,),
+    (site,),
+  )
   inputs, targets = _all_rows(data, 4)
   captured = np.concatenate([np.asarray(fl.capture(tree, x, site)[1][site]) for x in _inputs()])
   expected = captured.reshape(-1, 8)

@@ -9,7 +9,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 VOCAB, WIDTH, HIDDEN, LAYERS = 11, 8, 16, 2

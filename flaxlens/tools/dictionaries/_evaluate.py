@@ -173,6 +173,18 @@ def _kl_sum(clean: jax.Array, other: jax.Array) -> jax.Array:
   return jnp.sum(jnp.exp(clean_log) * (clean_log - other_log))
 
 
+def _tokens(model_input: Any) -> jax.Array:
+  """The input as token ids `(batch, positions)`, for the next-token loss."""
+  tokens = jnp.asarray(model_input)
+  if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim != 2:
+    raise ArgumentError(
+      f"fld.evaluate: model_inputs gave a {tokens.dtype}{list(tokens.shape)} input, where"
+      " the next-token loss takes token ids (batch, positions) and the model's logits."
+      " Give metric=lambda clean_out, out: ... for other models."
+    )
+  return tokens
+
+
 def _model_metrics(
   dictionary: Dictionary,
   tree: CallNode,
@@ -182,18 +194,14 @@ def _model_metrics(
 ) -> dict[str, Any]:
   """The clean, spliced and ablated losses (or metric) over `model_inputs`. Long because
   it holds the loop's two ways (next-token loss and KL, or a metric) side by side."""
-  kind = dictionary.config.kind
-  if kind == "clt":
-    raise ArgumentError(
-      "fld.evaluate: a CLT's spliced metrics need the CLT splice (fld.splice at a list of"
-      " MLP calls), which fld.evaluate does not run yet. Evaluate its rows (leave tree= out)."
-    )
-  reads = "output" if kind == "sae" else "input"
+  reads = "output" if dictionary.config.kind == "sae" else "input"
   spliced = splice(tree, at, dictionary, error=False, reads=reads)
   ablation = [ablate(at)]
   sums = {"clean": 0.0, "spliced": 0.0, "ablated": 0.0, "kl_spliced": 0.0, "kl_ablated": 0.0}
   count = 0
   for model_input in model_inputs:
+    if metric is None:
+      tokens = _tokens(model_input)
     clean = run(tree, model_input)
     replaced = run(spliced, model_input)
     ablated = run(tree, model_input, interventions=ablation)
@@ -202,13 +210,6 @@ def _model_metrics(
         sums[name] += float(metric(clean, out))
       count += 1
       continue
-    tokens = jnp.asarray(model_input)
-    if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim != 2:
-      raise ArgumentError(
-        f"fld.evaluate: model_inputs gave a {tokens.dtype}{list(tokens.shape)} input, where"
-        " the next-token loss takes token ids (batch, positions) and the model's logits."
-        " Give metric=lambda clean_out, out: ... for other models."
-      )
     for name, out in (("clean", clean), ("spliced", replaced), ("ablated", ablated)):
       total, predictions = next_token_loss(out, tokens)
       sums[name] += float(total)
@@ -294,22 +295,31 @@ def evaluate(
     )
   if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
     raise ArgumentError(f"fld.evaluate: batch_size={batch_size!r} is not a positive int.")
-  if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
+  if batches is not None and (
+    isinstance(batches, bool) or not isinstance(batches, int) or batches < 1
+  ):
     raise ArgumentError(f"fld.evaluate: batches={batches!r} is not a positive int (or None: all).")
   if not 0 <= dense_above < 1:
     raise ArgumentError(f"fld.evaluate: dense_above={dense_above!r} is not a frequency in [0, 1).")
+  if tree is None and (model_inputs is not None or at is not None or metric is not None):
+    raise ArgumentError(
+      "fld.evaluate: model_inputs=, at= and metric= are for the spliced metrics, which"
+      " need tree=. Give tree= (the converted model), or leave them out."
+    )
+  if tree is not None:
+    check_tree(tree, "fld.evaluate")
+    if model_inputs is None or at is None:
+      raise ArgumentError(
+        "fld.evaluate: tree= measures the dictionary spliced into the model, which needs"
+        " model_inputs= (the inputs to run) and at= (the site it stands in for). Give both."
+      )
+    if dictionary.config.kind == "clt":
+      raise ArgumentError(
+        "fld.evaluate: a CLT's spliced metrics need the CLT splice (fld.splice at a list"
+        " of MLP calls), which fld.evaluate does not run yet. Evaluate its rows (leave"
+        " tree= out)."
+      )
   rows = _row_metrics(dictionary, data, batch_size, batches, seed, dense_above)
   if tree is None:
-    if model_inputs is not None or at is not None or metric is not None:
-      raise ArgumentError(
-        "fld.evaluate: model_inputs=, at= and metric= are for the spliced metrics, which"
-        " need tree=. Give tree= (the converted model), or leave them out."
-      )
     return Evaluation(**rows)
-  check_tree(tree, "fld.evaluate")
-  if model_inputs is None or at is None:
-    raise ArgumentError(
-      "fld.evaluate: tree= measures the dictionary spliced into the model, which needs"
-      " model_inputs= (the inputs to run) and at= (the site it stands in for). Give both."
-    )
   return Evaluation(**rows, **_model_metrics(dictionary, tree, model_inputs, at, metric))
