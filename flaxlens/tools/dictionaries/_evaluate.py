@@ -192,8 +192,7 @@ def _model_metrics(
   at: Any,
   metric: Callable[[Any, Any], Any] | None,
 ) -> dict[str, Any]:
-  """The clean, spliced and ablated losses (or metric) over `model_inputs`. Long because
-  it holds the loop's two ways (next-token loss and KL, or a metric) side by side."""
+  """The clean, spliced and ablated losses (or metric) over `model_inputs`, and the KLs."""
   reads = "output" if dictionary.config.kind == "sae" else "input"
   spliced = splice(tree, at, dictionary, error=False, reads=reads)
   ablation = [ablate(at)]

@@ -125,6 +125,7 @@ class Stream:
     reads, writes: the names of the values read and written, as `fl.capture` names them
       (`"layers_1/mlp:input"` for a call's input).
     buffer: the most rows held on the host.
+    dtype: the rows' dtype.
   """
 
   def __init__(
@@ -336,7 +337,12 @@ def stream(
       f" boolean (batch, positions) mask, got {positions!r}."
     )
   if dtype is not None:
-    dtype = np.dtype(jnp.dtype(dtype))
+    try:
+      dtype = np.dtype(jnp.dtype(dtype))
+    except TypeError as error:
+      raise ArgumentError(
+        f"fld.stream: dtype={dtype!r} is no dtype. Give one ('bfloat16', jnp.float32) or None."
+      ) from error
   read_names, layered = _site_names(tree, reads, "reads")
   write_names, write_layered = (
     (read_names, layered) if writes is None else _site_names(tree, writes, "writes")
