@@ -142,6 +142,12 @@ def lm(request):
   return ToyLM(request.param)
 
 
+@pytest.fixture(scope="module")
+def linen_lm():
+  """For what does not depend on the framework (options, refusals): one is enough."""
+  return ToyLM("linen")
+
+
 def _token_batches():
   return [jax.random.randint(jax.random.key(20 + i), (2, 6), 0, VOCAB) for i in range(2)]
 
@@ -197,8 +203,13 @@ def test_spliced_losses_match_the_models_own_run(lm, kind):
     np.testing.assert_allclose(
       getattr(result, f"kl_{name}"), kls[name] / count, rtol=1e-4, atol=1e-7
     )
-  recovered = (means["ablated"] - means["spliced"]) / (means["ablated"] - means["clean"])
-  np.testing.assert_allclose(result.loss_recovered, recovered, rtol=1e-4)
+  gap = means["ablated"] - means["clean"]
+  recovered = (means["ablated"] - means["spliced"]) / gap
+  # Each loss is within 1e-5 (relative) of float32 rounding; the ratio's error grows as
+  # the gap between ablated and clean shrinks (a random toy model's gap may be small).
+  error = 1e-5 * max(means.values())
+  tolerance = 2 * error * (1 + abs(recovered)) / abs(gap)
+  np.testing.assert_allclose(result.loss_recovered, recovered, rtol=0, atol=tolerance)
   assert "loss_recovered=" in repr(result)
 
 
@@ -225,7 +236,8 @@ def test_a_perfect_dictionary_recovers_all_and_a_zero_one_nothing(lm):
   assert nothing.loss_recovered == 0.0 and nothing.dead == 1.0 and nothing.l0 == 0.0
 
 
-def test_a_metric_replaces_the_next_token_loss(lm):
+def test_a_metric_replaces_the_next_token_loss(linen_lm):
+  lm = linen_lm
   tree, at = lm.tree(), lm.block.format(1)
   data = fld.stream(tree, _token_batches(), at, buffer=24)
   sae = _identity_sae()
@@ -253,7 +265,8 @@ def test_a_metric_replaces_the_next_token_loss(lm):
   np.testing.assert_allclose(result.loss_ablated, expected, rtol=1e-4)
 
 
-def test_refusals(lm):
+def test_refusals(linen_lm):
+  lm = linen_lm
   tree, at = lm.tree(), lm.block.format(0)
   data = fld.stream(tree, _token_batches(), at, buffer=24)
   with pytest.raises(fl.ArgumentError, match="reads 4 and writes 4"):

@@ -23,6 +23,14 @@ def tree(lm):
   return lm.tree()
 
 
+@pytest.fixture(scope="module")
+def linen():
+  """For what does not depend on the framework (the buffer, the options): the Linen toy
+  LM and its tree."""
+  lm = ToyLM("linen")
+  return lm, lm.tree()
+
+
 def _inputs(count=3):
   return [jax.random.randint(jax.random.key(10 + i), (2, 5), 0, VOCAB) for i in range(count)]
 
@@ -88,7 +96,8 @@ def test_clt_rows_stack_the_layers(lm, tree):
   )
 
 
-def test_a_mask_keeps_its_positions_and_last_the_last(lm, tree):
+def test_a_mask_keeps_its_positions_and_last_the_last(linen):
+  lm, tree = linen
   site = lm.block.format(1)
   xs = _inputs()
   masked = fld.stream(tree, xs, site, positions=lambda tokens: tokens % 2 == 0, buffer=7)
@@ -102,14 +111,16 @@ def test_a_mask_keeps_its_positions_and_last_the_last(lm, tree):
   )
 
 
-def test_rows_equal_a_harvests_rows(lm, tree, tmp_path):
+def test_rows_equal_a_harvests_rows(linen, tmp_path):
+  lm, tree = linen
   site = lm.block.format(0)
   stored = fl.harvest(tree, _inputs(), site, str(tmp_path / "store"), progress=False)
   inputs, _ = _all_rows(fld.stream(tree, _inputs(), site, buffer=10), 10)
   np.testing.assert_array_equal(_sorted_rows(inputs), _sorted_rows(stored[site][:]))
 
 
-def test_batches_are_shuffled_by_seed_across_inputs(lm, tree):
+def test_batches_are_shuffled_by_seed_across_inputs(linen):
+  lm, tree = linen
   site = lm.block.format(0)
   data = fld.stream(tree, _inputs(), site, buffer=30, dtype="bfloat16")
   first = list(data.batches(10, seed=3))
@@ -127,13 +138,15 @@ def test_batches_are_shuffled_by_seed_across_inputs(lm, tree):
   assert len(sources) > 1
 
 
-def test_a_function_gives_each_epochs_inputs(lm, tree):
+def test_a_function_gives_each_epochs_inputs(linen):
+  lm, tree = linen
   data = fld.stream(tree, lambda: iter(_inputs(2)), lm.block.format(0), buffer=20)
   assert sum(len(b.inputs) for b in data.batches(6, seed=0)) == 20
   assert sum(len(b.inputs) for b in data.batches(6, seed=1)) == 20
 
 
-def test_refusals(lm, tree):
+def test_refusals(linen):
+  lm, tree = linen
   site = lm.block.format(0)
   with pytest.raises(fl.ArgumentError, match="iterate afresh"):
     fld.stream(tree, iter(_inputs()), site)

@@ -158,19 +158,24 @@ def _row_metrics(
   }
 
 
-def next_token_loss(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The summed cross-entropy of `logits[:, :-1]` predicting `tokens[:, 1:]`, and the
-  number of predictions."""
-  logprobs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-  picked = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]
-  return -picked.sum(), jnp.asarray(picked.size)
+def _next_token_log_probs(logits: jax.Array) -> jax.Array:
+  return jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
 
 
-def _kl_sum(clean: jax.Array, other: jax.Array) -> jax.Array:
-  """The summed KL(clean || other) of next-token distributions over positions."""
-  clean_log = jax.nn.log_softmax(clean[:, :-1].astype(jnp.float32), axis=-1)
-  other_log = jax.nn.log_softmax(other[:, :-1].astype(jnp.float32), axis=-1)
-  return jnp.sum(jnp.exp(clean_log) * (clean_log - other_log))
+@jax.jit
+def _token_sums(tokens: jax.Array, clean: jax.Array, replaced: jax.Array, ablated: jax.Array):
+  """The summed next-token cross-entropy (`logits[:, :-1]` predicting `tokens[:, 1:]`) of
+  each run's logits, and the summed KL(clean || spliced), KL(clean || ablated)."""
+  runs = {"clean": clean, "spliced": replaced, "ablated": ablated}
+  log_probs = {name: _next_token_log_probs(logits) for name, logits in runs.items()}
+  sums = {
+    name: -jnp.take_along_axis(values, tokens[:, 1:, None], axis=-1).sum()
+    for name, values in log_probs.items()
+  }
+  clean_probs = jnp.exp(log_probs["clean"])
+  for name in ("spliced", "ablated"):
+    sums[f"kl_{name}"] = jnp.sum(clean_probs * (log_probs["clean"] - log_probs[name]))
+  return sums
 
 
 def _tokens(model_input: Any) -> jax.Array:
@@ -209,12 +214,9 @@ def _model_metrics(
         sums[name] += float(metric(clean, out))
       count += 1
       continue
-    for name, out in (("clean", clean), ("spliced", replaced), ("ablated", ablated)):
-      total, predictions = next_token_loss(out, tokens)
+    for name, total in _token_sums(tokens, clean, replaced, ablated).items():
       sums[name] += float(total)
-    sums["kl_spliced"] += float(_kl_sum(clean, replaced))
-    sums["kl_ablated"] += float(_kl_sum(clean, ablated))
-    count += int(predictions)
+    count += tokens.shape[0] * (tokens.shape[1] - 1)
   if count == 0:
     raise ArgumentError("fld.evaluate: model_inputs gave no input (or no predictions). Give some.")
   means = {name: value / count for name, value in sums.items()}
