@@ -106,7 +106,7 @@ def _batch_sums(dictionary: Dictionary, inputs: jax.Array, targets: jax.Array) -
   rows_axis = 1 if dictionary.config.kind == "clt" else 0
   active = features != 0
   return {
-    "active": active.sum(dtype=jnp.int32),
+    "active": active.sum(axis=-1, dtype=jnp.int32),  # per row: summed on the host
     "squared_error": jnp.sum((targets - reconstruction.astype(jnp.float32)) ** 2),
     "target_sum": targets.sum(axis=rows_axis),
     "target_squares": jnp.sum(targets**2, axis=rows_axis),
@@ -138,7 +138,8 @@ def _row_metrics(
     sums = _batch_sums(dictionary, inputs, targets)
     rows += int(inputs.shape[0])
     for key, value in sums.items():
-      totals[key] = totals.get(key, 0) + np.asarray(value, np.float64)
+      value = np.asarray(value, np.float64)
+      totals[key] = totals.get(key, 0) + (value.sum() if key == "active" else value)
   if rows == 0:
     raise ArgumentError(
       "fld.evaluate: the data gave no rows. Give data with rows (and batches= of at least 1)."
