@@ -32,6 +32,10 @@ from flaxlens.tools.dictionaries._data import (
   from_arrays,
   from_harvest,
 )
+from flaxlens.tools.dictionaries._evaluate import (
+  Evaluation,
+  evaluate,
+)
 from flaxlens.tools.dictionaries._files import (
   load,
   save,
@@ -56,6 +60,10 @@ from flaxlens.tools.dictionaries._splicing import (
   Replacement,
   replacement_run,
   splice,
+)
+from flaxlens.tools.dictionaries._stream import (
+  Stream,
+  stream,
 )
 from flaxlens.tools.dictionaries._training import (
   TrainResult,
@@ -88,10 +96,14 @@ __all__ = [
   "Rows",
   "from_arrays",
   "from_harvest",
+  "stream",
+  "Stream",
   "train",
   "Recipe",
   "TrainResult",
   "Checkpoints",
+  "evaluate",
+  "Evaluation",
   "splice",
   "replacement_run",
   "Replacement",
