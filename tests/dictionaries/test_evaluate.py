@@ -152,10 +152,32 @@ def _token_batches():
   return [jax.random.randint(jax.random.key(20 + i), (2, 6), 0, VOCAB) for i in range(2)]
 
 
-@pytest.mark.parametrize("kind", ["sae", "transcoder"])
+def _clt_edit(clt):
+  """A native edit replacing every MLP's output by the CLT's reconstruction, computed in
+  plain JAX from its weights: layer l's features from the MLP's own input at layer l,
+  output l from the features of layers 0..l."""
+  features = {}
+
+  def edited(layer, where, x, out):
+    if where != "mlp":
+      return out
+    features[layer] = jax.nn.relu(x @ clt.W_enc[...][layer] + clt.b_enc[...][layer])
+    written = clt.b_dec[...][layer]
+    for source in range(layer + 1):
+      written = written + features[source] @ clt.W_dec[source][...][:, layer - source]
+    return written
+
+  return edited
+
+
+@pytest.mark.parametrize("kind", ["sae", "transcoder", "clt"])
 def test_spliced_losses_match_the_models_own_run(lm, kind):
   tree = lm.tree()
-  if kind == "sae":
+  if kind == "clt":
+    at = [lm.mlp.format(0), lm.mlp.format(1)]
+    dictionary = _randomised(fld.CrossLayerTranscoder(2, WIDTH, WIDTH, 16, rngs=nnx.Rngs(0)), 9)
+    data = fld.stream(tree, _token_batches(), at, at, on="input", buffer=24)
+  elif kind == "sae":
     at, where = lm.block.format(0), "block"
     dictionary = _randomised(fld.SAE(WIDTH, 16, rngs=nnx.Rngs(0)), 7)
     data = fld.stream(tree, _token_batches(), at, buffer=24)
@@ -166,9 +188,13 @@ def test_spliced_losses_match_the_models_own_run(lm, kind):
   dictionary.b_enc[...] = (
     np.asarray(dictionary.b_enc[...]) + 1.0
   )  # most features fire: a useful splice
-  layer = int(at.split("/")[0][-1]) if lm.framework == "linen" else int(at.split("/")[1])
+  if kind != "clt":
+    layer = int(at.split("/")[0][-1]) if lm.framework == "linen" else int(at.split("/")[1])
 
   def edit(replace):
+    if kind == "clt":
+      return _clt_edit(dictionary)
+
     def edited(at_layer, at_where, x, out):
       return replace(x, out) if (at_layer, at_where) == (layer, where) else out
 
@@ -180,7 +206,14 @@ def test_spliced_losses_match_the_models_own_run(lm, kind):
     "spliced": jax.jit(
       lambda t: lm.native(t, edit(lambda x, out: dictionary(x if reads_input else out)))
     ),
-    "ablated": jax.jit(lambda t: lm.native(t, edit(lambda x, out: jnp.zeros_like(out)))),
+    "ablated": jax.jit(
+      lambda t: lm.native(
+        t,
+        (lambda l, w, x, out: jnp.zeros_like(out) if w == "mlp" else out)  # noqa: E741
+        if kind == "clt"
+        else edit(lambda x, out: jnp.zeros_like(out)),
+      )
+    ),
   }
   sums, kls, count = dict.fromkeys(runs, 0.0), {"spliced": 0.0, "ablated": 0.0}, 0
   for tokens in _token_batches():
@@ -275,10 +308,6 @@ def test_refusals(linen_lm):
     fld.evaluate(_identity_sae(), data, tree=tree)
   with pytest.raises(fl.ArgumentError, match="need tree="):
     fld.evaluate(_identity_sae(), data, at=at)
-  clt_data = fld.stream(tree, _token_batches(), [at], buffer=24)
-  clt = fld.CrossLayerTranscoder(1, WIDTH, WIDTH, 16, rngs=nnx.Rngs(0))
-  with pytest.raises(fl.ArgumentError, match="CLT splice"):
-    fld.evaluate(clt, clt_data, tree=tree, model_inputs=_token_batches(), at=at)
   floats = [jnp.ones((2, 6))]
   with pytest.raises(fl.ArgumentError, match="token ids"):
     fld.evaluate(_identity_sae(), data, batch_size=8, tree=tree, model_inputs=floats, at=at)

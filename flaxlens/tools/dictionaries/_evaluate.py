@@ -6,9 +6,9 @@ one compiled program per batch shape gives the batch's sums (active features, sq
 errors, the targets' sums and squares, each feature's activations); the host adds them
 up in float64, so nothing holds more than one batch and the variance is the data's own
 (the mean is the data's, not a batch's). Given a tree, the dictionary is spliced into it
-(`fl.splice`, reconstruction only) and each model input runs clean, spliced and with the
-site zero-ablated: the next-token loss (or a given metric) and KL of each. No Flax
-internals here.
+(`fld.splice`, reconstruction only; a CLT at each of its layers' calls) and each model
+input runs clean, spliced and with the site (every site, for a CLT) zero-ablated: the
+next-token loss (or a given metric) and KL of each. No Flax internals here.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from flax import nnx
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.errors import ArgumentError
 from flaxlens.tools.analysis._interventions import ablate
-from flaxlens.tools.analysis._splice import splice
 from flaxlens.tools.base._probed import run
 from flaxlens.tools.dictionaries._modules import Dictionary
+from flaxlens.tools.dictionaries._splicing import splice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,9 +199,8 @@ def _model_metrics(
   metric: Callable[[Any, Any], Any] | None,
 ) -> dict[str, Any]:
   """The clean, spliced and ablated losses (or metric) over `model_inputs`, and the KLs."""
-  reads = "output" if dictionary.config.kind == "sae" else "input"
-  spliced = splice(tree, at, dictionary, error=False, reads=reads)
-  ablation = [ablate(at)]
+  spliced = splice(tree, dictionary, at, error=False)
+  ablation = [ablate(list(at) if isinstance(at, list | tuple) else at)]
   sums = {"clean": 0.0, "spliced": 0.0, "ablated": 0.0, "kl_spliced": 0.0, "kl_ablated": 0.0}
   count = 0
   for model_input in model_inputs:
@@ -266,7 +265,8 @@ def evaluate(
     dense_above: the activation frequency above which a feature counts as dense.
     tree: a converted tree to splice the dictionary into; None: rows only.
     model_inputs: the model inputs (an iterable) for the spliced metrics.
-    at: the site the dictionary stands in for (the call whose output it replaces).
+    at: the site the dictionary stands in for (the call whose output it replaces; for a
+      CLT, the list of its layers' calls, as `fld.splice` takes).
     metric: `metric(clean_out, out) -> scalar`, lower is better, averaged over inputs,
       in place of the next-token loss (then no KL is given).
 
@@ -276,7 +276,7 @@ def evaluate(
   Raises:
     ArgumentError: the data's widths are not the dictionary's, there are no rows or
       inputs, `tree` comes without `model_inputs` and `at`, the inputs are not token ids
-      and no `metric` is given, or a CLT is to be spliced (not yet: rows only).
+      and no `metric` is given.
 
   Example:
     >>> import flaxlens.dictionaries as fld, jax, jax.numpy as jnp
@@ -314,12 +314,6 @@ def evaluate(
       raise ArgumentError(
         "fld.evaluate: tree= measures the dictionary spliced into the model, which needs"
         " model_inputs= (the inputs to run) and at= (the site it stands in for). Give both."
-      )
-    if dictionary.config.kind == "clt":
-      raise ArgumentError(
-        "fld.evaluate: a CLT's spliced metrics need the CLT splice (fld.splice at a list"
-        " of MLP calls), which fld.evaluate does not run yet. Evaluate its rows (leave"
-        " tree= out)."
       )
   rows = _row_metrics(dictionary, data, batch_size, batches, seed, dense_above)
   if tree is None:
