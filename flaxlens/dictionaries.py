@@ -23,6 +23,8 @@ from flaxlens.tools.dictionaries._activations import (
   heaviside,
   jump_relu,
 )
+from flaxlens.tools.dictionaries._checkpoints import Checkpoints
+from flaxlens.tools.dictionaries._data import DictionaryData, Rows, from_arrays, from_harvest
 from flaxlens.tools.dictionaries._modules import (
   SAE,
   CrossLayerTranscoder,
@@ -31,19 +33,29 @@ from flaxlens.tools.dictionaries._modules import (
   Transcoder,
   make_dictionary,
 )
+from flaxlens.tools.dictionaries._recipes import Recipe
+from flaxlens.tools.dictionaries._training import TrainResult, train
 
 __all__ = [
   "SAE",
   "Activation",
   "BatchTopK",
+  "Checkpoints",
   "CrossLayerTranscoder",
   "Dictionary",
   "DictionaryConfig",
+  "DictionaryData",
   "JumpReLU",
+  "Recipe",
   "ReLU",
+  "Rows",
   "TopK",
+  "TrainResult",
   "Transcoder",
+  "from_arrays",
+  "from_harvest",
   "heaviside",
   "jump_relu",
   "make_dictionary",
+  "train",
 ]
