@@ -25,6 +25,7 @@ from flaxlens.tools.dictionaries._activations import (
 )
 from flaxlens.tools.dictionaries._checkpoints import Checkpoints
 from flaxlens.tools.dictionaries._data import DictionaryData, Rows, from_arrays, from_harvest
+from flaxlens.tools.dictionaries._evaluate import Evaluation, evaluate
 from flaxlens.tools.dictionaries._modules import (
   SAE,
   CrossLayerTranscoder,
@@ -34,6 +35,7 @@ from flaxlens.tools.dictionaries._modules import (
   make_dictionary,
 )
 from flaxlens.tools.dictionaries._recipes import Recipe
+from flaxlens.tools.dictionaries._stream import Stream, stream
 from flaxlens.tools.dictionaries._training import TrainResult, train
 
 __all__ = [
@@ -45,17 +47,21 @@ __all__ = [
   "Dictionary",
   "DictionaryConfig",
   "DictionaryData",
+  "Evaluation",
   "JumpReLU",
   "Recipe",
   "ReLU",
   "Rows",
+  "Stream",
   "TopK",
   "TrainResult",
   "Transcoder",
+  "evaluate",
   "from_arrays",
   "from_harvest",
   "heaviside",
   "jump_relu",
   "make_dictionary",
+  "stream",
   "train",
 ]
