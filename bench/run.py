@@ -34,6 +34,7 @@ from bench.cases import (
   compilation_cache,
   compile_time,
   conversion,
+  dictionaries,
   eager_call,
   experts,
   extra_bytes,
@@ -65,6 +66,7 @@ CASES = (
   paths,
   compilation_cache,
   compare,
+  dictionaries,
 )
 
 
