@@ -77,6 +77,7 @@ class DictionarySizes:
   steps: int  # per timed training call
   rows: int  # in the .npy both sides read
   reps: int
+  warm_up: bool  # an untimed call of each contender first (fld.train compiles in each call)
   kinds: tuple[str, ...]  # "relu" (SAELens "standard"), "topk"
   stream_width: int
   stream_batch_size: int
@@ -90,15 +91,15 @@ class DictionarySizes:
 
 SIZES = {
   FULL: DictionarySizes(
-    d_in=128, width=1024, k=32, batch_size=1024, steps=12, rows=32768, reps=5,
+    d_in=128, width=1024, k=32, batch_size=1024, steps=12, rows=32768, reps=5, warm_up=True,
     kinds=("relu", "topk"), stream_width=1024, stream_batch_size=512, stream_steps=12,
     stream_buffer=4096, memory_d=16, memory_width=64, memory_batch_size=16384,
     memory_tokens=(10_000_000, 100_000_000),
   ),
   QUICK: DictionarySizes(
-    d_in=8, width=32, k=4, batch_size=64, steps=4, rows=1024, reps=1, kinds=("relu",),
-    stream_width=64, stream_batch_size=32, stream_steps=4, stream_buffer=64, memory_d=8,
-    memory_width=16, memory_batch_size=1024, memory_tokens=(20_000, 200_000),
+    d_in=8, width=32, k=4, batch_size=64, steps=4, rows=1024, reps=1, warm_up=False,
+    kinds=("relu",), stream_width=64, stream_batch_size=32, stream_steps=4, stream_buffer=64,
+    memory_d=8, memory_width=16, memory_batch_size=1024, memory_tokens=(20_000, 200_000),
   ),
 }  # fmt: skip
 LEARNING_RATE = 3e-4
@@ -197,7 +198,7 @@ def _throughput_rows(chosen: DictionarySizes, directory: str, progress: Progress
       contenders[f"saelens {kind}"] = lambda kind=kind: _steady(theirs[kind].ask("run"))
   progress(f"{NAME}: throughput ({', '.join(contenders)})")
   try:
-    samples = interleaved(contenders, chosen.reps)
+    samples = interleaved(contenders, chosen.reps, chosen.warm_up)
   finally:
     for worker in (ours, *theirs.values()):
       worker.close()
@@ -272,6 +273,7 @@ def _stream_row(chosen: DictionarySizes, sizes: Sizes, directory: str, progress:
         "forward": lambda: _steady(worker.ask("forward")),
       },
       chosen.reps,
+      chosen.warm_up,
     )
   finally:
     worker.close()
@@ -509,6 +511,9 @@ def _worker(spec: dict[str, Any]) -> None:
     commands["stream"] = lambda: streamed.train(streamed.stream)
     commands["store"] = lambda: streamed.train(streamed.store)
     commands["forward"] = streamed.forward
+  for name in ("bare", "forward"):  # compiled here: their timings start at their second step
+    if name in commands:
+      commands[name]()
   print(json.dumps({"ready": sorted(commands)}), flush=True)
   for line in sys.stdin:
     print(json.dumps(commands[line.strip()]()), flush=True)
