@@ -7,8 +7,10 @@ ratios. Where a target is missed, the report says by how much, splits the cost i
 measured parts and adds a cProfile summary of the flaxlens side. Penzai is an optional
 comparison (`pip install -e ".[bench]"`); without it its rows say "not installed", as do
 case 14's rows (TransformerLens, nnsight and PyTorch next to flaxlens on one Hugging Face
-GPT-2) without the packages of `pip install -e ".[bench,models]"` (a CPU torch first). Rows
-whose API does not exist yet say "not yet available".
+GPT-2) without the packages of `pip install -e ".[bench,models]"` (a CPU torch first), and
+case 15's SAELens rows without `FLAXLENS_BENCH_SAELENS_PYTHON` naming the interpreter of an
+environment with `sae-lens` installed (its pins clash with ours). Rows whose API does not
+exist yet say "not yet available".
 
 This file is the entry point; the package `bench` holds the harness, the models, the
 table of targets (`bench/targets.py`), one module per case (`bench/cases/`) and the report.
@@ -34,6 +36,7 @@ from bench.cases import (
   compilation_cache,
   compile_time,
   conversion,
+  dictionaries,
   eager_call,
   experts,
   extra_bytes,
@@ -65,6 +68,7 @@ CASES = (
   paths,
   compilation_cache,
   compare,
+  dictionaries,
 )
 
 

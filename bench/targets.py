@@ -354,4 +354,40 @@ TARGETS: dict[str, Target] = {
     " none, and it should still answer no later than they do.",
     "compare",
   ),
+  # Issue 37 (dictionaries); case 15.
+  "dictionary_vs_saelens": Target(
+    "fld.train tokens/s / SAELens's, same activations, width, kind and CPU (one thread each)",
+    "≥",
+    "1.5",
+    "A training step is one compiled XLA program (forward, loss, backward, adam fused) where"
+    " SAELens runs PyTorch's eager operations and its trainer's Python per step; on the same"
+    " CPU that should be clearly faster, and 1.5 is the issue's bound.",
+    "dictionaries",
+  ),
+  "dictionary_vs_bare_step": Target(
+    "fld.train tokens/s / a bare jitted optax step on a batch already on the device",
+    "≥",
+    "0.8",
+    "What fld.train adds to the step a user would write by hand (drawing each batch and"
+    " copying it to the device, dead-feature counters, the non-finite guard, the metrics)"
+    " must cost at most a fifth of the throughput.",
+    "dictionaries",
+  ),
+  "dictionary_stream": Target(
+    "fld.train streaming from the model / from a harvest store plus the model's forward",
+    "≤",
+    "1.3",
+    "Streaming must run the forward that a store ran once already; beyond that, capturing"
+    " the site, the host buffer and its shuffle may cost at most 30% of forward and step.",
+    "dictionaries",
+  ),
+  "dictionary_rss_flat": Target(
+    "peak host RSS of fld.train over 100 M tokens / over 10 M",
+    "flat",
+    "1.10",
+    "Training holds a batch or two and the dictionary's state, never the data, so its memory"
+    " must not grow with the tokens; 10% is room for the allocator's and the runtime's noise"
+    " (and the per-step history, 24 bytes a step).",
+    "dictionaries",
+  ),
 }
