@@ -29,6 +29,7 @@ WORKFLOW_PAGES = [
   "export.md",
   "sharding.md",
   "harvest.md",
+  "dictionaries.md",
   "training-interventions.md",
   "circuits.md",
   "compilation.md",
