@@ -109,7 +109,8 @@ views = fld.feature_views(
   sae, store, "Block_1", [feature], tokens=np.concatenate(list(token_batches(32, 16))),
   unembedding="Dense_0", tree=tree, top=5,
 )  # fmt: skip
-page = views.to_html(tempfile.mkdtemp() + "/features.html")
+page = tempfile.mkdtemp() + "/features.html"
+views.to_html(page)
 print(f"feature {feature}: {views[feature].histogram.active} active rows; page at {page}")
 
 # 6. Random access: a row, where it came from, and its token.
