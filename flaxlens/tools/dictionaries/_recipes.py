@@ -193,11 +193,19 @@ def _aux_loss(
   config = dictionary.config
   aux_k = min(recipe.aux_k or max(config.d_in // 2, 1), config.width)
   dead = _per_feature(since_fired >= recipe.dead_steps, pre)
-  candidates = jnp.where(dead, pre, -jnp.inf)
-  smallest = jax.lax.top_k(candidates, aux_k)[0][..., -1:]
-  chosen = jnp.where(dead & (candidates >= smallest), jax.nn.relu(pre), 0)
-  bias = dictionary.decode(jnp.zeros_like(chosen[..., :1, :]))
-  predicted = dictionary.decode(chosen) - bias
-  residual = jax.lax.stop_gradient(error)
-  loss = jnp.sum((residual - predicted) ** 2) / pre.shape[-2]
-  return jnp.where(jnp.any(since_fired >= recipe.dead_steps), loss, 0.0)
+
+  def aux() -> jax.Array:
+    candidates = jnp.where(dead, pre, -jnp.inf)
+    smallest = jax.lax.top_k(candidates, aux_k)[0][..., -1:]
+    chosen = jnp.where(dead & (candidates >= smallest), jax.nn.relu(pre), 0)
+    bias = dictionary.decode(jnp.zeros_like(chosen[..., :1, :]))
+    predicted = dictionary.decode(chosen) - bias
+    residual = jax.lax.stop_gradient(error)
+    return (jnp.sum((residual - predicted) ** 2) / pre.shape[-2]).astype(pre.dtype)
+
+  # A branch, not a mask: while no latent is dead (most steps) the top-k and the second
+  # decode are not computed at all (measured: TopK's step 255 ms -> 72 ms at d 128,
+  # width 1024, batch 1024, one CPU thread).
+  return jax.lax.cond(
+    jnp.any(since_fired >= recipe.dead_steps), aux, lambda: jnp.zeros((), pre.dtype)
+  )
