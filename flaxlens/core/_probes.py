@@ -163,7 +163,7 @@ class Probing:
     for edited in self.edited_calls.values():
       for edit in edited.edits:
         if isinstance(edit, OneIteration) and edited.site in self.reached:
-          edit.check(edited.site, self.enclosing.get(edited.site, ()))
+          check_iteration(edited.site, edit.iteration, self.enclosing.get(edited.site, ()))
     if self.every_call and self.diverged:
       raise CallStructureError(
         f"This run made call(s) conversion did not see ({'; '.join(self.diverged[:3])}):"
@@ -211,7 +211,7 @@ class OneIteration(Struct):
     """`value` edited where the enclosing scans are at `iteration`, else as it was."""
     iterations = scan_iterations()
     if len(iterations) != len(self.iteration) or any(i is None for i in iterations):
-      return value  # a shape trace of a scan body, or a refused site (`check`)
+      return value  # a shape trace of a scan body, or a site the run refuses (`results`)
     chosen = functools.reduce(
       jax.numpy.logical_and, [i == k for i, k in zip(iterations, self.iteration, strict=True)]
     )
@@ -222,11 +222,6 @@ class OneIteration(Struct):
       value,
     )
 
-  def check(self, site: str, enclosing: tuple[int | None, ...]) -> None:
-    """Refuses the edit where the call at `site` ran in `enclosing` (the lengths of its
-    scans, None for a vmap) without the iteration it names."""
-    check_iteration(site, self.iteration, enclosing)
-
 
 def check_iteration(
   site: str, iteration: tuple[int, ...], enclosing: tuple[int | None, ...]
@@ -235,8 +230,9 @@ def check_iteration(
   ran in the scans of lengths `enclosing` (None for a vmap body).
 
   Raises:
-    SelectionError: the call runs in no scan, in a vmap body, in another number of
-      scans, or the scans have no such iteration.
+    SelectionError: the call runs in no scan, in another number of scans, or the scans
+      have no such iteration.
+    UnsupportedFlaxFeatureError: the call runs in a vmap body.
   """
   name = f"{site}[{','.join(map(str, iteration))}]"
   if None in enclosing:

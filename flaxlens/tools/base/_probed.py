@@ -528,8 +528,9 @@ def run(
   `"all"`) captures every call. A call inside `nn.scan`/`nnx.scan` (or `vmap`) is one
   site, edited at every iteration and captured stacked along a new leading axis (outer
   transforms first); the site name with an iteration suffix (`"layers[2]"`, as
-  `fl.sweep` names its rows) edits and captures one iteration of the scans only. Sites, parts and values are checked while the run is traced,
-  before anything is compiled; `fl.save_interventions` saves a list of interventions.
+  `fl.sweep` names its rows) edits and captures one iteration of the scans only. Sites,
+  parts and values are checked while the run is traced, before anything is compiled;
+  `fl.save_interventions` saves a list of interventions.
   Every call a site names must be made by the run (a run that takes another branch
   than conversion raises), unless `unreached="ignore"`.
 
