@@ -7,7 +7,8 @@ docs/your-model.md says, library by library, which road its models take.
     stacked along a leading layer axis) and run with `jax.lax.scan` over a rematerialized
     body that merges one layer's slice of the weights, as MaxText's NNX decoder does. Its
     state is saved with Orbax, restored into an abstract model (`nnx.eval_shape`), and
-    converted; then a capture of every layer, a per-layer patching sweep and a harvest.
+    converted; then a capture of every layer, a capture and an ablation of one layer of
+    the scan (the site `decoder/layers[2]`), a per-layer patching sweep and a harvest.
 (b) A Llama-like NNX model whose weights come from a safetensors file written with Hugging
     Face's names and layout (`model.layers.0.self_attn.q_proj.weight`, `[out, in]` as
     PyTorch stores a Linear), mapped onto the NNX model by a table of name patterns, as
@@ -258,6 +259,13 @@ def main() -> None:
   _, cache = fl.capture(tree, clean, "decoder/layers")
   residual = cache["decoder/layers"]  # (layers, batch, length, dim): layer i's output is [i]
   print("    residual stream after each layer:", residual.shape)
+
+  # One layer of the scan is a site of its own: `decoder/layers[2]` (as the sweep names its
+  # rows) captures layer 2's output alone, and an intervention there edits layer 2 only.
+  _, cache = fl.capture(tree, clean, "decoder/layers[2]")
+  print("    layer 2's output alone:", cache["decoder/layers[2]"].shape)
+  ablated = fl.run(tree, clean, interventions=[fl.ablate("decoder/layers[2]")])
+  print("    logits with layer 2's output ablated:", ablated.shape)
 
   # 2. A sweep patches each layer of the scan alone: one row per layer, `decoder/layers[i]`.
   difference = lambda logits: (logits[:, -1, 5] - logits[:, -1, 6]).mean()

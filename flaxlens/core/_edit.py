@@ -123,6 +123,7 @@ class EditedCall(Layer):
     when `probing` (the run's `Probing`) is given, the captures recorded in it."""
     if probing is not None:
       probing.reached.add(self.site)
+      probing.note_enclosing(self.site)
     before = [e for e in self.edits if e.on == "input"]
     after = [e for e in self.edits if e.on != "input"]
     args, kwargs = tuple(argument.args), dict(argument.kwargs)

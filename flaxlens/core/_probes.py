@@ -25,7 +25,11 @@ An edited call the run never made (another branch than conversion took) would dr
 its edits and captures: unless the run allows it, it raises `CallStructureError`.
 A probing made `indexed` also wraps scans when it captures nothing, and gives each scan
 body its iteration number, which edits read with `scan_iterations()` (to patch one
-iteration of a call inside `nn.scan`/`nnx.scan`, say). No Flax internals here.
+iteration of a call inside `nn.scan`/`nnx.scan`, say), and records, for each probed call,
+the lengths of the scans it ran in (`enclosing`). A `OneIteration` edit applies its edit
+at one iteration of the scans around its call only (the site `"layers[2]"`); the run
+refuses one whose call runs in no scan, in a vmap, or has no such iteration. No Flax
+internals here.
 """
 
 from __future__ import annotations
@@ -40,9 +44,10 @@ import jax
 
 from flaxlens._compat import tracing
 from flaxlens.core._active import current_interceptor
-from flaxlens.core._edit import EditedCall, RecordingEdit
+from flaxlens.core._edit import Edit, EditedCall, RecordingEdit
+from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._thread_attributes import ScopedAttributes
-from flaxlens.errors import CallStructureError, UnsupportedFlaxFeatureError
+from flaxlens.errors import CallStructureError, SelectionError, UnsupportedFlaxFeatureError
 
 
 class Channel:
@@ -66,6 +71,10 @@ class Probing:
     indexed: whether edits read `scan_iterations()` (then staged bodies are wrapped).
     iterations: the iteration numbers of the scan bodies being traced, outermost first
       (None for a vmap body).
+    lengths: the lengths of those scans (None for a vmap body), alike.
+    enclosing: `{site: lengths}`: the scans (None: a vmap) each probed call ran in, in an
+      indexed run: the most seen (a body Flax traces beforehand to learn shapes sees
+      fewer).
     channels: the open channels, the run's own first.
     stray: `{site: where}` for values captured in a trace no channel carries out.
     reached: the names of the probes whose calls the run made (traced, that is: a call
@@ -92,6 +101,8 @@ class Probing:
     )
     self.indexed = indexed
     self.iterations: list[Any] = []
+    self.lengths: list[int | None] = []
+    self.enclosing: dict[str, tuple[int | None, ...]] = {}
     self.channels: list[Channel] = []
     self.stray: dict[str, str] = {}
     self.reached: set[str] = set()
@@ -149,6 +160,10 @@ class Probing:
         " name (it took another branch than the example arguments at conversion), so"
         f" their edits and captures would be dropped. {self.unreached_fix}"
       )
+    for edited in self.edited_calls.values():
+      for edit in edited.edits:
+        if isinstance(edit, OneIteration) and edited.site in self.reached:
+          check_iteration(edited.site, edit.iteration, self.enclosing.get(edited.site, ()))
     if self.every_call and self.diverged:
       raise CallStructureError(
         f"This run made call(s) conversion did not see ({'; '.join(self.diverged[:3])}):"
@@ -165,6 +180,82 @@ class Probing:
         " forward pass. Interventions there work; capture the enclosing call instead."
       )
     return self.channels[0].values if self.channels else {}
+
+  def note_enclosing(self, site: str) -> None:
+    """Records the scans the call `site` runs in now (an indexed run's probed call)."""
+    if self.indexed and len(self.lengths) >= len(self.enclosing.get(site, ())):
+      self.enclosing[site] = tuple(self.lengths)
+
+
+class OneIteration(Struct):
+  """An edit applied at one iteration of the scans around its call only: the site
+  `"layers[2]"` of an intervention. Needs an indexed run (`Probing(indexed=True)`).
+
+  Attributes:
+    wrapped: the edit applied at that iteration (an `Intervention`).
+    iteration: the iteration of each enclosing scan, outermost first.
+  """
+
+  wrapped: Edit
+  iteration: tuple[int, ...] = static_field()
+
+  @property
+  def on(self) -> str:
+    return self.wrapped.on
+
+  @property
+  def part(self) -> Any:
+    return self.wrapped.part
+
+  def edit(self, site: str, argument: Any, value: Any) -> Any:
+    """`value` edited where the enclosing scans are at `iteration`, else as it was."""
+    iterations = scan_iterations()
+    if len(iterations) != len(self.iteration) or any(i is None for i in iterations):
+      return value  # a shape trace of a scan body, or a site the run refuses (`results`)
+    chosen = functools.reduce(
+      jax.numpy.logical_and, [i == k for i, k in zip(iterations, self.iteration, strict=True)]
+    )
+    edited = self.wrapped.edit(site, argument, value)
+    return jax.tree_util.tree_map(
+      lambda new, old: jax.numpy.where(chosen, new, old) if _is_array(old) else new,
+      edited,
+      value,
+    )
+
+
+def check_iteration(
+  site: str, iteration: tuple[int, ...], enclosing: tuple[int | None, ...]
+) -> None:
+  """Refuses the iteration `iteration` (one number per scan) of the call at `site`, which
+  ran in the scans of lengths `enclosing` (None for a vmap body).
+
+  Raises:
+    SelectionError: the call runs in no scan, in another number of scans, or the scans
+      have no such iteration.
+    UnsupportedFlaxFeatureError: the call runs in a vmap body.
+  """
+  name = f"{site}[{','.join(map(str, iteration))}]"
+  if None in enclosing:
+    raise UnsupportedFlaxFeatureError(
+      f"{name}: this call runs inside a vmap body, which computes all its elements at"
+      " once, so one of them cannot be addressed alone; only the iterations of scans"
+      f" (nn.scan, nnx.scan, jax.lax.scan) can. Give the site {site!r} without the suffix."
+    )
+  if len(enclosing) != len(iteration):
+    scans = f"{len(enclosing)} scan(s) of lengths {list(enclosing)}" if enclosing else "no scan"
+    raise SelectionError(
+      f"{name}: this call runs in {scans} that flaxlens numbers (nn.scan, nnx.scan,"
+      f" jax.lax.scan), and the suffix gives {len(iteration)} iteration number(s). Give one"
+      f" number per enclosing scan ({site}[i] for one scan, {site}[i,j] for two), or the"
+      f" site {site!r} without the suffix."
+    )
+  outside = [(k, n) for k, n in zip(iteration, enclosing, strict=True) if not 0 <= k < n]
+  if outside:
+    raise SelectionError(
+      f"{name}: the scan(s) around this call run {list(enclosing)} iteration(s), so"
+      f" iteration {outside[0][0]} does not exist. Give iterations from 0 to"
+      f" {outside[0][1] - 1}."
+    )
 
 
 def _is_array(x: Any) -> bool:
@@ -234,12 +325,14 @@ def _wrap_scan(original: Callable[..., Any]) -> Callable[..., Any]:
       if indexed:
         x, i = x
         probing.iterations.append(i)
+        probing.lengths.append(length)
       try:
         with probing.channel() as channel:
           carry, y = f(carry, x)
       finally:
         if indexed:
           probing.iterations.pop()
+          probing.lengths.pop()
       return carry, (y, channel.values)
 
     bound.arguments["f"] = body
@@ -266,12 +359,14 @@ def _wrap_mapped(original: Callable[..., Any], axes_argument: str | None) -> Cal
     def body(*a: Any, **k: Any) -> Any:
       if mapped:  # a vmap body: its elements have no iteration number
         probing.iterations.append(None)
+        probing.lengths.append(None)
       try:
         with probing.channel() as channel:
           out = fun(*a, **k)
       finally:
         if mapped:
           probing.iterations.pop()
+          probing.lengths.pop()
       return out, channel.values
 
     first = next(iter(signature.parameters))

@@ -117,6 +117,35 @@ def test_sweep_patches_each_layer_of_the_scan_as_a_native_edit(decoder):
   np.testing.assert_allclose(result.values, expected, rtol=1e-5, atol=1e-6)
 
 
+def _native_scan_edited(model, tokens, layer, edit):
+  """The decoder's own scan with `edit` applied to the output of layer `layer` only: the
+  iteration number rides along with each layer's slice, as a hand-written native edit."""
+  graphdef, params, rest = nnx.split(model.decoder.layers, nnx.Param, ...)
+
+  def layer_fn(carry, sliced):
+    layer_state, i = sliced
+    output = nnx.merge(graphdef, *layer_state)(carry)
+    return jnp.where(i == layer, edit(output), output), None
+
+  x, _ = jax.lax.scan(
+    jax.checkpoint(layer_fn), model.token_embedder(tokens), ((params, rest), jnp.arange(4))
+  )
+  return model.token_embedder.attend(model.decoder.decoder_norm(x))
+
+
+def test_one_layer_of_the_scan_is_a_site_ablated_and_captured_alone(decoder):
+  _, model, tree, clean = decoder
+  ablated = fl.run(tree, clean, interventions=[fl.ablate("decoder/layers[2]")])
+  native = nnx.jit(_native_scan_edited, static_argnums=(2, 3))(model, clean, 2, jnp.zeros_like)
+  assert_trees_equal(ablated, native)
+  steer = fl.steer("decoder/layers[1]", jnp.ones(32), alpha=0.5)
+  eager = fl.run(tree, clean, interventions=[steer], jit=False)
+  add = lambda x: x + 0.5 * jnp.ones(32)
+  assert_trees_equal(eager, _native_scan_edited(model, clean, 1, add))
+  _, cache = fl.capture(tree, clean, "decoder/layers[2]")
+  assert_trees_equal(cache["decoder/layers[2]"], nnx.jit(_native_scan)(model, clean)[2])
+
+
 def test_harvest_of_the_scanned_layer_keeps_every_layer_in_each_tokens_row(decoder, tmp_path):
   _, _, tree, clean = decoder
   batches = [clean, (clean + 7) % 64]

@@ -21,7 +21,7 @@ from flaxlens.core._checks import check_items, refuse
 from flaxlens.core._edit import EditedCall
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree
-from flaxlens.core._probes import Probing
+from flaxlens.core._probes import OneIteration, Probing, check_iteration
 from flaxlens.core._runtime import resolve_random_streams, run_tree
 from flaxlens.core._struct import Struct
 from flaxlens.core._variables import (
@@ -47,7 +47,7 @@ from flaxlens.tools.base._sites import (
   check_part,
   every_call,
   no_match,
-  select_sites,
+  select_iterations,
   sites_of,
 )
 
@@ -105,7 +105,7 @@ def edited_calls(
     chosen = (
       sites
       if capture is True
-      else select_sites(tree, plain, sites)
+      else [site for site, _ in select_iterations(tree, plain, sites)]
       if plain or not recording
       else []
     )
@@ -190,7 +190,10 @@ def _edits_of(
     return intervention.at.edits_of(tree, sites, intervention)
   if isinstance(intervention.at, SiteObject):
     raise refuse_site_object(intervention.at, Intervenable, "fl.run")
-  return [(site, intervention) for site in select_sites(tree, intervention.at, sites)]
+  return [
+    (site, intervention if iteration is None else OneIteration(intervention, iteration))
+    for site, iteration in select_iterations(tree, intervention.at, sites)
+  ]
 
 
 def _check_dtype(dtype: Any) -> None:
@@ -257,9 +260,61 @@ def run_once(tree: CallNode, argument: ArgsAndKwargs, options: RunOptions) -> An
     every_call(capture) or any(every_call(i.at) for i in interventions)
   )
   key = (interventions, capture, options.inputs, options.index, options.dtype)
-  return probed_run(
-    tree, argument, probes, options.random_streams, key, _UNREACHED_FIX, every_call=all_calls
+  slices, whole = _iteration_captures(tree, capture)
+  indexed = bool(slices) or any(
+    isinstance(edit, OneIteration) for call in probes.values() for edit in call.edits
   )
+  probing = Probing(probes, indexed=indexed, unreached_fix=_UNREACHED_FIX, every_call=all_calls)
+  output = run_tree(tree, argument, options.random_streams, {}, probing=probing, probing_key=key)
+  return output, _sliced(probing, slices, whole, options.inputs)
+
+
+class _IterationCapture(NamedTuple):
+  """A captured site given with an iteration suffix (`"layers[2]"`)."""
+
+  name: str  # as given: the key of its value in the result
+  site: str  # the site's name: the key of its stacked value in the run's captures
+  iteration: tuple[int, ...]
+
+
+def _iteration_captures(tree: CallNode, capture: Any) -> tuple[list[_IterationCapture], set[str]]:
+  """The captured sites `capture` names with an iteration suffix, and the names of the
+  sites it names without one (captured whole)."""
+  if capture is None or isinstance(capture, bool) or every_call(capture):
+    return [], set()
+  options = capture if isinstance(capture, tuple) else (capture,)
+  sites = sites_of(tree)
+  found, whole = [], set()
+  for option in options:
+    if isinstance(option, SiteObject):
+      continue
+    for site, iteration in select_iterations(tree, option, sites):
+      if iteration is None:
+        whole.add(site.name)
+      else:
+        name = f"{site.name}[{','.join(map(str, iteration))}]"
+        found.append(_IterationCapture(name, site.name, iteration))
+  return found, whole
+
+
+def _sliced(
+  probing: Probing, slices: list[_IterationCapture], whole: set[str], inputs: bool
+) -> dict[str, Any]:
+  """The run's captures with each site given with an iteration suffix as that iteration
+  of its stacked value (`value[2]`), under its name with the suffix; a site captured
+  only so is left out whole."""
+  captured = dict(probing.captured)
+  suffixes = ("", ":input") if inputs else ("",)
+  for sliced in slices:
+    check_iteration(sliced.site, sliced.iteration, probing.enclosing.get(sliced.site, ()))
+    for suffix in suffixes:
+      captured[sliced.name + suffix] = jax.tree_util.tree_map(
+        lambda x, at=sliced.iteration: x[at], captured[sliced.site + suffix]
+      )
+  for site in {s.site for s in slices} - whole:
+    for suffix in suffixes:
+      del captured[site + suffix]
+  return captured
 
 
 _UNREACHED_FIX = (
@@ -472,8 +527,10 @@ def run(
   nodes, or lists of these (each element must match a call); `capture=True` (or
   `"all"`) captures every call. A call inside `nn.scan`/`nnx.scan` (or `vmap`) is one
   site, edited at every iteration and captured stacked along a new leading axis (outer
-  transforms first). Sites, parts and values are checked while the run is traced,
-  before anything is compiled; `fl.save_interventions` saves a list of interventions.
+  transforms first); the site name with an iteration suffix (`"layers[2]"`, as
+  `fl.sweep` names its rows) edits and captures one iteration of the scans only. Sites,
+  parts and values are checked while the run is traced, before anything is compiled;
+  `fl.save_interventions` saves a list of interventions.
   Every call a site names must be made by the run (a run that takes another branch
   than conversion raises), unless `unreached="ignore"`.
 
@@ -596,6 +653,14 @@ def placed(tree: CallNode, edits: tuple[Any, ...], where: str) -> CallNode:
   `edit`: interventions, `fl.splice`'s edit) wrapping each call they edit."""
   edits, _ = nodes_by_name(tree, edits, None)
   layers = edited_calls(tree, edits, None, False, None)
+  for layer in layers.values():
+    if any(isinstance(edit, OneIteration) for edit in layer.edits):
+      raise ArgumentError(
+        f"{where}: an intervention edits one iteration of {layer.site} (a site with an"
+        " iteration suffix), which needs the iteration numbers a run of fl.run passes"
+        " into scan bodies; a placed layer has none. Pass that intervention to fl.run"
+        f" (interventions=[...]), or place it at {layer.site!r}, every iteration."
+      )
   if id(tree) in layers:
     raise ArgumentError(
       f"{where}: an intervention edits the root call {layers[id(tree)].site}, which has no"

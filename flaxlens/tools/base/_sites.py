@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -117,6 +118,49 @@ class Called:
   name: str
 
 
+_ITERATION = re.compile(r"(.+)\[(\d+(?:,\d+)*)\]")
+
+
+def iteration_suffix(
+  at: Any, sites: Sequence[Site], root: CallNode
+) -> tuple[str, tuple[int, ...]] | None:
+  """`(pattern, iteration)` where `at` is a path pattern with an iteration suffix that
+  names one iteration of the scans around its calls (`"layers[2]"`, `"layers/mlp[1,3]"`
+  for two nested scans, as `fl.sweep` names its rows): a string ending in `[` digits
+  (comma-separated) `]` whose part before the suffix matches a call. Else None: the
+  whole string is a glob as before (`"Block_[0-3]"`, where `Block_` matches no call).
+
+  Example:
+    >>> import flaxlens as fl, flax.linen as nn, jax, jax.numpy as jnp
+    >>> from flaxlens.tools.base._sites import iteration_suffix, sites_of
+    >>> model, x = nn.Sequential([nn.Dense(3), nn.relu, nn.Dense(2)]), jnp.ones((1, 4))
+    >>> tree = fl.unflaxify(model, model.init(jax.random.key(0), x), x)
+    >>> sites = sites_of(tree)
+    >>> iteration_suffix("layers_0[2]", sites, tree), iteration_suffix("layers_[02]", sites, tree)
+    (('layers_0', (2,)), None)
+  """
+  found = _ITERATION.fullmatch(at) if isinstance(at, str) else None
+  if found is None or not any(_matches(found[1], site, root) for site in sites):
+    return None
+  return found[1], tuple(int(k) for k in found[2].split(","))
+
+
+def select_iterations(
+  root: CallNode, at: Any, sites: list[Site]
+) -> list[tuple[Site, tuple[int, ...] | None]]:
+  """The sites `at` names, as `select_sites` gives them, each with the iteration its
+  option's suffix names (`"layers[2]"`: `(2,)`), or None for every iteration."""
+  options = list(at) if isinstance(at, list | tuple) else [at]
+  chosen: dict[tuple[int, tuple[int, ...] | None], tuple[Site, tuple[int, ...] | None]] = {}
+  for option in options:
+    suffix = iteration_suffix(option, sites, root)
+    pattern, iteration = suffix if suffix is not None else (option, None)
+    for site in select_sites(root, pattern, sites):
+      chosen[id(site), iteration] = (site, iteration)
+  order = {id(site): k for k, site in enumerate(sites)}
+  return sorted(chosen.values(), key=lambda pair: order[id(pair[0])])
+
+
 def _matches(at: Any, site: Site, root: CallNode) -> bool:
   if isinstance(at, Called):
     return site.name == at.name
@@ -166,6 +210,14 @@ def select_sites(root: CallNode, at: Any, sites: list[Site] | None = None) -> li
     raise SelectionError(f"An empty list of sites selects no call of {root.where()}.")
   chosen: set[int] = set()
   for option in options:
+    suffix = iteration_suffix(option, sites, root)
+    if suffix is not None:
+      raise SelectionError(
+        f"The site {option!r} names iteration {list(suffix[1])} of the scans around"
+        f" {suffix[0]!r}, and this takes whole calls (every iteration). Give {suffix[0]!r};"
+        " one iteration is addressed in fl.run, fl.capture and the interventions"
+        " (fl.ablate, fl.patch, fl.steer, fl.scale, fl.modify) they run."
+      )
     matched = [id(s) for s in sites if _matches(option, s, root)]
     if not matched:
       raise SelectionError(no_match(root, option, sites))
