@@ -102,7 +102,8 @@ feature = int(jnp.argmax(evaluation.frequencies))
 ablated = fl.run(spliced, tokens, interventions=[
   fl.ablate("Block_1/sae/activation", where=jnp.s_[..., feature]),
 ])  # fmt: skip
-print(f"ablating feature {feature} moves the logits by {float(jnp.abs(ablated - fl.run(tree, tokens)).max()):.4f}")
+moved = float(jnp.abs(ablated - fl.run(tree, tokens)).max())
+print(f"ablating feature {feature} moves the logits by {moved:.4f}")
 
 # 5. Look at it: top contexts, histogram, the tokens it promotes (a static HTML page).
 views = fld.feature_views(
