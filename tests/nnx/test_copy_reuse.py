@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from comparisons import assert_trees_equal
 from flax import nnx
+from frameworks import raw_value
 
 import flaxlens as fl
 
@@ -71,7 +72,7 @@ def _state_of(tree) -> dict:
 
 def _native_state(model) -> dict:
   return {
-    f"{type(v).__name__}:{'/'.join(map(str, p))}": v.get_raw_value()
+    f"{type(v).__name__}:{'/'.join(map(str, p))}": raw_value(v)
     for p, v in nnx.to_flat_state(nnx.state(model))
   }
 
