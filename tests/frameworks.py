@@ -464,7 +464,10 @@ class _NNX(Framework):
     model = nnx.clone(case.model)
     for path, variable in nnx.iter_graph(model):
       if isinstance(variable, nnx.Variable) and _label(type(variable).__name__, path) == label:
-        variable.set_value(value)
+        if nnx_corpus.FLAX_RELEASE >= (0, 12, 1):
+          variable.set_value(value)
+        else:  # flax 0.12.0 has no `set_value`
+          variable.value = value
     return dataclasses.replace(case, model=model)
 
   def with_exported(self, case, exported):

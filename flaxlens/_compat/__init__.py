@@ -18,6 +18,7 @@ internal (`tests/project/test_architecture.py` checks it); docs/compat.md lists 
 - `nnx_variables`: an NNX `Variable`'s slots and NNX's variable-type registry.
 - `nnx_jit`: `nnx.jit`'s wrapper classes.
 - `nnx_attention`: NNX's attention-weights function.
+- `pytrees`: rebuilding a JAX pytree definition from its nodes.
 - `tracing`: JAX's current trace, and whether it stages for compilation.
 - `patching`: methods and functions replaced in place while a run is active.
 """

@@ -19,6 +19,8 @@ RAW_VALUE = Internal(
   "Variable._raw_value",
   formerly=(Formerly("flax.nnx.variablelib", "Variable.raw_value", "flax 0.12.0"),),
 )
+GET_VALUE = Internal("flax.nnx.variablelib", "Variable.get_value", added_in="flax 0.12.1")
+SET_VALUE = Internal("flax.nnx.variablelib", "Variable.set_value", added_in="flax 0.12.1")
 VAR_METADATA = Internal("flax.nnx.variablelib", "Variable._var_metadata")
 VARIABLE_TYPE_CACHE = Internal("flax.nnx.variablelib", "VariableTypeCache")
 
@@ -33,6 +35,30 @@ def raw_value(variable: Any) -> Any:
     1.5
   """
   return RAW_VALUE().__get__(variable)
+
+
+def value(variable: Any) -> Any:
+  """An NNX variable's value as NNX gives it: `get_value()`, or `.value` in flax 0.12.0.
+
+  (Later releases deprecate `.value`; flax 0.12.0 has no `get_value`.)
+
+  Example:
+    >>> from flax import nnx
+    >>> from flaxlens._compat import nnx_variables
+    >>> nnx_variables.value(nnx.Param(1.5))
+    1.5
+  """
+  get_value = GET_VALUE.or_none()
+  return variable.value if get_value is None else get_value(variable)
+
+
+def set_value(variable: Any, new: Any) -> None:
+  """Sets an NNX variable's value as NNX does: `set_value`, or `.value =` in flax 0.12.0."""
+  setter = SET_VALUE.or_none()
+  if setter is None:
+    variable.value = new
+  else:
+    setter(variable, new)
 
 
 def set_raw_value(variable: Any, value: Any) -> None:
