@@ -32,9 +32,10 @@ from typing import Any, NamedTuple
 from flaxlens.errors import UnsupportedFlaxFeatureError
 
 # The versions flaxlens is tested with; pyproject.toml's dependencies say the same (each
-# Flax release installs with the JAX releases it accepts: flax 0.12.7 and 0.12.8 need jax 0.10).
-SUPPORTED = "flax 0.12.1–0.12.x with jax 0.8.1–0.10.x"
-INSTALL = "pip install 'flax>=0.12.1,<0.13' 'jax>=0.8.1,<0.11' 'jaxlib>=0.8.1,<0.11'"
+# Flax release installs with the JAX releases it accepts: flax 0.12.0 is the only one to
+# accept jax 0.7, flax 0.12.7 and 0.12.8 need jax 0.10).
+SUPPORTED = "flax 0.12.x with jax 0.7.1–0.10.x"
+INSTALL = "pip install 'flax>=0.12.0,<0.13' 'jax>=0.7.1,<0.11' 'jaxlib>=0.7.1,<0.11'"
 
 
 def _installed_versions() -> str:
