@@ -15,7 +15,7 @@ from flax import nnx
 from frameworks import nnx_modules, raw_value
 
 import flaxlens as fl
-from flaxlens._compat import nnx_graph
+from flaxlens._compat import nnx_graph, nnx_variables
 from flaxlens.nnx._definition import _Layout, equal
 
 from .corpus import NAMES
@@ -91,6 +91,15 @@ def test_a_variable_a_call_adds_to_a_plain_list_is_refused_at_conversion():
   with pytest.raises(fl.UnsupportedFlaxFeatureError, match="'log/0' inside a new container"):
     fl.unflaxify(model, jnp.ones((1, 2)))
   assert model.log == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compat_readers_walk_modules_and_read_variables_as_the_installed_flax_does(cases, name):
+  model = cases[name].model
+  modules = [(tuple(p), id(m)) for p, m in nnx_graph.iter_modules(model)]
+  assert modules == [(tuple(p), id(m)) for p, m in nnx_modules(model)]
+  for _, variable in nnx.to_flat_state(nnx.state(model)):
+    assert nnx_variables.raw_value(variable) is raw_value(variable)
 
 
 @pytest.mark.parametrize("name", NAMES)
