@@ -445,7 +445,7 @@ class _NNX(Framework):
     captured = nnx.capture(with_dynamic, nnx.Intermediate, method_outputs=nnx.Intermediate)
     model = nnx.clone(case.model)
     output, state = (nnx.jit(captured) if jit else captured)(model, dynamic)
-    found = {tuple(path): variable.get_raw_value() for path, variable in nnx.to_flat_state(state)}
+    found = {tuple(path): raw_value(variable) for path, variable in nnx.to_flat_state(state)}
     return output, found
 
   def native_function(self, case):
@@ -464,7 +464,10 @@ class _NNX(Framework):
     model = nnx.clone(case.model)
     for path, variable in nnx.iter_graph(model):
       if isinstance(variable, nnx.Variable) and _label(type(variable).__name__, path) == label:
-        variable.set_value(value)
+        if nnx_corpus.FLAX_RELEASE >= (0, 12, 1):
+          variable.set_value(value)
+        else:  # flax 0.12.0 has no `set_value`
+          variable.value = value
     return dataclasses.replace(case, model=model)
 
   def with_exported(self, case, exported):
@@ -494,11 +497,30 @@ def _wrapped_class(cls: type, wrap: Wrap) -> type:
   return Wrapped
 
 
+def raw_value(variable: nnx.Variable) -> Any:
+  """An NNX variable's value as stored, read as the installed Flax offers it.
+
+  `get_raw_value()` from flax 0.12.1, which deprecates the `raw_value` attribute that
+  flax 0.12.0 has instead.
+  """
+  return variable.get_raw_value() if nnx_corpus.FLAX_RELEASE >= (0, 12, 1) else variable.raw_value
+
+
+def nnx_modules(node: Any) -> list[tuple[tuple[Any, ...], nnx.Module]]:
+  """`(path, module)` of every NNX module in `node`, as the installed Flax walks them.
+
+  The `nnx.iter_modules` function from flax 0.12.1, which deprecates the method that
+  flax 0.12.0 has instead.
+  """
+  if nnx_corpus.FLAX_RELEASE >= (0, 12, 1):
+    return list(nnx.iter_modules(node))
+  return list(node.iter_modules())
+
+
 def model_state(model: nnx.Module) -> dict[str, Any]:
   """All variables of an NNX model (or state) as {"Type:path": value}."""
   return {
-    _label(type(v).__name__, path): v.get_raw_value()
-    for path, v in nnx.to_flat_state(nnx.state(model))
+    _label(type(v).__name__, path): raw_value(v) for path, v in nnx.to_flat_state(nnx.state(model))
   }
 
 

@@ -18,6 +18,7 @@ internal (`tests/project/test_architecture.py` checks it); docs/compat.md lists 
 - `nnx_variables`: an NNX `Variable`'s slots and NNX's variable-type registry.
 - `nnx_jit`: `nnx.jit`'s wrapper classes.
 - `nnx_attention`: NNX's attention-weights function.
+- `pytrees`: rebuilding a JAX pytree definition from its nodes.
 - `tracing`: JAX's current trace, and whether it stages for compilation.
 - `patching`: methods and functions replaced in place while a run is active.
 """
@@ -31,9 +32,10 @@ from typing import Any, NamedTuple
 from flaxlens.errors import UnsupportedFlaxFeatureError
 
 # The versions flaxlens is tested with; pyproject.toml's dependencies say the same (each
-# Flax release installs with the JAX releases it accepts: flax 0.12.7 and 0.12.8 need jax 0.10).
-SUPPORTED = "flax 0.12.1–0.12.x with jax 0.8.1–0.10.x"
-INSTALL = "pip install 'flax>=0.12.1,<0.13' 'jax>=0.8.1,<0.11' 'jaxlib>=0.8.1,<0.11'"
+# Flax release installs with the JAX releases it accepts: flax 0.12.0 is the only one to
+# accept jax 0.7, flax 0.12.7 and 0.12.8 need jax 0.10).
+SUPPORTED = "flax 0.12.x with jax 0.7.1–0.10.x"
+INSTALL = "pip install 'flax>=0.12.0,<0.13' 'jax>=0.7.1,<0.11' 'jaxlib>=0.7.1,<0.11'"
 
 
 def _installed_versions() -> str:

@@ -28,12 +28,12 @@ are NNX's own (`flax.nnx.reprlib`); and, for the artifact load policy, the class
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from flax import nnx
 
-from flaxlens._compat import Formerly, Internal, unsupported
+from flaxlens._compat import Formerly, Internal, nnx_variables, unsupported
 
 
 def _graphlib(name: str, *, added_in: str = "") -> Internal:
@@ -106,6 +106,27 @@ def site(module: Any) -> Any:
 def is_bookkeeping(name: Any) -> bool:
   """Whether an attribute name is NNX's own bookkeeping (or flaxlens's site), not data."""
   return isinstance(name, str) and name.startswith(BOOKKEEPING_PREFIX)
+
+
+def iter_modules(node: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
+  """`(path, module)` for each NNX module in `node`'s graph, `node` included, as `nnx.iter_modules`.
+
+  Public API: `nnx.iter_graph` filtered, which every release has (flax 0.12.0 has no
+  `nnx.iter_modules` function, only the method, which later releases deprecate).
+
+  Example:
+    >>> from flax import nnx
+    >>> from flaxlens._compat import nnx_graph
+    >>> class Block(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     self.linear = nnx.Linear(2, 3, rngs=rngs)
+    >>> found = nnx_graph.iter_modules(Block(nnx.Rngs(0)))
+    >>> [(path, type(module).__name__) for path, module in found]
+    [(('linear',), 'Linear'), ((), 'Block')]
+  """
+  for path, value in nnx.iter_graph(node):
+    if isinstance(value, nnx.Module):
+      yield path, value
 
 
 def flatten(module: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
@@ -329,5 +350,5 @@ def leaf_paths(graphdef: Any) -> tuple[tuple[Any, ...], ...]:
   probe = nnx.merge(graphdef, [_Marker(i) for i in range(count)])
   paths: list[tuple[Any, ...]] = [()] * count
   for path, variable in nnx.to_flat_state(nnx.state(probe)):
-    paths[variable.get_raw_value().index] = tuple(path)
+    paths[nnx_variables.raw_value(variable).index] = tuple(path)
   return tuple(paths)

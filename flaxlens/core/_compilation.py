@@ -181,5 +181,5 @@ def count_compiles() -> Iterator[CompileCount]:
   try:
     yield count
   finally:
-    jax.monitoring.unregister_event_listener(on_event)
-    jax.monitoring.unregister_event_duration_listener(on_duration)
+    compilation.UNREGISTER_EVENT_LISTENER()(on_event)
+    compilation.UNREGISTER_DURATION_LISTENER()(on_duration)

@@ -5,7 +5,7 @@ private copy of the root's module from its `GraphDef` and the gathered values, m
 its modules for the `NNXInterceptor`, calls the method and reads the copy's state back.
 An isolated execution is rebuilt from the module's `GraphDef` and variable values at the
 start of the call (NNX keeps random state in variables, so no rng state is needed).
-Flax internals used: through `flaxlens._compat` (`nnx_graph`, `tracing`).
+Flax internals used: through `flaxlens._compat` (`nnx_graph`, `nnx_variables`, `tracing`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from flaxlens._compat import nnx_attention, nnx_graph, tracing
+from flaxlens._compat import nnx_attention, nnx_graph, nnx_variables, tracing
 from flaxlens.core._adapter import FrameworkAdapter, register_adapter
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._cache import Derived
@@ -138,9 +138,8 @@ class NNXAdapter(FrameworkAdapter):
       unflaxify_nnx(module, *argument.args, method=method, **argument.kwargs)
     )
     after = plain_module(execution.static_after, execution.after)
-    final = {
-      label_of(tuple(p), v): v.get_raw_value() for p, v in nnx.to_flat_state(nnx.state(after))
-    }
+    variables = nnx.to_flat_state(nnx.state(after))
+    final = {label_of(tuple(p), v): nnx_variables.raw_value(v) for p, v in variables}
     return submodel, state, final
 
   def describe(self, submodel: Any, encode: Callable[[Any, str], Any]) -> dict[str, Any]:
@@ -179,7 +178,7 @@ class NNXAdapter(FrameworkAdapter):
     method = "__call__" if method is None else method
     output = call_method(copy, method, argument.args, argument.kwargs)
     state = nnx.to_flat_state(nnx.state(copy))
-    return output, {label_of(tuple(p), v): v.get_raw_value() for p, v in state}
+    return output, {label_of(tuple(p), v): nnx_variables.raw_value(v) for p, v in state}
 
   def native_call_fix(self, error: Exception) -> str:
     return "Check that the module itself runs on these arguments: model(*args, **kwargs)."
@@ -229,7 +228,7 @@ def _update_in_place(node: Any, into: Any, model: Any) -> None:
       " model the tree was converted from, or call export() for a new model."
     )
   nnx.update(into, nnx.state(model))
-  for path, module in nnx.iter_modules(model):
+  for path, module in nnx_graph.iter_modules(model):
     target = navigate(into, tuple(path))
     current = nnx_graph.static_attributes(target)
     for name, value in nnx_graph.static_attributes(module).items():
@@ -238,7 +237,7 @@ def _update_in_place(node: Any, into: Any, model: Any) -> None:
 
 
 def _same_kind(a: nnx.Variable, b: nnx.Variable) -> bool:
-  x, y = a.get_raw_value(), b.get_raw_value()
+  x, y = nnx_variables.raw_value(a), nnx_variables.raw_value(b)
   return (
     type(a) is type(b)
     and getattr(x, "shape", None) == getattr(y, "shape", None)

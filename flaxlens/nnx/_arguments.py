@@ -3,7 +3,8 @@
 variables, which a call advances. `jax.jit` alone would advance a copy, so each call
 would draw the same numbers; registered here, each variable is passed in by value, made
 afresh inside the trace (same type and metadata) and written back when the call changed
-it, as `nnx.jit` does. Public NNX API only (`get_metadata`, `get_value`, `set_value`).
+it, as `nnx.jit` does. Public NNX API (`get_metadata`; `get_value` and `set_value`, or
+`.value` in flax 0.12.0, through `flaxlens._compat.nnx_variables`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from flax import nnx
 
+from flaxlens._compat import nnx_variables
 from flaxlens.core._jit import StateKind, register_state_kind
 
 
@@ -44,8 +46,8 @@ register_state_kind(
   StateKind(
     kind=nnx.Variable,
     spec=_spec,
-    value=lambda variable: variable.get_value(),
+    value=nnx_variables.value,
     fresh=_fresh,
-    write=lambda variable, value: variable.set_value(value),
+    write=nnx_variables.set_value,
   )
 )

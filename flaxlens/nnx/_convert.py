@@ -88,7 +88,7 @@ def unflaxify_nnx(
         " does not support yet. Create the model with plain variables (the default)."
       )
   paths = tuple(given)
-  leaves = [v.get_raw_value() for v in given.values()]
+  leaves = [nnx_variables.raw_value(v) for v in given.values()]
   definition = NNXModuleDef(graphdef, tuple(abstract(x) for x in leaves), paths)
 
   root = CallRecord(type(model), (), method)
@@ -289,10 +289,11 @@ def _build_tree(
     label = label_of(path, variable)
     if isinstance(variable, nnx.Param):
       collection = None
-      entry = Parameter(variable.get_raw_value(), label=label)
+      entry = Parameter(nnx_variables.raw_value(variable), label=label)
     else:
       collection = nnx_variables.collection_name(type(variable))
-      entry = StateVariable(Uninitialized() if is_new else variable.get_raw_value(), label=label)
+      value = Uninitialized() if is_new else nnx_variables.raw_value(variable)
+      entry = StateVariable(value, label=label)
     name = scopes.add(path, collection, entry)
     owner = scopes.owner(path)
     metadata = tuple(variable.get_metadata().items())

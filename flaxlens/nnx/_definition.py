@@ -125,7 +125,7 @@ class NNXModuleDef:
     assert self._source is not None
     source, path = self._source
     graphdef, variables = nnx_graph.flatten(navigate(source.template(), path))
-    self._abstract_leaves = tuple(abstract(v.get_raw_value()) for _, v in variables)
+    self._abstract_leaves = tuple(abstract(nnx_variables.raw_value(v)) for _, v in variables)
     self._leaf_paths = tuple(p for p, _ in variables)
     self._graphdef = graphdef
 
@@ -170,7 +170,7 @@ class NNXModuleDef:
     if self._statics is None:
       template = nnx.merge(self.graphdef, [None] * len(self.leaf_paths))
       self._statics = {
-        tuple(p): nnx_graph.static_attributes(m) for p, m in nnx.iter_modules(template)
+        tuple(p): nnx_graph.static_attributes(m) for p, m in nnx_graph.iter_modules(template)
       }
     return self._statics
 
@@ -274,7 +274,7 @@ class _Layout:
     """The layout found by walking `model` (`nnx.iter_modules`, `nnx.state`)."""
     index = {id(obj): i for i, obj in made.items()}
     return cls(
-      tuple((index.get(id(m)), tuple(p)) for p, m in nnx.iter_modules(model)),
+      tuple((index.get(id(m)), tuple(p)) for p, m in nnx_graph.iter_modules(model)),
       tuple((index.get(id(v)), tuple(p)) for p, v in nnx.to_flat_state(nnx.state(model))),
       tuple(i for i, obj in made.items() if isinstance(obj, nnx.Pytree)),
       all(_fixed_unless_set(path, value, index) for path, value in nnx.iter_graph(model)),
@@ -285,7 +285,7 @@ class _Layout:
     """`(path, module)` of every module of a copy just merged (`made`: by index)."""
     if self.indexed:
       return tuple((p, made[i]) for i, p in self.modules)
-    return tuple((tuple(p), m) for p, m in nnx.iter_modules(model))
+    return tuple((tuple(p), m) for p, m in nnx_graph.iter_modules(model))
 
 
 def _fixed_container(path: Path, kind: type) -> bool:
@@ -398,7 +398,7 @@ class PrivateCopy:
     moved); otherwise, and for a copy that is not checkable, by walking the copy with
     `nnx.state`.
     """
-    pairs = ((p, v.get_raw_value()) for p, v in self.current_variables())
+    pairs = ((p, nnx_variables.raw_value(v)) for p, v in self.current_variables())
     return {p: v for p, v in pairs if p not in self.orphans}
 
   def current_variables(self) -> tuple[tuple[Path, Any], ...]:
@@ -571,7 +571,7 @@ def own_containers(model: Any) -> bool:
 def plain_module(graphdef: Any, leaves: list[Any]) -> Any:
   """A plain NNX module (no run site) from a split of a module of a run."""
   module = nnx.merge(graphdef, leaves)
-  for _, sub in nnx.iter_modules(module):
+  for _, sub in nnx_graph.iter_modules(module):
     nnx_graph.clear_site(sub)
   return module
 
@@ -580,4 +580,4 @@ def split_leaves(module: Any) -> tuple[Any, list[Any]]:
   """`(graphdef, leaves)` of `module`, leaves in the order `nnx.merge` takes them."""
   graphdef, state = nnx.split(module)
   flat = {tuple(p): v for p, v in nnx.to_flat_state(state)}
-  return graphdef, [flat[p].get_raw_value() for p in leaf_paths(graphdef)]
+  return graphdef, [nnx_variables.raw_value(flat[p]) for p in leaf_paths(graphdef)]

@@ -121,7 +121,7 @@ def _reporting(definer: type, name: str, method: Any) -> Callable[..., Any]:
 
 def _variable_shapes(module: Any) -> tuple[Any, ...]:
   return tuple(
-    (tuple(p), getattr(v.get_raw_value(), "shape", None))
+    (tuple(p), getattr(nnx_variables.raw_value(v), "shape", None))
     for p, v in nnx.to_flat_state(nnx.state(module))
   )
 
@@ -204,7 +204,7 @@ class NNXInterceptor(CallInterceptor):
       m
       for leaf in jax.tree_util.tree_leaves(arguments, is_leaf=_is_module)
       if _is_module(leaf)
-      for _, m in nnx.iter_modules(leaf)
+      for _, m in nnx_graph.iter_modules(leaf)
       if _site_of(m, self) is not None
     ]
     if donates and ours and tracing.at_top_level():
@@ -245,7 +245,7 @@ def _own_buffers(modules: list[Any]) -> None:
         continue
       seen.add(id(value))
       if isinstance(value, nnx.Variable):
-        raw = value.get_raw_value()
+        raw = nnx_variables.raw_value(value)
         if isinstance(raw, jax.Array):
           nnx_variables.set_raw_value(value, jnp.copy(raw))
 

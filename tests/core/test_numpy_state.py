@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from comparisons import assert_trees_equal
 from flax import nnx
+from frameworks import raw_value
 
 import flaxlens as fl
 
@@ -60,8 +61,8 @@ def _linen():
 def _nnx():
   model, native = NNXCounter(), NNXCounter()
   tree = fl.unflaxify(model, X)
-  buffers = [v.get_raw_value() for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
-  return tree, lambda: native(X), model.count.get_raw_value(), buffers
+  buffers = [raw_value(v) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+  return tree, lambda: native(X), raw_value(model.count), buffers
 
 
 @pytest.mark.parametrize("framework", [_linen, _nnx], ids=["linen", "nnx"])

@@ -390,7 +390,8 @@ class Annotated(nnx.Module):
   """Variables carrying metadata of their own (NNX keeps it on the `Variable`)."""
 
   def __init__(self, rngs: nnx.Rngs):
-    self.linear = nnx.Linear(4, 2, kernel_metadata={"role": "projection"}, rngs=rngs)
+    projection = nnx.with_metadata(nnx.initializers.lecun_normal(), role="projection")
+    self.linear = nnx.Linear(4, 2, kernel_init=projection, rngs=rngs)
     self.scale = nnx.Param(jnp.full((2,), 1.5), role="scale", axes=("features",))
 
   def __call__(self, x):
@@ -479,10 +480,12 @@ def _eval(model: nnx.Module) -> nnx.Module:
 
 
 FLAX_RELEASE = tuple(int(part) for part in flax.__version__.split(".")[:3])
-# Cases whose model or call uses an NNX API that older Flax releases lack (`nnx.view`:
-# 0.12.4, `nnx.with_attributes` and `nnx.capture`: 0.12.6), with that release: on older
-# Flax they are left out of `build()`, and a test asking for one is skipped, saying why.
+# Cases whose model or call uses an NNX API that older Flax releases lack (the
+# `nnx.iter_modules` function: 0.12.1, `nnx.view`: 0.12.4, `nnx.with_attributes` and
+# `nnx.capture`: 0.12.6), with that release: on older Flax they are left out of
+# `build()`, and a test asking for one is skipped, saying why.
 NEEDS_RELEASE = {
+  "iter_modules": (0, 12, 1),
   "view": (0, 12, 4),
   "with_attributes": (0, 12, 6),
   "capture_sow_perturb": (0, 12, 6),

@@ -22,8 +22,11 @@ import numpy as np
 import pytest
 from comparisons import assert_trees_equal
 from flax import nnx
+from frameworks import raw_value
 
 import flaxlens as fl
+
+from .corpus import FLAX_RELEASE
 
 
 class Stateful(nnx.Module):
@@ -71,7 +74,7 @@ def _state_of(tree) -> dict:
 
 def _native_state(model) -> dict:
   return {
-    f"{type(v).__name__}:{'/'.join(map(str, p))}": v.get_raw_value()
+    f"{type(v).__name__}:{'/'.join(map(str, p))}": raw_value(v)
     for p, v in nnx.to_flat_state(nnx.state(model))
   }
 
@@ -275,10 +278,13 @@ def test_copies_of_a_tree_after_eager_calls_run_as_native():
   assert _kept(tree) == 1
   deep = copy_module.deepcopy(tree)
   assert _kept(deep) == 0  # The kept copy is not copied along.
-  pickled = pickle.loads(pickle.dumps(tree))
-  assert _kept(pickled) == 0
+  copies = [deep]
+  if FLAX_RELEASE >= (0, 12, 1):  # flax 0.12.0's `nnx.Linear` keeps its initializer, a closure
+    pickled = pickle.loads(pickle.dumps(tree))
+    assert _kept(pickled) == 0
+    copies.append(pickled)
   expected = native(_x(1))
-  for other in (deep, pickled):
+  for other in copies:
     assert_trees_equal(_call(other, _x(1)), expected)
   assert_trees_equal(_call(tree, _x(1)), expected)
 

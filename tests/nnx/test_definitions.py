@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import pytest
 from comparisons import assert_trees_equal
 from flax import nnx
+from frameworks import nnx_modules, raw_value
 
 import flaxlens as fl
-from flaxlens._compat import nnx_graph
+from flaxlens._compat import nnx_graph, nnx_variables
 from flaxlens.nnx._definition import _Layout, equal
 
 from .corpus import NAMES
@@ -93,12 +94,21 @@ def test_a_variable_a_call_adds_to_a_plain_list_is_refused_at_conversion():
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_compat_readers_walk_modules_and_read_variables_as_the_installed_flax_does(cases, name):
+  model = cases[name].model
+  modules = [(tuple(p), id(m)) for p, m in nnx_graph.iter_modules(model)]
+  assert modules == [(tuple(p), id(m)) for p, m in nnx_modules(model)]
+  for _, variable in nnx.to_flat_state(nnx.state(model)):
+    assert nnx_variables.raw_value(variable) is raw_value(variable)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_modules_and_variables_read_from_the_graphdef_are_those_nnx_walks_find(cases, name):
   graphdef, variables = nnx_graph.flatten(cases[name].model)
-  model, made = nnx_graph.merge_indexed(graphdef, [v.get_raw_value() for _, v in variables])
+  model, made = nnx_graph.merge_indexed(graphdef, [raw_value(v) for _, v in variables])
   read = _Layout.of(graphdef, model, made)
   assert read.indexed
-  modules = [(tuple(p), id(m)) for p, m in nnx.iter_modules(model)]
+  modules = [(tuple(p), id(m)) for p, m in nnx_modules(model)]
   assert sorted((p, id(m)) for p, m in read.modules_of(model, made)) == sorted(modules)
   state = [(tuple(p), id(v)) for p, v in nnx.to_flat_state(nnx.state(model))]
   assert [(p, id(made[i])) for i, p in read.variables] == state

@@ -12,6 +12,14 @@ from frameworks import NNX
 
 import flaxlens as fl
 
+from .corpus import FLAX_RELEASE
+
+# flax 0.12.0's layers keep their initializers (closures, which an artifact refuses) as
+# static attributes, and jax 0.7.x cannot rebuild a saved pytree definition.
+SAVES_NNX_CALLS = pytest.mark.skipif(
+  FLAX_RELEASE < (0, 12, 1), reason="saving NNX calls needs flax 0.12.1 (and jax 0.8) or newer"
+)
+
 
 def test_dropout_state_is_saved_so_the_mask_replays(cases):
   isolated = NNX.isolate(cases["convnet_train"], "drop")
@@ -38,6 +46,7 @@ def test_a_call_receiving_nnx_objects_is_refused_with_the_reason(cases):
     ("shared_submodule", None),  # The GraphDef names the shared module again (a NodeRef).
   ],
 )
+@SAVES_NNX_CALLS
 def test_a_saved_nnx_call_loads_and_replays_exactly(cases, tmp_path, name, path):
   isolated = NNX.isolate(cases[name], path)
   fl.save_isolated(isolated, tmp_path / "call")
@@ -46,6 +55,7 @@ def test_a_saved_nnx_call_loads_and_replays_exactly(cases, tmp_path, name, path)
   assert_trees_equal(loaded.saved_output, isolated.saved_output)
 
 
+@SAVES_NNX_CALLS
 def test_a_saved_scan_iteration_loads_and_replays_exactly(cases, tmp_path):
   case = cases["scan"]
   found = NNX.isolate(case, "blocks/linear", every=True)
@@ -63,6 +73,7 @@ def test_a_call_running_nnx_jit_isolates_and_replays_its_native_output(cases, na
   assert_trees_equal(isolated.saved_output, NNX.native(cases[name])[0])
 
 
+@SAVES_NNX_CALLS
 def test_saving_a_call_receiving_an_rngs_names_the_nnx_object_and_the_fix(cases, tmp_path):
   isolated = NNX.isolate(cases["rngs_argument"], None)
   with pytest.raises(

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 from comparisons import assert_trees_equal
 from flax import nnx
-from frameworks import NNX, model_state
+from frameworks import NNX, model_state, nnx_modules
 
 import flaxlens as fl
 
@@ -15,7 +15,7 @@ from . import corpus
 
 def _snapshot(model: nnx.Module):
   """Classes, static attributes and variable values of every module of `model`."""
-  modules = list(nnx.iter_modules(model))
+  modules = list(nnx_modules(model))
   types = {path: type(m) for path, m in modules}
   statics = {
     path: sorted((k for k in vars(m) if not nnx.is_data(vars(m)[k])), key=repr)

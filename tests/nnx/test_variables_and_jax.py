@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from comparisons import assert_trees_equal
 from flax import nnx
-from frameworks import NNX, model_state
+from frameworks import NNX, model_state, nnx_modules
 
 import flaxlens as fl
 
@@ -33,8 +33,8 @@ def test_dropout_masks_follow_the_trees_rng_state(cases):
 def test_the_exported_module_has_the_models_module_classes(cases):
   case = cases["convnet_train"]
   exported = NNX.export(NNX.convert(case))
-  assert [type(m) for _, m in nnx.iter_modules(exported)] == [
-    type(m) for _, m in nnx.iter_modules(case.model)
+  assert [type(m) for _, m in nnx_modules(exported)] == [
+    type(m) for _, m in nnx_modules(case.model)
   ]
 
 

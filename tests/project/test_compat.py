@@ -24,7 +24,7 @@ import jax
 import pytest
 from flax import nnx
 from flax.nnx.transforms import compilation
-from frameworks import LINEN, NNX
+from frameworks import LINEN, NNX, nnx_modules
 
 import flaxlens as fl
 from flaxlens import _compat
@@ -72,7 +72,7 @@ def _owners(model) -> list:
   """What a run may patch: the model's classes (NNX wraps their methods) and Flax's."""
   classes = {type(model)}
   if isinstance(model, nnx.Module):
-    classes |= {type(m) for _, m in nnx.iter_modules(model)}
+    classes |= {type(m) for _, m in nnx_modules(model)}
   mro = {c for cls in classes for c in cls.__mro__ if c is not object}
   flax_owners = [flax.core.lift, flax.linen.transforms, flax.core.scope.Scope]
   jit_wrappers = [compilation.JitWrapped]

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flaxlens._compat import nnx_variables
 from flaxlens.errors import ArgumentError, ArtifactError
 from flaxlens.tools.dictionaries._modules import Dictionary, DictionaryConfig, make_dictionary
 from flaxlens.tools.files._arrays import MAX_HEADER_BYTES, array_table, read_arrays, write_arrays
@@ -48,7 +49,7 @@ def weights_of(dictionary: Dictionary) -> dict[str, np.ndarray]:
   """The dictionary's variables (parameters and statistics) as host arrays, each under its
   attribute path joined by dots (`W_enc`, `W_dec.0`, `activation.threshold`)."""
   flat = nnx.to_flat_state(nnx.state(dictionary))
-  return {_name(path): np.asarray(jax.device_get(var.get_value())) for path, var in flat}
+  return {_name(path): np.asarray(jax.device_get(nnx_variables.value(var))) for path, var in flat}
 
 
 def _name(path: tuple[Any, ...]) -> str:
@@ -241,7 +242,7 @@ def expected_tensors(config: DictionaryConfig) -> dict[str, jax.ShapeDtypeStruct
   """The tensors a dictionary of `config` has, by name, built abstractly (no memory)."""
   abstract = _abstract(config)
   flat = nnx.to_flat_state(nnx.state(abstract))
-  return {_name(path): var.get_value() for path, var in flat}
+  return {_name(path): nnx_variables.value(var) for path, var in flat}
 
 
 def _abstract(config: DictionaryConfig) -> Dictionary:

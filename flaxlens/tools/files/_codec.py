@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxlens._compat import pytrees
 from flaxlens.errors import ArtifactError
 from flaxlens.tools.files._policy import (
   LoadPolicy,
@@ -487,9 +488,7 @@ class Decoder:
     children = [self._treedef(c, where) for c in data["children"]]
     node = (self.decode(data["type"], where), self.decode(data["aux"], where))
     try:
-      return jax.tree_util.PyTreeDef.from_node_data_and_children(
-        jax.tree_util.default_registry, node, children
-      )
+      return pytrees.FROM_NODE_DATA_AND_CHILDREN()(jax.tree_util.default_registry, node, children)
     except (TypeError, ValueError) as e:
       raise ArtifactError(
         f"Malformed artifact at {where}: not a pytree definition ({e})."
