@@ -12,7 +12,8 @@ from flax import nnx
 
 import flaxlens as fl
 import flaxlens.dictionaries as fld
-from tests.dictionaries.toy_lms import VOCAB, WIDTH, ToyLM
+
+from .toy_lms import VOCAB, WIDTH, ToyLM
 
 
 class ArrayData:

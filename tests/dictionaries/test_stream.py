@@ -10,7 +10,8 @@ import pytest
 
 import flaxlens as fl
 import flaxlens.dictionaries as fld
-from tests.dictionaries.toy_lms import VOCAB, ToyLM
+
+from .toy_lms import VOCAB, ToyLM
 
 
 @pytest.fixture(scope="module", params=["linen", "nnx"])
