@@ -365,6 +365,11 @@ def train(
       inputs, targets = stepper.place(rows)
       state, metrics = stepper.step(state, inputs, targets)
       pending.append(metrics)
+      if len(pending) > 1:
+        # At most two steps in flight: the host waits for the step before this one, so
+        # batches do not queue up on the device when it is the slower side (memory stays
+        # flat however long the run; the next batch is still prepared during a step).
+        pending[-2]["loss"].block_until_ready()
       step += 1
       saving = saver is not None and saver.due(step, steps)
       if saving or step % REPORT_EVERY == 0 or step == steps:
