@@ -151,6 +151,8 @@ def select_iterations(
   """The sites `at` names, as `select_sites` gives them, each with the iteration its
   option's suffix names (`"layers[2]"`: `(2,)`), or None for every iteration."""
   options = list(at) if isinstance(at, list | tuple) else [at]
+  if not options:  # select_sites refuses an empty list (it names no call): as it says
+    return [(site, None) for site in select_sites(root, at, sites)]
   chosen: dict[tuple[int, tuple[int, ...] | None], tuple[Site, tuple[int, ...] | None]] = {}
   for option in options:
     suffix = iteration_suffix(option, sites, root)
