@@ -178,6 +178,9 @@ class SAE(Dictionary):
     k: features kept per row, for "topk" and "batchtopk".
     center_input: subtract the decoder bias from the input before encoding (default).
     dtype: the parameters' dtype.
+    threshold: JumpReLU's initial threshold.
+    bandwidth: JumpReLU's straight-through kernel width.
+    momentum: BatchTopK's running-threshold momentum.
     rngs: `nnx.Rngs` for the initial weights (unit-norm decoder rows, the encoder their
       transpose, zero biases).
 
@@ -219,8 +222,13 @@ class Transcoder(Dictionary):
     d_in: the width of the call's input.
     d_out: the width of its output.
     width: the number of features.
-    activation, k, dtype, threshold, bandwidth, momentum: as for `SAE`.
+    activation: "relu" (default), "jumprelu", "topk" or "batchtopk".
+    k: features kept per row, for "topk" and "batchtopk".
     skip: add a linear skip `x @ W_skip` (zero-initialised).
+    dtype: the parameters' dtype.
+    threshold: JumpReLU's initial threshold.
+    bandwidth: JumpReLU's straight-through kernel width.
+    momentum: BatchTopK's running-threshold momentum.
     rngs: `nnx.Rngs` for the initial weights.
 
   Example:
@@ -269,8 +277,17 @@ class CrossLayerTranscoder(Dictionary):
 
   Args:
     layers: the layers it spans.
-    d_in, d_out, width, activation, k, skip, dtype, threshold, bandwidth, momentum, rngs:
-      as for `Transcoder` (width per layer).
+    d_in: the width of each layer's input (the residual stream).
+    d_out: the width of each layer's output (the MLP's).
+    width: the number of features per layer.
+    activation: "relu" (default), "jumprelu", "topk" or "batchtopk".
+    k: features kept per row, for "topk" and "batchtopk".
+    skip: add a linear skip per layer, `xs[l] @ W_skip[l]` (zero-initialised).
+    dtype: the parameters' dtype.
+    threshold: JumpReLU's initial threshold.
+    bandwidth: JumpReLU's straight-through kernel width.
+    momentum: BatchTopK's running-threshold momentum.
+    rngs: `nnx.Rngs` for the initial weights.
 
   Example:
     >>> import flaxlens.dictionaries as fld, jax.numpy as jnp
