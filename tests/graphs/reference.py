@@ -115,9 +115,7 @@ class Case(NamedTuple):
 
 
 def _activation(config: ModelConfig):
-  return {"gelu": lambda x: jax.nn.gelu(x, approximate=False), "silu": jax.nn.silu}[
-    config.act_fn
-  ]
+  return {"gelu": lambda x: jax.nn.gelu(x, approximate=False), "silu": jax.nn.silu}[config.act_fn]
 
 
 def _causal_attention(config: ModelConfig, x, W_Q, b_Q, W_K, b_K, W_V, b_V, W_O, b_O):
