@@ -193,6 +193,9 @@ def test_clicking_a_node_lists_its_ten_strongest_incoming_and_outgoing_edges(bro
 
 
 def test_a_fragment_selects_a_node_and_its_feature_page_is_linked(browser, tmp_path):
+  from selenium.webdriver.common.by import By
+  from selenium.webdriver.support.wait import WebDriverWait
+
   graph = _graph()
   pages = {"1_6_2": "features/layer1.html#feature-6", "9_9_9": "https://example.org/x"}
   _open(browser, tmp_path, graph, "#node=" + quote("1_6_2"), feature_pages=pages)
@@ -201,6 +204,12 @@ def test_a_fragment_selects_a_node_and_its_feature_page_is_linked(browser, tmp_p
   assert panel["incoming"] == _expected_rows(graph, "1_6_2", "target", "source")
   link = browser.execute_script("return document.getElementById('feature-page').href")
   assert link == (tmp_path / "features/layer1.html").as_uri() + "#feature-6"
+  browser.execute_script("location.hash = '#node=' + encodeURIComponent('E_12_2')")
+  WebDriverWait(browser, 5).until(lambda b: b.find_elements(By.CSS_SELECTOR, ".selected.token"))
+  panel = browser.execute_script(_PANEL)
+  assert panel["selected"] == ["E_12_2"] and panel["title"] == HOSTILE_TOKEN
+  assert panel["outgoing"] == _expected_rows(graph, "E_12_2", "source", "target")
+  assert panel["incoming"] == [] and not browser.find_elements(By.ID, "feature-page")
 
 
 def _kept(weights, fraction):

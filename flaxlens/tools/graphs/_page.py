@@ -124,7 +124,7 @@ function drawAxes(svg, layout, height) {
 }
 
 function drawLinks(group) {
-  const largest = Math.max(1e-30, ...links.map((link) => Math.abs(link[2])));
+  const largest = links.reduce((most, link) => Math.max(most, Math.abs(link[2])), 1e-30);
   return links.map(([source, target, weight], index) => {
     const strength = Math.abs(weight) / largest, from = nodes[source], to = nodes[target];
     const line = svgElement("line", {
@@ -167,6 +167,7 @@ function number(value) {
 
 function edgeTable(rowsOfEdges, other) {
   const table = element("table");
+  if (rowsOfEdges.length === 0) table.append(element("tr", "none", "hint"));
   for (const [index, link] of rowsOfEdges) {
     const row = element("tr", undefined, "edge");
     row.dataset.link = index;
@@ -259,9 +260,13 @@ nodeGroup.addEventListener("click", (event) => {
 const slider = document.getElementById("keep");
 slider.addEventListener("input", () => prune(Number(slider.value) / 1000));
 prune(Number(slider.value) / 1000);
-const wanted = new URLSearchParams(location.hash.slice(1)).get("node");
-const preselected = nodes.findIndex((node) => node.id === wanted);
-if (preselected >= 0) select(preselected);
+function selectFromFragment() {
+  const wanted = new URLSearchParams(location.hash.slice(1)).get("node");
+  const found = nodes.findIndex((node) => node.id === wanted);
+  if (found >= 0) select(found);
+}
+window.addEventListener("hashchange", selectFromFragment);
+selectFromFragment();
 document.body.dataset.ready = "true";
 """
 
