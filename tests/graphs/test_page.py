@@ -279,7 +279,15 @@ def test_a_malformed_graph_is_refused_naming_the_node_or_link(edit, message):
 
 
 @pytest.mark.parametrize(
-  "url", ["javascript:alert(1)", "data:text/html,x", "//evil.example/x", "java\tscript:x", ""]
+  "url",
+  [
+    "javascript:alert(1)",
+    "data:text/html,x",
+    "//evil.example/x",
+    "java\tscript:x",
+    "",
+    "http://[x",
+  ],
 )
 def test_a_feature_page_that_is_no_relative_path_or_http_or_file_url_is_refused(url):
   with pytest.raises(ArgumentError, match=r"feature_pages\['0_11_1'\]"):
@@ -291,3 +299,12 @@ def test_the_graph_given_is_not_changed():
   before = copy.deepcopy(graph)
   graph_page(graph, feature_pages={"0_11_1": "f.html"})
   assert graph == before
+
+
+@pytest.mark.parametrize(
+  "url",
+  ["../features/l0.html#feature-11", "https://example.org/f/11", "file:///tmp/f.html", "f.html"],
+)
+def test_a_relative_path_or_an_http_or_file_url_is_linked(url):
+  page = graph_page(_graph(), feature_pages={"0_11_1": url})
+  assert f'"page":"{url}"' in page

@@ -361,9 +361,12 @@ def _rows(shown_nodes: list[dict[str, Any]]) -> list[str]:
   count = max(layers, default=-1) + 1
   taken: dict[tuple[int, int], int] = {}
   for node in shown_nodes:
-    kind = node["kind"]
-    row = {"token": 0, "logit": count + 1}[kind] if kind in ("token", "logit") else None
-    row = int(node["layer"]) + 1 if row is None else row
+    if node["kind"] == "token":
+      row = 0
+    elif node["kind"] == "logit":
+      row = count + 1
+    else:
+      row = int(node["layer"]) + 1
     node["row"] = row
     node["slot"] = taken.get((row, node["col"]), 0)
     taken[row, node["col"]] = node["slot"] + 1
@@ -400,8 +403,14 @@ def _page_link(node_id: str, url: Any) -> str:
     raise _refuse(f"feature_pages[{node_id!r}] must be a non-empty str, got {shown(url)}", fix)
   # Browsers drop or reinterpret control characters, spaces and backslashes in URLs.
   if any(ord(c) <= 32 or c in "\\\x7f" for c in url):
-    raise _refuse(f"feature_pages[{node_id!r}] = {url!r} holds whitespace or a backslash", fix)
-  parts = urlsplit(url)
+    raise _refuse(
+      f"feature_pages[{node_id!r}] = {url!r} holds whitespace, a control character or a backslash",
+      fix,
+    )
+  try:
+    parts = urlsplit(url)
+  except ValueError as error:
+    raise _refuse(f"feature_pages[{node_id!r}] = {url!r} is no URL ({error})", fix) from None
   if parts.scheme.lower() not in _LINK_SCHEMES and (parts.scheme or parts.netloc):
     raise _refuse(f"feature_pages[{node_id!r}] = {url!r} is not an allowed link", fix)
   return url
@@ -480,8 +489,9 @@ def graph_page(
       "logit", `layer` a str, `ctx_idx` a prompt position, and optionally `clerp`,
       `activation`, `influence`, `token_prob`, `is_target_logit`) and `links` (each with
       `source` and `target` node_ids and a numeric `weight`). Other keys are ignored.
-    feature_pages: links from node_ids to their feature pages: relative paths, or
-      http(s) or file URLs. node_ids not in the graph are ignored.
+    feature_pages: links from node_ids to their feature pages: paths relative to the
+      page's own file (such as `features/layer3.html#feature-17`), or http(s) or file
+      URLs. node_ids not in the graph are ignored.
     title: the page's title; by default it names the graph's slug or prompt.
 
   Returns:
