@@ -13,7 +13,9 @@ from flaxlens.tools.graphs._demo import demo_graph, demo_model
 from flaxlens.tools.graphs._files import graph_json, load, save
 from flaxlens.tools.graphs._graph import Graph, attribute
 from flaxlens.tools.graphs._model import Freeze
+from flaxlens.tools.graphs._page import graph_page
 from flaxlens.tools.graphs._prune import Pruned, prune
+from flaxlens.tools.graphs._share import AttentionShare, attention_share
 from flaxlens.tools.graphs._targets import Target, Targets
 
 __all__ = [
@@ -27,8 +29,11 @@ __all__ = [
   "graph_json",
   "save",
   "load",
+  "graph_page",
   "check",
   "Check",
+  "attention_share",
+  "AttentionShare",
   "demo_model",
   "demo_graph",
 ]

@@ -111,7 +111,7 @@ def _norm(x, w, b, eps, rms, scale=None):
   return (out if b is None else out + b), scale
 
 
-def _frozen_witness(name, case, t):
+def _frozen_witness(name, case, t, scores=None):
   """MLP inputs `[layers, P, d]` and last logits of the replacement model with every node's
   write scaled by `t` (tokens, feature decodes, errors; constants kept), in plain JAX
   from TransformerLens's weights: clean norm scales and attention patterns, MLP outputs
@@ -129,11 +129,16 @@ def _frozen_witness(name, case, t):
     return _norm(x, W[f"{prefix}.w"], W.get(f"{prefix}.b"), c.eps, rms, scale)
 
   def attention(layer, h, pattern=None):
-    a = {k: W[f"blocks.{layer}.attn.{k}"] for k in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")}
+    a = {
+      k: W[f"blocks.{layer}.attn.{k}"]
+      for k in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
+    }
     if pattern is None:
       q = jnp.einsum("pd,hde->hpe", h, a["W_Q"]) + a["b_Q"][:, None]
       k = jnp.einsum("pd,hde->hpe", h, a["W_K"]) + a["b_K"][:, None]
-      pattern = jax.nn.softmax(jnp.where(causal, jnp.einsum("hqe,hke->hqk", q, k) / c.attn_scale, -jnp.inf), -1)
+      pattern = jax.nn.softmax(
+        jnp.where(causal, jnp.einsum("hqe,hke->hqk", q, k) / c.attn_scale, -jnp.inf), -1
+      )
     v = jnp.einsum("pd,hde->hpe", h, a["W_V"]) + a["b_V"][:, None]
     return jnp.einsum("hqk,hke,hed->qd", pattern, v, a["W_O"]) + a["b_O"], pattern
 
@@ -174,7 +179,12 @@ def _frozen_witness(name, case, t):
     decodes = jnp.stack([f @ t_.W_dec[...] for t_, f in zip(tc, features, strict=True)])
   writes = []
   for layer in range(c.n_layers):
-    error = outs[layer] - decodes[layer] - (tc.b_dec[...][layer] if clt else tc[layer].b_dec[...]) - skip(layer, xs[layer])
+    error = (
+      outs[layer]
+      - decodes[layer]
+      - (tc.b_dec[...][layer] if clt else tc[layer].b_dec[...])
+      - skip(layer, xs[layer])
+    )
     writes.append((decodes[layer] + error).at[0].set(0))
   # The frozen run with every write scaled by t.
   resid = t * W["embed.W_E"][tokens] + W["pos_embed.W_pos"][:P]
@@ -182,6 +192,16 @@ def _frozen_witness(name, case, t):
   for layer in range(c.n_layers):
     s1, pattern, s2 = frozen[layer]
     h, _ = ln(f"blocks.{layer}.ln1", resid, s1)
+    if scores is not None:
+      q = (
+        jnp.einsum("pd,hde->hpe", h, W[f"blocks.{layer}.attn.W_Q"])
+        + W[f"blocks.{layer}.attn.b_Q"][:, None]
+      )
+      k = (
+        jnp.einsum("pd,hde->hpe", h, W[f"blocks.{layer}.attn.W_K"])
+        + W[f"blocks.{layer}.attn.b_K"][:, None]
+      )
+      scores.append(jnp.einsum("hqe,hke->hqk", q, k) / c.attn_scale)
     resid = resid + attention(layer, h, pattern)[0]
     x, _ = ln(f"blocks.{layer}.ln2", resid, s2)
     reads.append(x)
@@ -198,9 +218,15 @@ def test_every_target_is_explained_by_its_incoming_edges(cases, name):
   reads_1, logits_1 = _frozen_witness(name, case, 1.0)
   reads_0, logits_0 = _frozen_witness(name, case, 0.0)
   tc = case.transcoders
-  W_enc = tc.W_enc[...] if isinstance(tc, fld.CrossLayerTranscoder) else jnp.stack([t.W_enc[...] for t in tc])
+  W_enc = (
+    tc.W_enc[...]
+    if isinstance(tc, fld.CrossLayerTranscoder)
+    else jnp.stack([t.W_enc[...] for t in tc])
+  )
   layer, position, feature = graph.active_features[graph.selected].T
-  explained = np.einsum("nd,nd->n", np.asarray(reads_1 - reads_0)[layer, position], np.asarray(W_enc)[layer, :, feature])
+  explained = np.einsum(
+    "nd,nd->n", np.asarray(reads_1 - reads_0)[layer, position], np.asarray(W_enc)[layer, :, feature]
+  )
   incoming = graph.rows.sum(axis=1)
   scale = np.abs(graph.rows).max()
   np.testing.assert_allclose(incoming[: graph.n_features], explained, atol=2e-5 * scale)
@@ -208,8 +234,12 @@ def test_every_target_is_explained_by_its_incoming_edges(cases, name):
   np.testing.assert_allclose(incoming[graph.n_features :], logit_change, atol=2e-5 * scale)
   # And incoming edges plus the constant terms are the clean value: the pre-activation
   # less the encoder bias (the witness's clean run is the model itself at t = 1).
-  pre = np.einsum("nd,nd->n", np.asarray(reads_1)[layer, position], np.asarray(W_enc)[layer, :, feature])
-  np.testing.assert_allclose(incoming[: graph.n_features] + graph.bias[: graph.n_features], pre, atol=2e-5 * scale)
+  pre = np.einsum(
+    "nd,nd->n", np.asarray(reads_1)[layer, position], np.asarray(W_enc)[layer, :, feature]
+  )
+  np.testing.assert_allclose(
+    incoming[: graph.n_features] + graph.bias[: graph.n_features], pre, atol=2e-5 * scale
+  )
 
 
 def test_a_second_prompt_of_the_same_length_compiles_nothing(cases):
@@ -230,3 +260,28 @@ def test_a_budget_splits_rows_and_columns_into_the_same_graph(cases):
   np.testing.assert_allclose(budgeted.rows, whole.rows, atol=1e-6)
   with pytest.raises(fl.FlaxlensError, match="too small for one row"):
     flg.attribute(tree, case.tokens, case.transcoders, sites, budget=1000)
+
+
+@pytest.mark.parametrize("name", ["plt_skip_ln", "clt_ln"])
+def test_attention_shares_add_up_to_the_scores_change_along_the_writes(cases, name):
+  case = cases(name)
+  tree, sites = _tree(case, "linen")
+  head, query, key = 1, 6, 3
+  share = flg.attention_share(
+    tree, case.tokens, case.transcoders, sites, "blocks_1/attn", (head, query, key)
+  )
+
+  def score(t):
+    found = []
+    _frozen_witness(name, case, t, found)
+    return found[1][head, query, key], found[1][head, query, : query + 1].max()
+
+  value, row_max = score(1.0)
+  assert share.score == pytest.approx(float(value - row_max), abs=1e-4)  # the exponent
+  total = share.features.sum() + share.errors.sum() + share.tokens.sum()
+  assert total == pytest.approx(float(jax.grad(lambda t: score(t)[0])(1.0)), rel=1e-4, abs=1e-4)
+  assert np.count_nonzero(share.features) > 0
+  with pytest.raises(fl.FlaxlensError, match="outside"):
+    flg.attention_share(tree, case.tokens, case.transcoders, sites, "blocks_1/attn", (0, 9, 0))
+  with pytest.raises(fl.FlaxlensError, match="not one of the attention calls"):
+    flg.attention_share(tree, case.tokens, case.transcoders, sites, "blocks_1/mlp", (0, 1, 0))

@@ -15,7 +15,7 @@ jaxpr is walked through `jax.extend.core`'s public classes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -51,10 +51,16 @@ def holds(jaxpr: Jaxpr, primitives: frozenset[str]) -> int:
 
 
 def frozen_eval(
-  jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], freeze: frozenset[str]
+  jaxpr: Jaxpr,
+  consts: Sequence[Any],
+  args: Sequence[Any],
+  freeze: frozenset[str],
+  inputs_of_frozen: list | None = None,
 ) -> list:
   """Evaluates `jaxpr` on `args` with a stop-gradient on the output of every equation
-  binding a primitive in `freeze`, inlining call-like equations that hold one."""
+  binding a primitive in `freeze`, inlining call-like equations that hold one; appends
+  the first input of each such equation to `inputs_of_frozen` where given (an
+  attention's scores: its softmax's exponent)."""
   env: dict[Any, Any] = {}
 
   def read(var: Any) -> Any:
@@ -66,7 +72,7 @@ def frozen_eval(
     values = [read(v) for v in eqn.invars]
     inner = _sub_jaxpr(eqn.params)
     if inner is not None and holds(inner.jaxpr, freeze):
-      outs = frozen_eval(inner.jaxpr, inner.consts, values, freeze)
+      outs = frozen_eval(inner.jaxpr, inner.consts, values, freeze, inputs_of_frozen)
     else:
       # `(subfuns, params)` before jax 0.10, the params alone since.
       found = eqn.primitive.get_bind_params(eqn.params)
@@ -75,6 +81,8 @@ def frozen_eval(
       outs = list(outs) if eqn.primitive.multiple_results else [outs]
       if eqn.primitive.name in freeze:
         outs = [jax.lax.stop_gradient(o) for o in outs]
+        if inputs_of_frozen is not None:
+          inputs_of_frozen.append(values[0])
     env.update(zip(eqn.outvars, outs, strict=True))
   return [read(v) for v in jaxpr.outvars]
 
@@ -130,6 +138,8 @@ class Frozen(Struct):
     jaxpr: the call's computation (`traced_call`).
     output: the structure of its output.
     freeze: the primitives whose outputs are held constant.
+    scores: where given, a list the edit appends those primitives' inputs to (read by
+      `flg.attention_share` in the same trace).
   """
 
   consts: tuple[Any, ...]
@@ -137,6 +147,7 @@ class Frozen(Struct):
   jaxpr: Any = static_field()
   output: Any = static_field()
   freeze: frozenset[str] = static_field()
+  scores: list | None = static_field(default=None)
   on: str = static_field(default="output")
   part: Any = static_field(default=None)
 
@@ -144,7 +155,7 @@ class Frozen(Struct):
     del site
     arrays = [x for x in jax.tree.leaves(argument) if is_array(x)]
     frozen = jax.tree.unflatten(
-      self.output, frozen_eval(self.jaxpr, self.consts, arrays, self.freeze)
+      self.output, frozen_eval(self.jaxpr, self.consts, arrays, self.freeze, self.scores)
     )
     return jax.tree.map(_straight_through, value, frozen)
 
@@ -157,10 +168,18 @@ def _straight_through(value: Any, frozen: Any) -> Any:
 
 
 def frozen_edit(
-  node: CallNode, name: str, at: Any, shape: CallShape, freeze: frozenset[str], what: str, fix: str
+  node: CallNode,
+  name: str,
+  at: Any,
+  shape: CallShape,
+  freeze: frozenset[str],
+  what: str,
+  fix: str,
+  scores: list | None = None,
 ) -> Frozen:
   """The `Frozen` edit of call `name` (its `node`), refused where its computation binds
-  none of `freeze`'s primitives (nothing to hold constant: `what`, `fix`)."""
+  none of `freeze`'s primitives (nothing to hold constant: `what`, `fix`); with `scores`,
+  the edit appends the frozen primitives' inputs there as it runs."""
   closed, output = traced_call(node, shape)
   if not holds(closed.jaxpr, freeze):
     raise UnsupportedFlaxFeatureError(
@@ -174,7 +193,5 @@ def frozen_edit(
     jaxpr=closed.jaxpr,
     output=jax.tree.structure(output),
     freeze=freeze,
+    scores=scores,
   )
-
-
-FreezeRule = Callable[[CallNode], bool]

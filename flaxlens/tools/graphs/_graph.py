@@ -90,7 +90,7 @@ class Graph:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layers:
+class DictionaryLayers:
   """The transcoders as the graph reads them, stacked by layer."""
 
   W_enc: Any  # [layers, d_in, width]
@@ -100,7 +100,7 @@ class _Layers:
   decode: Callable[[Any, Any], Any]  # (features, inputs) -> reconstructions
 
 
-def _layers(transcoders: Any, n: int, where: str) -> _Layers:
+def dictionary_layers(transcoders: Any, n: int, where: str) -> DictionaryLayers:
   if isinstance(transcoders, CrossLayerTranscoder):
     clt = transcoders
     if clt.config.layers != n:
@@ -114,7 +114,7 @@ def _layers(transcoders: Any, n: int, where: str) -> _Layers:
       skipped = clt.skip_of(inputs)
       return out if skipped is None else out + skipped
 
-    return _Layers(
+    return DictionaryLayers(
       W_enc=clt.W_enc[...],
       decoders=tuple(clt.W_dec[layer][...] for layer in range(n)),
       skips=clt.W_skip[...] if clt.config.skip else None,
@@ -146,7 +146,7 @@ def _layers(transcoders: Any, n: int, where: str) -> _Layers:
       out = [o + t.skip_of(x) for o, t, x in zip(out, transcoders, inputs, strict=True)]
     return jnp.stack(out)
 
-  return _Layers(
+  return DictionaryLayers(
     W_enc=jnp.stack([t.W_enc[...] for t in transcoders]),
     decoders=tuple(t.W_dec[...][:, None] for t in transcoders),
     skips=jnp.stack([t.W_skip[...] for t in transcoders]) if all(skips) else None,
@@ -172,7 +172,7 @@ _rows_compiled = variable_jit(_rows)
 
 
 @jax.jit
-def _columns(grads, embedded, errors, decoders, layer, position, feature, activation):
+def edge_columns(grads, embedded, errors, decoders, layer, position, feature, activation):
   """Edges of a batch of rows into the tokens, errors and a chunk of features."""
   g_embed, g_mlp = grads
   tokens = jnp.einsum("bpd,pd->bp", g_embed, embedded)
@@ -232,7 +232,7 @@ class _Run:
         np.pad(a[start : start + self.chunk], (0, max(0, start + self.chunk - len(a))))
         for a in c["columns"]
       ]
-      features, errors, tokens = _columns(
+      features, errors, tokens = edge_columns(
         grads, c["embedded"], c["errors"], self.layers.decoders, *part
       )
       out.append(np.asarray(features))
@@ -240,7 +240,7 @@ class _Run:
     return np.concatenate([features, np.asarray(errors), np.asarray(tokens)], axis=1)[:n]
 
 
-def _clean(tree, args, calls, layers, logits_of, where) -> dict[str, Any]:
+def clean_run(tree, args, calls, layers, logits_of, where) -> dict[str, Any]:
   """The clean run's arrays: MLP inputs and outputs, features (position 0 zeroed),
   errors, the embedding's output, the token ids and the last position's logits."""
   output, cache = capture(tree, args, [*calls.mlps, calls.embed], inputs=True)
@@ -280,7 +280,7 @@ def _clean(tree, args, calls, layers, logits_of, where) -> dict[str, Any]:
 
 
 def _sizes(
-  clean: dict, layers: _Layers, batch_size: int, budget: int | None, where: str
+  clean: dict, layers: DictionaryLayers, batch_size: int, budget: int | None, where: str
 ) -> tuple[int, int]:
   """Rows per compiled batch and feature columns per chunk: `batch_size` and 1024, or
   what `budget` (bytes) allows."""
@@ -362,8 +362,8 @@ def attribute(
   where = "flg.attribute"
   check_tree(tree, where)
   calls = found_calls(tree, at, embed, freeze, where)
-  layers = _layers(transcoders, len(calls.mlps), where)
-  clean = _clean(tree, args, calls, layers, logits, where)
+  layers = dictionary_layers(transcoders, len(calls.mlps), where)
+  clean = clean_run(tree, args, calls, layers, logits, where)
   chosen = chosen_targets(clean["last"], targets, max_n_logits, desired_logit_prob, where)
   plan = Plan(calls=calls, shapes=frozen_shapes(tree, args, calls), logits_of=logits)
   batch, chunk = _sizes(clean, layers, batch_size, budget, where)

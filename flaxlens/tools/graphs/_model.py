@@ -243,15 +243,22 @@ def frozen_shapes(tree: CallNode, args: Any, calls: Calls) -> tuple[tuple[str, C
 
 
 def frozen_reads(
-  tree: CallNode, args: Any, plan: Plan, skips: Any, deltas: tuple[Any, Any]
+  tree: CallNode,
+  args: Any,
+  plan: Plan,
+  skips: Any,
+  deltas: tuple[Any, Any],
+  scores: tuple[str, list] | None = None,
 ) -> tuple[Any, Any]:
   """The frozen forward: `(inputs, logits)`, each MLP's input `[layers, positions,
   d_in]` and the logits at the last position `[vocabulary]`, as functions of `deltas`
   (`[positions, d_model]` at the embedding, `[layers, positions, d_out]` at the MLPs).
-  `skips` holds each layer's `W_skip` (`[d_in, d_out]`) or None."""
+  `skips` holds each layer's `W_skip` (`[d_in, d_out]`) or None. With `scores=(call,
+  found)`, that attention call's scores (its softmax's exponent) are appended to `found`."""
   calls = plan.calls
   embed_delta, mlp_deltas = deltas
   shapes = dict(plan.shapes)
+  nodes = {s.name: s.node for s in sites_of(tree)}
   edits: list[Any] = [_Delta(delta=embed_delta, at=Called(calls.embed))]
   for layer, name in enumerate(calls.mlps):
     skip = None if skips is None else skips[layer]
@@ -263,8 +270,10 @@ def frozen_reads(
     for name in names:
       if name not in shapes:
         continue  # a call the run does not make on these arguments
-      node = next(s.node for s in sites_of(tree) if s.name == name)
-      edits.append(frozen_edit(node, name, Called(name), shapes[name], freeze, what, _FIX))
+      found = scores[1] if scores is not None and scores[0] == name else None
+      edits.append(
+        frozen_edit(nodes[name], name, Called(name), shapes[name], freeze, what, _FIX, found)
+      )
   output, cache = run(
     placed(tree, tuple(edits), "flg.attribute"),
     args,
@@ -274,9 +283,8 @@ def frozen_reads(
   )
   inputs = jnp.stack([one_array(cache[f"{n}:input"], None, n, "input") for n in calls.mlps])
   logits = output if plan.logits_of is None else plan.logits_of(output)
-  return inputs.reshape(inputs.shape[0], -1, inputs.shape[-1]), logits.reshape(
-    -1, logits.shape[-1]
-  )[-1]
+  last = logits.reshape(-1, logits.shape[-1])[-1]
+  return inputs.reshape(inputs.shape[0], -1, inputs.shape[-1]), last
 
 
 _FIX = (

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from flaxlens.core._checks import shown
 from flaxlens.errors import ArgumentError
 
-_WHERE = "graph_page"
+_WHERE = "flg.graph_page"
 _KINDS = {
   "cross layer transcoder": "feature",
   "mlp reconstruction error": "error",
@@ -516,7 +516,8 @@ def graph_page(
     ...   "links": [{"source": "E_1_1", "target": "0_7_1", "weight": 1.5},
     ...             {"source": "0_7_1", "target": "2_9_1", "weight": -0.5}],
     ... }
-    >>> page = graph_page(graph, feature_pages={"0_7_1": "features/0.html#feature-7"})
+    >>> import flaxlens.graphs as flg
+    >>> page = flg.graph_page(graph, feature_pages={"0_7_1": "features/0.html#feature-7"})
     >>> page.startswith("<!DOCTYPE html>"), "features/0.html#feature-7" in page
     (True, True)
   """
