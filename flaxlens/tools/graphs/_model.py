@@ -141,12 +141,7 @@ def _chosen(tree, patterns, outside, classes, name, where, what) -> tuple[str, .
     return tuple(s.name for s in _outermost([s for s in outside if _is(s, classes, name)]))
   chosen: list[str] = []
   for pattern in patterns:
-    found = select_sites(tree, pattern, outside)
-    if not found:
-      raise ArgumentError(
-        f"{where}: freeze={what}: {pattern!r} names no call of {tree.where()} outside the MLPs."
-        f" Give the {what} calls by their site names ({[s.name for s in outside][:12]} ...)."
-      )
+    found = select_sites(tree, pattern, outside)  # refuses a pattern matching none
     chosen.extend(s.name for s in found if s.name not in chosen)
   return tuple(chosen)
 
