@@ -2,26 +2,26 @@
 while its gradient is that of the call with some of its intermediates held constant.
 
 The frozen call is the call's own computation, traced to a jaxpr and evaluated again
-with `jax.lax.stop_gradient` on the outputs of chosen primitives (`frozen_eval`):
+with `jax.lax.stop_gradient` on the outputs of chosen primitives
+(`flaxlens._compat.jaxprs.evaluate_with_stops`):
 - a normalisation (`NORM`): its square roots (`rsqrt`, `sqrt`, and `pow`, as in `var **
   -0.5`), so the scale (denominator) is constant while mean-centring and the gain keep
   their gradient;
 - an attention (`ATTENTION`): its exponentials, the softmax's numerator, so the
   pattern (numerator over its sum) is constant and attention is a fixed mixing of values.
 The frozen output is `stop_gradient(value) + (frozen - stop_gradient(frozen))`: the
-model's own value with the frozen computation's gradient. No Flax internals here; the
-jaxpr is walked through `jax.extend.core`'s public classes.
+model's own value with the frozen computation's gradient. No Flax internals here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+import numpy as np
 
+from flaxlens._compat.jaxprs import count_primitives, evaluate_with_stops
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._node import CallNode
 from flaxlens.core._struct import Struct, static_field
@@ -29,62 +29,6 @@ from flaxlens.errors import UnsupportedFlaxFeatureError
 
 NORM = frozenset({"rsqrt", "sqrt", "pow"})
 ATTENTION = frozenset({"exp"})
-
-
-def _sub_jaxpr(params: dict[str, Any]) -> ClosedJaxpr | None:
-  """The one closed jaxpr a call-like equation runs (`pjit`, `custom_jvp_call`, ...)."""
-  found = [p for p in params.values() if isinstance(p, ClosedJaxpr)]
-  return found[0] if len(found) == 1 else None
-
-
-def holds(jaxpr: Jaxpr, primitives: frozenset[str]) -> int:
-  """How many equations of `jaxpr` (or of the call-like equations it makes) bind one of
-  `primitives`."""
-  count = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in primitives:
-      count += 1
-    inner = _sub_jaxpr(eqn.params)
-    if inner is not None:
-      count += holds(inner.jaxpr, primitives)
-  return count
-
-
-def frozen_eval(
-  jaxpr: Jaxpr,
-  consts: Sequence[Any],
-  args: Sequence[Any],
-  freeze: frozenset[str],
-  inputs_of_frozen: list | None = None,
-) -> list:
-  """Evaluates `jaxpr` on `args` with a stop-gradient on the output of every equation
-  binding a primitive in `freeze`, inlining call-like equations that hold one; appends
-  the first input of each such equation to `inputs_of_frozen` where given (an
-  attention's scores: its softmax's exponent)."""
-  env: dict[Any, Any] = {}
-
-  def read(var: Any) -> Any:
-    return var.val if isinstance(var, Literal) else env[var]
-
-  env.update(zip(jaxpr.constvars, consts, strict=True))
-  env.update(zip(jaxpr.invars, args, strict=True))
-  for eqn in jaxpr.eqns:
-    values = [read(v) for v in eqn.invars]
-    inner = _sub_jaxpr(eqn.params)
-    if inner is not None and holds(inner.jaxpr, freeze):
-      outs = frozen_eval(inner.jaxpr, inner.consts, values, freeze, inputs_of_frozen)
-    else:
-      # `(subfuns, params)` before jax 0.10, the params alone since.
-      found = eqn.primitive.get_bind_params(eqn.params)
-      subfuns, params = found if isinstance(found, tuple) else ((), found)
-      outs = eqn.primitive.bind(*subfuns, *values, **params)
-      outs = list(outs) if eqn.primitive.multiple_results else [outs]
-      if eqn.primitive.name in freeze:
-        outs = [jax.lax.stop_gradient(o) for o in outs]
-        if inputs_of_frozen is not None:
-          inputs_of_frozen.append(values[0])
-    env.update(zip(eqn.outvars, outs, strict=True))
-  return [read(v) for v in jaxpr.outvars]
 
 
 class CallShape(NamedTuple):
@@ -103,7 +47,8 @@ class CallShape(NamedTuple):
 
 
 def is_array(x: Any) -> bool:
-  return isinstance(x, jax.Array | jnp.ndarray) or (hasattr(x, "shape") and hasattr(x, "dtype"))
+  """Whether a leaf of a call's arguments is an array (traced or not), not a static value."""
+  return isinstance(x, jax.Array | np.ndarray)
 
 
 def call_shape(argument: ArgsAndKwargs) -> CallShape:
@@ -114,7 +59,7 @@ def call_shape(argument: ArgsAndKwargs) -> CallShape:
   return CallShape(treedef, arrays, statics)
 
 
-def traced_call(node: CallNode, shape: CallShape) -> tuple[ClosedJaxpr, Any]:
+def traced_call(node: CallNode, shape: CallShape) -> tuple[Any, Any]:
   """The call's computation as a closed jaxpr of its array arguments, and its output's
   structure."""
 
@@ -155,7 +100,10 @@ class Frozen(Struct):
     del site
     arrays = [x for x in jax.tree.leaves(argument) if is_array(x)]
     frozen = jax.tree.unflatten(
-      self.output, frozen_eval(self.jaxpr, self.consts, arrays, self.freeze, self.scores)
+      self.output,
+      evaluate_with_stops(
+        self.jaxpr, self.consts, arrays, jax.lax.stop_gradient, self.freeze, self.scores
+      ),
     )
     return jax.tree.map(_straight_through, value, frozen)
 
@@ -181,7 +129,7 @@ def frozen_edit(
   none of `freeze`'s primitives (nothing to hold constant: `what`, `fix`); with `scores`,
   the edit appends the frozen primitives' inputs there as it runs."""
   closed, output = traced_call(node, shape)
-  if not holds(closed.jaxpr, freeze):
+  if not count_primitives(closed.jaxpr, freeze):
     raise UnsupportedFlaxFeatureError(
       f"{name}: this {what} computes no {'/'.join(sorted(freeze))}, so its"
       f" {'scale' if freeze is NORM else 'pattern'} cannot be frozen for the replacement"
