@@ -1,5 +1,6 @@
 """Run in a subprocess by test_sharded.py: the graph of a model and transcoders sharded
-over a 4-device CPU mesh equals the unsharded graph. Prints `check: True|False` lines;
+over a 4-device CPU mesh equals the reference's (circuit-tracer's, as the unsharded graph
+does in test_attribute.py). Prints `check: True|False` lines;
 XLA_FLAGS must be set before JAX starts, hence the process."""
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ def main() -> None:
       spec[axis] = "x"
     return jax.device_put(x, NamedSharding(mesh, P(*spec)))
 
-  plain = fl.unflaxify(case.linen_model, case.linen_variables, case.tokens)
-  expected = flg.attribute(plain, case.tokens, case.transcoders, case.linen_mlp_sites)
+  expected = case.graphs["default"]
   variables = jax.tree.map(sharded, case.linen_variables)
   tree = fl.unflaxify(case.linen_model, variables, case.tokens)
   transcoders = case.transcoders
@@ -42,8 +42,9 @@ def main() -> None:
   spread = {str(leaf.sharding.spec) for leaf in jax.tree.leaves(variables)}
   print(f"parameters sharded: {any('x' in s for s in spread)}")
   graph = flg.attribute(tree, case.tokens, transcoders, case.linen_mlp_sites)
-  difference = float(np.abs(graph.adjacency - expected.adjacency).max())
-  print(f"graph equal: {np.array_equal(graph.selected, expected.selected) and difference <= 1e-5}")
+  difference = float(np.abs(graph.adjacency - expected.adjacency_matrix).max())
+  same = np.array_equal(graph.selected, expected.selected_features)
+  print(f"graph equal: {same and difference <= 1e-5 * np.abs(expected.adjacency_matrix).max()}")
   print(f"graph max diff: {difference}")
 
 

@@ -113,7 +113,7 @@ def test_check_measures_the_models_response_and_reads_the_graphs_edge(demo):
   tree, tokens, transcoders, mlps, graph = demo
   model = DemoLM()
   variables = model.init(jax.random.key(0), tokens)  # demo_model's weights
-  for node in (0, graph.n_features // 2, graph.n_features - 1):
+  for node in (0, graph.n_features - 1):
     layer, position, feature = graph.active_features[graph.selected[node]]
     result = flg.check(graph, tree, tokens, transcoders, mlps, (layer, position, feature))
     assert result.direct == -graph.adjacency[graph.n_nodes - len(graph.targets.ids), node]

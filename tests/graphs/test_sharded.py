@@ -10,7 +10,7 @@ import sys
 CHECK = pathlib.Path(__file__).with_name("sharded_check.py")
 
 
-def test_the_graph_of_a_sharded_model_equals_the_unsharded_one():
+def test_the_graph_of_a_sharded_model_equals_the_references():
   result = subprocess.run([sys.executable, str(CHECK)], capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   report = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
