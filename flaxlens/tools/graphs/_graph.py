@@ -26,7 +26,14 @@ from flaxlens.core._node import CallNode, check_tree
 from flaxlens.errors import ArgumentError
 from flaxlens.tools.base._probed import capture
 from flaxlens.tools.dictionaries._modules import CrossLayerTranscoder, Dictionary
-from flaxlens.tools.graphs._model import Freeze, Plan, found_calls, frozen_reads, frozen_shapes
+from flaxlens.tools.graphs._model import (
+  Freeze,
+  Plan,
+  check_affine,
+  found_calls,
+  frozen_reads,
+  frozen_shapes,
+)
 from flaxlens.tools.graphs._targets import Targets, chosen_targets
 
 
@@ -348,16 +355,11 @@ def attribute(
     The `Graph` (unpruned: see `flg.prune`).
 
   Example:
-    >>> import flaxlens as fl, flaxlens.graphs as flg, flaxlens.dictionaries as fld
-    >>> from flaxlens._demo_model import demo_lm
-    >>> model, variables, tokens = demo_lm()
-    >>> tree = fl.unflaxify(model, variables, tokens)
-    >>> mlps = [f"block_{i}/mlp" for i in range(2)]
-    >>> from flax import nnx
-    >>> transcoders = [fld.Transcoder(32, 32, 64, rngs=nnx.Rngs(i)) for i in range(2)]
+    >>> import flaxlens.graphs as flg
+    >>> tree, tokens, transcoders, mlps = flg.demo_model()  # a Linen LM, 2 transcoders
     >>> graph = flg.attribute(tree, tokens, transcoders, mlps)
-    >>> graph.rows.shape[1] == graph.n_nodes
-    True
+    >>> graph.layers, graph.positions, graph.rows.shape[1] == graph.n_nodes
+    (2, 8, True)
   """
   where = "flg.attribute"
   check_tree(tree, where)
@@ -366,6 +368,7 @@ def attribute(
   clean = clean_run(tree, args, calls, layers, logits, where)
   chosen = chosen_targets(clean["last"], targets, max_n_logits, desired_logit_prob, where)
   plan = Plan(calls=calls, shapes=frozen_shapes(tree, args, calls), logits_of=logits)
+  check_affine(tree, args, plan, layers.skips, clean["zeros"], where)
   batch, chunk = _sizes(clean, layers, batch_size, budget, where)
   run = _Run(tree, args, plan, layers, clean, batch, chunk)
   L, P = len(calls.mlps), clean["embedded"].shape[0]

@@ -24,11 +24,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flaxlens._compat.jaxprs import nonlinear_on_gradient_path
 from flaxlens.core._args import ArgsAndKwargs
 from flaxlens.core._node import CallNode
 from flaxlens.core._struct import Struct, static_field
 from flaxlens.core._walk import own_call_nodes
-from flaxlens.errors import ArgumentError
+from flaxlens.errors import ArgumentError, UnsupportedFlaxFeatureError
 from flaxlens.tools.base._parts import one_array
 from flaxlens.tools.base._probed import placed, run
 from flaxlens.tools.base._sites import Called, Site, select_sites, sites_of
@@ -280,6 +281,25 @@ def frozen_reads(
   logits = output if plan.logits_of is None else plan.logits_of(output)
   last = logits.reshape(-1, logits.shape[-1])[-1]
   return inputs.reshape(inputs.shape[0], -1, inputs.shape[-1]), last
+
+
+def check_affine(tree: CallNode, args: Any, plan: Plan, skips: Any, zeros: Any, where: str) -> None:
+  """Refuses a replacement model whose frozen forward is not affine in the writes: a
+  non-linear computation left on the gradient path (an attention or a normalisation that
+  was not found and frozen, a logit soft-cap); traced, not run."""
+  closed = jax.make_jaxpr(lambda d: frozen_reads(tree, args, plan, skips, d))(zeros)
+  found = nonlinear_on_gradient_path(closed.jaxpr, [True] * len(closed.jaxpr.invars))
+  if found:
+    calls = plan.calls
+    raise UnsupportedFlaxFeatureError(
+      f"{where}: the replacement model of {tree.where()} is not linear in the nodes' writes:"
+      f" {sorted(set(found))} stay on the gradient path, so its edges would not be direct"
+      " effects. An attention or a normalisation was not found and frozen (found: norms"
+      f" {list(calls.norms)}, attention {list(calls.attention)}), or the logits are read"
+      " through a non-linear map (a soft-cap). Name the calls to freeze with"
+      " freeze=flg.Freeze(norms=[...], attention=[...]), or give logits= that reads them"
+      " before the non-linear map."
+    )
 
 
 _FIX = (
