@@ -203,7 +203,10 @@ def test_refusals_name_the_problem_and_the_fix(demo):
       r"at\[0\]='block_0/mlp/\*' names 2 calls .* one MLP call",
     ),
     (dict(transcoders=transcoders[:1]), "1 transcoders for 2 MLP calls"),
-    (dict(transcoders=_transcoders(2, d=12)), "read 12 and write 12 features, but the MLP calls"),
+    (
+      dict(transcoders=_transcoders(2, d=12)),
+      "inputs of width 12 and write outputs of width 12, but the MLP calls",
+    ),
     (dict(transcoders=transcoders[0]), "list of fld.Transcoder"),
     (dict(targets=[3, 99]), r"target token ids \[99\] are outside the vocabulary"),
     (dict(args=jnp.concatenate([tokens, tokens])), "a graph is of one prompt"),
@@ -224,3 +227,24 @@ def test_refusals_name_the_problem_and_the_fix(demo):
   clt = fld.CrossLayerTranscoder(3, 16, 16, 32, rngs=nnx.Rngs(0))
   with pytest.raises(fl.FlaxlensError, match="CLT spans 3 layers and at= names 2"):
     flg.attribute(tree, tokens, clt, mlps)
+
+
+def test_a_scanned_mlp_is_refused():
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return x + nn.Dense(8, name="mlp")(nn.LayerNorm(name="ln")(x)), None
+
+  class Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      x = nn.Embed(16, 8, name="embed")(tokens)
+      stack = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+      x, _ = stack(name="layers")(x, None)
+      return nn.Dense(16, name="unembed")(x)
+
+  tokens = jnp.arange(1, 6)[None]
+  model = Scanned()
+  tree = fl.unflaxify(model, model.init(jax.random.key(0), tokens), tokens)
+  with pytest.raises(fl.UnsupportedFlaxFeatureError, match="inside a scanned body"):
+    flg.attribute(tree, tokens, _transcoders(), ["layers/mlp"])

@@ -264,7 +264,8 @@ def clean_run(tree, args, calls, layers, logits_of, where) -> dict[str, Any]:
   d_out = layers.decoders[0].shape[-1]
   if xs.shape[-1] != d_in or outs.shape[-1] != d_out:
     raise ArgumentError(
-      f"{where}: the transcoders read {d_in} and write {d_out} features, but the MLP calls"
+      f"{where}: the transcoders read inputs of width {d_in} and write outputs of width"
+      f" {d_out}, but the MLP calls"
       f" {list(calls.mlps)} take {xs.shape[-1]} and give {outs.shape[-1]}. Give transcoders"
       " trained on these calls (fld.Transcoder(d_in, d_out, width))."
     )

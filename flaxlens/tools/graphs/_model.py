@@ -116,6 +116,12 @@ def found_calls(
         f" ({[s.name for s in chosen][:6]}); a transcoder stands in for one MLP call. Give"
         f" the MLP of each layer, in order (calls that look like MLPs: {mlp_like[:12]})."
       )
+    if chosen[0].node.sliced:
+      raise UnsupportedFlaxFeatureError(
+        f"{where}: at[{layer}]={pattern!r} is a call inside a scanned body"
+        f" ({chosen[0].name}: nn.scan/nnx.scan over layers), one call for every layer; a"
+        " transcoder stands in for one layer's MLP. Convert an unrolled copy of the model."
+      )
     mlps.append(chosen[0])
   names = [s.name for s in mlps]
   if len(set(names)) != len(names):
