@@ -39,6 +39,11 @@ class Model:
   mlps: list[str]
   parts: Parts
 
+  @property
+  def logits(self):
+    """The model's own last-position logits (Flax's `apply`, eager)."""
+    return self.module.apply({"params": self.params}, *self.args).logits[0, -1]
+
 
 @dataclasses.dataclass
 class Parts:
@@ -265,8 +270,7 @@ def test_the_frozen_forward_is_the_models_own_value(models, name, skip):
   # Eager on both sides: the same operations, so the same bits (a compiled program of
   # each may fuse differently and differ in the last bits).
   _, last = frozen_reads(model.tree, model.args, plan, skips, zeros)
-  native = model.module.apply({"params": model.params}, *model.args).logits
-  np.testing.assert_array_equal(last, native[0, -1])
+  np.testing.assert_array_equal(last, model.logits)
   np.testing.assert_array_equal(last, fl.run(model.tree, model.args, jit=False).logits[0, -1])
 
 
@@ -360,6 +364,8 @@ def test_the_graph_equals_the_plain_jax_witness(models, name, skip):
   np.testing.assert_array_equal(graph.active_features, active)
   np.testing.assert_allclose(graph.activations, witness["activations"], rtol=1e-5, atol=1e-6)
   assert len(active) > 50 and set(active[:, 0]) == {0, 1}
+  # The witness's clean run is the model's own forward.
+  np.testing.assert_allclose(witness["clean_logits"], model.logits, rtol=1e-5, atol=1e-5)
   assert graph.targets.ids[0] == int(jnp.argmax(witness["clean_logits"]))
   W_enc = np.stack([np.asarray(t.W_enc[...]) for t in transcoders])
   encoder_rows = W_enc[active[:, 0], :, active[:, 2]]  # [features, D]
