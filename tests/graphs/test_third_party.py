@@ -8,6 +8,7 @@ scaled by its own coefficient, differentiated at one."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +40,7 @@ class Model:
   mlps: list[str]
   parts: Parts
 
-  @property
+  @functools.cached_property
   def logits(self):
     """The model's own last-position logits (Flax's `apply`, eager)."""
     return self.module.apply({"params": self.params}, *self.args).logits[0, -1]
