@@ -15,8 +15,9 @@ No Flax internals here.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -233,12 +234,30 @@ class _Shapes(Struct):
     return value
 
 
+def _declared_part(site: Site) -> Any:
+  """The `part=` an edit of the whole output of `site` declares (a frozen call, a shape
+  record): None where conversion saw one array, else the first entry of a tuple or
+  mapping that is one (a Hugging Face module returns `(hidden_states, ...)`). The edit
+  reads and keeps the whole output; the part is what placement checks is an array."""
+  if site.output is None:
+    return None
+  value = jax.tree_util.tree_unflatten(*site.output)
+  if isinstance(value, tuple | list):
+    entries = list(enumerate(value))
+  elif isinstance(value, Mapping):
+    entries = list(value.items())
+  else:
+    return None
+  return next((key for key, entry in entries if isinstance(entry, jax.ShapeDtypeStruct)), None)
+
+
 def frozen_shapes(tree: CallNode, args: Any, calls: Calls) -> tuple[tuple[str, CallShape], ...]:
   """The `CallShape` of each norm and attention call's argument on `args` (an abstract
   run: nothing is computed)."""
   found: dict[str, CallShape] = {}
   names = (*calls.norms, *calls.attention)
-  edits = tuple(_Shapes(at=Called(n), found=found) for n in names)
+  sites = {s.name: s for s in sites_of(tree)}
+  edits = tuple(_Shapes(at=Called(n), found=found, part=_declared_part(sites[n])) for n in names)
   marked = placed(tree, edits, "flg.attribute")
   jax.eval_shape(lambda: run(marked, args, jit=False))
   return tuple((n, found[n]) for n in names if n in found)
@@ -260,7 +279,7 @@ def frozen_reads(
   calls = plan.calls
   embed_delta, mlp_deltas = deltas
   shapes = dict(plan.shapes)
-  nodes = {s.name: s.node for s in sites_of(tree)}
+  sites = {s.name: s for s in sites_of(tree)}
   edits: list[Any] = [_Delta(delta=embed_delta, at=Called(calls.embed))]
   for layer, name in enumerate(calls.mlps):
     skip = None if skips is None else skips[layer]
@@ -273,9 +292,10 @@ def frozen_reads(
       if name not in shapes:
         continue  # a call the run does not make on these arguments
       found = scores[1] if scores is not None and scores[0] == name else None
-      edits.append(
-        frozen_edit(nodes[name], name, Called(name), shapes[name], freeze, what, _FIX, found)
+      edit = frozen_edit(
+        sites[name].node, name, Called(name), shapes[name], freeze, what, _FIX, found
       )
+      edits.append(dataclasses.replace(edit, part=_declared_part(sites[name])))
   output, cache = run(
     placed(tree, tuple(edits), "flg.attribute"),
     args,
