@@ -30,6 +30,7 @@ WORKFLOW_PAGES = [
   "sharding.md",
   "harvest.md",
   "dictionaries.md",
+  "graphs.md",
   "training-interventions.md",
   "circuits.md",
   "compilation.md",

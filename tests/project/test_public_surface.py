@@ -65,7 +65,7 @@ def test_the_top_level_stays_the_everyday_verbs():
   )
 
 
-@pytest.mark.parametrize("namespace", ["extend", "dictionaries"])
+@pytest.mark.parametrize("namespace", ["extend", "dictionaries", "graphs"])
 def test_a_namespace_lists_what_its_api_section_documents_with_docstrings(namespace):
   module = importlib.import_module(f"flaxlens.{namespace}")
   assert module.__all__ == [name for _, name in _documented(f"flaxlens.{namespace}")]

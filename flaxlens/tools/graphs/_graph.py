@@ -1,0 +1,430 @@
+"""Attribution graphs (`flg.attribute`): the direct effects between a prompt's active
+transcoder features, error terms, tokens and output logits, through the replacement
+model (`_model.py`), as circuit-tracer computes them (`../shared/GRAPHS.md`).
+
+Rows are vector-Jacobian products of the frozen forward, `jax.vmap`ped over a batch of
+targets in one compiled program per (prompt shape, batch) (`_rows`); the products are
+turned into edges by a second program per (shape, batch, column chunk) (`_columns`):
+tokens and errors by dot products with their write vectors, features by their
+activation times their decoder rows. Logit rows come first; with a feature cap the
+features get rows in the order of their influence so far (recomputed every
+`update_interval` batches), as the reference does. No Flax internals here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxlens.core._jit import variable_jit
+from flaxlens.core._node import CallNode, check_tree
+from flaxlens.errors import ArgumentError
+from flaxlens.tools.base._probed import capture
+from flaxlens.tools.dictionaries._modules import CrossLayerTranscoder, Dictionary
+from flaxlens.tools.graphs._model import (
+  Freeze,
+  Plan,
+  check_affine,
+  found_calls,
+  frozen_reads,
+  frozen_shapes,
+)
+from flaxlens.tools.graphs._targets import Targets, chosen_targets
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+  """An attribution graph: nodes `[features | errors | tokens | logits]`, edges
+  `A[target, source]` (the direct effect of the source on the target).
+
+  Attributes:
+    tokens: the prompt's token ids, `[positions]`.
+    active_features: every active feature as `(layer, position, feature)`, `[n, 3]`,
+      in lexicographic order (position 0 excluded, as the reference does).
+    activations: their activations, `[n]`.
+    selected: which active features are nodes (indices into `active_features`, sorted).
+    targets: the logit targets (`Targets`: ids, probabilities, directions).
+    rows: the nonzero rows of the adjacency: the selected features' then the logits',
+      `[len(selected) + logits, nodes]` (error and token rows are zero).
+    bias: for each row, the part of its target no node explains (biases, positional
+      embeddings, decoder biases, position 0): `sum(row) + bias` is the target's value
+      (a feature's pre-activation less its encoder bias; a logit's demeaned value).
+    layers: the transcoders' layers.
+    positions: the prompt's length.
+  """
+
+  tokens: np.ndarray
+  active_features: np.ndarray
+  activations: np.ndarray
+  selected: np.ndarray
+  targets: Targets
+  rows: np.ndarray
+  bias: np.ndarray
+  layers: int
+  positions: int
+
+  @property
+  def n_features(self) -> int:
+    """The feature nodes."""
+    return len(self.selected)
+
+  @property
+  def n_nodes(self) -> int:
+    """Every node: features, errors (`layers * positions`), tokens, logits."""
+    return self.n_features + (self.layers + 1) * self.positions + len(self.targets.ids)
+
+  @property
+  def adjacency(self) -> np.ndarray:
+    """The dense adjacency `[nodes, nodes]`, indexed `[target, source]`."""
+    dense = np.zeros((self.n_nodes, self.n_nodes), np.float32)
+    n_logits = len(self.targets.ids)
+    dense[: self.n_features] = self.rows[: self.n_features]
+    dense[self.n_nodes - n_logits :] = self.rows[self.n_features :]
+    return dense
+
+  @property
+  def row_nodes(self) -> np.ndarray:
+    """The node each of `rows` is the row of."""
+    n_logits = len(self.targets.ids)
+    return np.concatenate(
+      [np.arange(self.n_features), np.arange(self.n_nodes - n_logits, self.n_nodes)]
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DictionaryLayers:
+  """The transcoders as the graph reads them, stacked by layer."""
+
+  W_enc: Any  # [layers, d_in, width]
+  decoders: tuple[Any, ...]  # per layer [width, layers it writes, d_out]
+  skips: Any  # [layers, d_in, d_out] or None
+  encode: Callable[[Any], Any]  # inputs [layers, positions, d_in] -> features
+  decode: Callable[[Any, Any], Any]  # (features, inputs) -> reconstructions
+
+
+def dictionary_layers(transcoders: Any, n: int, where: str) -> DictionaryLayers:
+  if isinstance(transcoders, CrossLayerTranscoder):
+    clt = transcoders
+    if clt.config.layers != n:
+      raise ArgumentError(
+        f"{where}: the CLT spans {clt.config.layers} layers and at= names {n} MLP calls."
+        " Give one MLP call per layer of the CLT."
+      )
+
+    def decode(features: Any, inputs: Any) -> Any:
+      out = clt.decode(features)
+      skipped = clt.skip_of(inputs)
+      return out if skipped is None else out + skipped
+
+    return DictionaryLayers(
+      W_enc=clt.W_enc[...],
+      decoders=tuple(clt.W_dec[layer][...] for layer in range(n)),
+      skips=clt.W_skip[...] if clt.config.skip else None,
+      encode=clt.encode,
+      decode=decode,
+    )
+  if not isinstance(transcoders, Sequence) or not all(
+    isinstance(t, Dictionary) and t.config.kind == "transcoder" for t in transcoders
+  ):
+    raise ArgumentError(
+      f"{where}: transcoders= is a list of fld.Transcoder (one per MLP call of at=) or an"
+      f" fld.CrossLayerTranscoder, got {type(transcoders).__name__}."
+    )
+  if len(transcoders) != n:
+    raise ArgumentError(
+      f"{where}: {len(transcoders)} transcoders for {n} MLP calls in at=. Give one"
+      " transcoder per MLP call, in the same order."
+    )
+  skips = [t.config.skip for t in transcoders]
+  if any(skips) and not all(skips):
+    raise ArgumentError(
+      f"{where}: some transcoders have a skip and some do not ({skips}). Give"
+      " transcoders of one kind."
+    )
+
+  def decode(features: Any, inputs: Any) -> Any:
+    out = [t.decode(f) for t, f in zip(transcoders, features, strict=True)]
+    if all(skips):
+      out = [o + t.skip_of(x) for o, t, x in zip(out, transcoders, inputs, strict=True)]
+    return jnp.stack(out)
+
+  return DictionaryLayers(
+    W_enc=jnp.stack([t.W_enc[...] for t in transcoders]),
+    decoders=tuple(t.W_dec[...][:, None] for t in transcoders),
+    skips=jnp.stack([t.W_skip[...] for t in transcoders]) if all(skips) else None,
+    encode=lambda xs: jnp.stack([t.encode(x) for t, x in zip(transcoders, xs, strict=True)]),
+    decode=decode,
+  )
+
+
+def _rows(tree, args, plan, W_enc, skips, zeros, layer, position, feature, valid, directions):
+  """`(d/d embedding, d/d MLP outputs)` of each target `[batch, ...]`: a feature
+  `(layer, position, feature)` (read by its encoder row; `valid` 0 for none) plus a
+  direction on the last position's logits."""
+  reads, vjp = jax.vjp(lambda d: frozen_reads(tree, args, plan, skips, d), zeros)
+
+  def one(source, p, f, v, direction):
+    readout = jnp.zeros_like(reads[0]).at[source, p].set(W_enc[source][:, f] * v)
+    return vjp((readout, direction.astype(reads[1].dtype)))[0]
+
+  return jax.vmap(one)(layer, position, feature, valid, directions)
+
+
+_rows_compiled = variable_jit(_rows)
+
+
+@jax.jit
+def edge_columns(grads, embedded, errors, decoders, layer, position, feature, activation):
+  """Edges of a batch of rows into the tokens, errors and a chunk of features."""
+  g_embed, g_mlp = grads
+  tokens = jnp.einsum("bpd,pd->bp", g_embed, embedded)
+  error_edges = jnp.einsum("blpd,lpd->blp", g_mlp, errors).reshape(g_mlp.shape[0], -1)
+  total = jnp.zeros((g_mlp.shape[0], layer.shape[0]), g_mlp.dtype)
+  for source, decoder in enumerate(decoders):
+    rows = decoder[jnp.clip(feature, 0, decoder.shape[0] - 1)]  # [chunk, writes, d]
+    for offset in range(decoder.shape[1]):
+      read = g_mlp[:, source + offset, position]  # [batch, chunk, d]
+      total = total + jnp.where(layer == source, jnp.einsum("bcd,cd->bc", read, rows[:, offset]), 0)
+  return total * activation, error_edges, tokens
+
+
+def _influences(
+  rows: np.ndarray, weights: np.ndarray, row_nodes: np.ndarray, max_iter: int = 128
+) -> np.ndarray:
+  """Each column's influence on the logits through the rows computed so far: power
+  iteration on the row-normalised absolute rows, seeded with the logit weights."""
+  normalised = np.abs(rows)
+  normalised /= np.maximum(normalised.sum(axis=1, keepdims=True), 1e-8)
+  influence = np.zeros(rows.shape[1], np.float32)
+  current = np.zeros(rows.shape[1], np.float32)
+  current[rows.shape[1] - len(weights) :] = weights
+  for _ in range(max_iter):
+    current = current[row_nodes] @ normalised
+    if not current.any():
+      return influence
+    influence += current
+  raise ArgumentError(
+    "flg.attribute: the influence ranking did not converge (a cycle in the rows)."
+  )
+
+
+class _Run:
+  """One graph's computation: the clean run's arrays and the two compiled programs."""
+
+  def __init__(self, tree, args, plan, layers, clean, batch, chunk):
+    self.tree, self.args, self.plan, self.layers = tree, args, plan, layers
+    self.clean, self.batch, self.chunk = clean, batch, chunk
+
+  def rows(self, layer, position, feature, valid, directions) -> np.ndarray:
+    """Rows `[batch, features + errors + tokens]` for a batch of targets (padded)."""
+    c = self.clean
+    n = len(layer)
+    pad = self.batch - n
+    padded = [
+      np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+      for a in (layer, position, feature, valid, directions)
+    ]
+    grads = _rows_compiled(
+      self.tree, self.args, self.plan, self.layers.W_enc, self.layers.skips, c["zeros"], *padded
+    )
+    out = []
+    errors = tokens = None
+    for start in range(0, max(len(c["active"]), 1), self.chunk):
+      part = [
+        np.pad(a[start : start + self.chunk], (0, max(0, start + self.chunk - len(a))))
+        for a in c["columns"]
+      ]
+      features, errors, tokens = edge_columns(
+        grads, c["embedded"], c["errors"], self.layers.decoders, *part
+      )
+      out.append(np.asarray(features))
+    features = np.concatenate(out, axis=1)[:, : len(c["active"])]
+    return np.concatenate([features, np.asarray(errors), np.asarray(tokens)], axis=1)[:n]
+
+
+def clean_run(tree, args, calls, layers, logits_of, where) -> dict[str, Any]:
+  """The clean run's arrays: MLP inputs and outputs, features (position 0 zeroed),
+  errors, the embedding's output, the token ids and the last position's logits."""
+  output, cache = capture(tree, args, [*calls.mlps, calls.embed], inputs=True)
+  embedded = cache[calls.embed]
+  positions, d_model = embedded.shape[-2], embedded.shape[-1]
+  if embedded.size != positions * d_model:
+    raise ArgumentError(
+      f"{where}: the embedding {calls.embed} gives {list(embedded.shape)}: a graph is of one"
+      " prompt. Give the model a batch of one, [1, positions]."
+    )
+  xs = jnp.stack([cache[f"{n}:input"].reshape(positions, -1) for n in calls.mlps])
+  outs = jnp.stack([cache[n].reshape(positions, -1) for n in calls.mlps])
+  d_in, width = layers.W_enc.shape[1:]
+  d_out = layers.decoders[0].shape[-1]
+  if xs.shape[-1] != d_in or outs.shape[-1] != d_out:
+    raise ArgumentError(
+      f"{where}: the transcoders read inputs of width {d_in} and write outputs of width"
+      f" {d_out}, but the MLP calls"
+      f" {list(calls.mlps)} take {xs.shape[-1]} and give {outs.shape[-1]}. Give transcoders"
+      " trained on these calls (fld.Transcoder(d_in, d_out, width))."
+    )
+  features = layers.encode(xs).at[:, 0].set(0)
+  errors = (outs - layers.decode(features, xs)).at[:, 0].set(0)
+  logits = output if logits_of is None else logits_of(output)
+  active = np.argwhere(np.asarray(features) != 0)
+  activations = np.asarray(features)[tuple(active.T)]
+  return {
+    "xs": xs,
+    "embedded": embedded.reshape(positions, d_model),
+    "errors": errors,
+    "tokens": np.asarray(cache[f"{calls.embed}:input"]).reshape(-1),
+    "last": np.asarray(logits).reshape(-1, np.shape(logits)[-1])[-1],
+    "active": active,
+    "activations": activations,
+    "columns": (active[:, 0], active[:, 1], active[:, 2], activations.astype(np.float32)),
+    "zeros": (jnp.zeros((positions, d_model), embedded.dtype), jnp.zeros(outs.shape, outs.dtype)),
+  }
+
+
+def _sizes(
+  clean: dict, layers: DictionaryLayers, batch_size: int, budget: int | None, where: str
+) -> tuple[int, int]:
+  """Rows per compiled batch and feature columns per chunk: `batch_size` and 1024, or
+  what `budget` (bytes) allows."""
+  xs, (embed_zeros, mlp_zeros) = clean["xs"], clean["zeros"]
+  per_row = 4 * 3 * (xs.size + embed_zeros.size + 2 * mlp_zeros.size)
+  if budget is None:
+    return batch_size, 1024
+  if budget < 2 * per_row:
+    raise ArgumentError(
+      f"{where}: budget={budget} bytes is too small for one row of this prompt (about"
+      f" {2 * per_row} bytes: the products at every layer and position). Raise the budget"
+      " or shorten the prompt."
+    )
+  batch = max(1, min(batch_size, budget // (2 * per_row)))
+  writes = max(d.shape[1] for d in layers.decoders) * mlp_zeros.shape[-1]
+  return batch, int(max(16, min(4096, (budget // 2) // (4 * 2 * batch * writes))))
+
+
+def attribute(
+  tree: CallNode,
+  args: Any,
+  transcoders: Any,
+  at: Sequence[Any],
+  *,
+  targets: Any = None,
+  max_n_logits: int = 10,
+  desired_logit_prob: float = 0.95,
+  max_feature_nodes: int | None = None,
+  batch_size: int = 32,
+  update_interval: int = 4,
+  budget: int | None = None,
+  embed: Any = None,
+  freeze: Freeze | None = None,
+  logits: Callable[[Any], Any] | None = None,
+) -> Graph:
+  """The attribution graph of one prompt through the replacement model.
+
+  Transcoders stand in for the MLP calls `at` (with error terms, so the forward value
+  is the model's own); attention patterns and normalisation scales are frozen to the
+  clean run; features are constants. Every edge is a direct effect through the residual
+  stream (see the "Attribution graphs" page for what is computed and how it matches
+  circuit-tracer).
+
+  Args:
+    tree: a converted model (`fl.unflaxify`) whose output is the logits `[1, positions,
+      vocabulary]` (or give `logits=`).
+    args: the model's arguments for one prompt, as `fl.run` takes them.
+    transcoders: a list of `fld.Transcoder` (one per call of `at`) or an
+      `fld.CrossLayerTranscoder` over them.
+    at: the MLP calls, one per layer, in order (site names or patterns).
+    targets: None (the likeliest next tokens), token ids, or a list of `flg.Target`.
+    max_n_logits: with `targets=None`, at most this many tokens...
+    desired_logit_prob: ...the fewest whose probability reaches this.
+    max_feature_nodes: at most this many feature nodes (None: every active feature),
+      chosen by their influence on the logits as rows are computed.
+    batch_size: rows per compiled batch.
+    update_interval: with a feature cap, batches between re-rankings.
+    budget: bytes one compiled batch may hold; sets the batch and the column chunks.
+    embed: the token embedding call (None: found).
+    freeze: the norms and attentions to freeze (None: found; see `flg.Freeze`).
+    logits: a function of the model's output giving its logits, where the output is not
+      the logits array (a Hugging Face output: `lambda out: out.logits`).
+
+  Returns:
+    The `Graph` (unpruned: see `flg.prune`).
+
+  Example:
+    >>> import flaxlens.graphs as flg
+    >>> tree, tokens, transcoders, mlps = flg.demo_model()  # a Linen LM, 2 transcoders
+    >>> graph = flg.attribute(tree, tokens, transcoders, mlps)
+    >>> graph.layers, graph.positions, graph.rows.shape[1] == graph.n_nodes
+    (2, 8, True)
+  """
+  where = "flg.attribute"
+  check_tree(tree, where)
+  calls = found_calls(tree, at, embed, freeze, where)
+  layers = dictionary_layers(transcoders, len(calls.mlps), where)
+  clean = clean_run(tree, args, calls, layers, logits, where)
+  chosen = chosen_targets(clean["last"], targets, max_n_logits, desired_logit_prob, where)
+  plan = Plan(calls=calls, shapes=frozen_shapes(tree, args, calls), logits_of=logits)
+  check_affine(tree, args, plan, layers.skips, clean["zeros"], where)
+  batch, chunk = _sizes(clean, layers, batch_size, budget, where)
+  run = _Run(tree, args, plan, layers, clean, batch, chunk)
+  L, P = len(calls.mlps), clean["embedded"].shape[0]
+  active, n_active, n_logits = clean["active"], len(clean["active"]), len(chosen.ids)
+  cap = n_active if max_feature_nodes is None else min(int(max_feature_nodes), n_active)
+  n_cols = n_active + (L + 1) * P + n_logits
+  edges = np.zeros((cap + n_logits, n_cols), np.float32)
+  values = np.zeros(cap + n_logits, np.float32)
+  row_nodes = np.zeros(cap + n_logits, np.int64)
+  none = np.zeros(1, np.int64)
+  for start in range(0, n_logits, batch):
+    k = min(batch, n_logits - start)
+    edges[start : start + k, : n_cols - n_logits] = run.rows(
+      none.repeat(k),
+      none.repeat(k),
+      none.repeat(k),
+      np.zeros(k, np.float32),
+      chosen.directions[start : start + k],
+    )
+    values[start : start + k] = chosen.directions[start : start + k] @ clean["last"]
+    row_nodes[start : start + k] = n_cols - n_logits + np.arange(start, start + k)
+  row, visited = n_logits, np.zeros(n_active, bool)
+  xs = np.asarray(clean["xs"])
+  W_enc = np.asarray(layers.W_enc)
+  no_direction = np.zeros((batch, chosen.directions.shape[1]), np.float32)
+  while row - n_logits < cap:
+    if cap == n_active:
+      pending = np.arange(n_active)
+    else:
+      influence = _influences(edges[:row], chosen.probabilities, row_nodes[:row])
+      rank = np.argsort(-influence[:n_active], kind="stable")
+      pending = rank[~visited[rank]][: min(update_interval * batch, cap - (row - n_logits))]
+    for start in range(0, len(pending), batch):
+      chosen_rows = pending[start : start + batch]
+      k = len(chosen_rows)
+      at_layer, p, f = active[chosen_rows].T
+      edges[row : row + k, : n_cols - n_logits] = run.rows(
+        at_layer, p, f, np.ones(k, np.float32), no_direction[:k]
+      )
+      values[row : row + k] = np.einsum("kd,kd->k", xs[at_layer, p], W_enc[at_layer, :, f])
+      row_nodes[row : row + k] = chosen_rows
+      visited[chosen_rows] = True
+      row += k
+  bias = values - edges.sum(axis=1)
+  selected = np.flatnonzero(visited)
+  edges = edges[:, np.concatenate([selected, np.arange(n_active, n_cols)])]
+  order = np.argsort(row_nodes, kind="stable")
+  return Graph(
+    tokens=clean["tokens"],
+    active_features=active,
+    activations=clean["activations"],
+    selected=selected,
+    targets=chosen,
+    rows=edges[order],
+    bias=bias[order],
+    layers=L,
+    positions=P,
+  )
