@@ -1,4 +1,4 @@
-"""Case 16: attribution graphs (`flaxlens.graphs`'s `attribute`) against circuit-tracer's
+"""Case 16: attribution graphs (`flg.attribute`, `flaxlens.graphs`) against circuit-tracer's
 `attribute`, on the same weights and prompts: time per graph, the compilations a second
 prompt of the same length costs, peak memory at 512 tokens, and a 2048-token graph under
 a memory budget.
@@ -593,7 +593,7 @@ def _graphs(spec: dict[str, Any]) -> tuple[Any, np.ndarray, Any]:
 
   import flaxlens as fl
   import flaxlens.dictionaries as fld
-  from flaxlens.tools.graphs._graph import attribute
+  import flaxlens.graphs as flg
 
   shape, folder = Shape(**spec["shape"]), Path(spec["folder"])
   model = LinenGraphModel(shape)
@@ -603,7 +603,7 @@ def _graphs(spec: dict[str, Any]) -> tuple[Any, np.ndarray, Any]:
   transcoders = fld.load_circuit_tracer(folder / "transcoders")
 
   def graph(index: int, budget: int | None = None) -> Any:
-    return attribute(
+    return flg.attribute(
       tree, prompts[index : index + 1], transcoders, mlp_sites(shape),
       batch_size=spec["batch_size"], max_feature_nodes=spec["max_feature_nodes"], budget=budget,
     )  # fmt: skip
