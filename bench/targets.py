@@ -420,12 +420,12 @@ TARGETS: dict[str, Target] = {
     "graphs",
   ),
   "graph_long_under_budget": Target(
-    "a 2048-token graph: flaxlens within budget= where circuit-tracer fails (or peaks higher)",
+    "a 2048-token graph in one address-space limit: flaxlens (budget=) runs, circuit-tracer not",
     "=",
     "flaxlens runs, circuit-tracer does not",
     "A budget bounds what one compiled batch holds (rows and column chunks shrink to fit), so"
-    " flaxlens reaches prompt lengths where circuit-tracer's dense forward copies run out of"
-    " memory (its issues 92, 39, 40).",
+    " flaxlens reaches prompt lengths where circuit-tracer's forward, kept for its backward"
+    " passes even at batch_size=1, runs out of memory (its issues 92, 39, 40).",
     "graphs",
   ),
 }
