@@ -9,8 +9,9 @@ comparison (`pip install -e ".[bench]"`); without it its rows say "not installed
 case 14's rows (TransformerLens, nnsight and PyTorch next to flaxlens on one Hugging Face
 GPT-2) without the packages of `pip install -e ".[bench,models]"` (a CPU torch first), and
 case 15's SAELens rows without `FLAXLENS_BENCH_SAELENS_PYTHON` naming the interpreter of an
-environment with `sae-lens` installed (its pins clash with ours). Rows whose API does not
-exist yet say "not yet available".
+environment with `sae-lens` installed (its pins clash with ours), and case 16's
+circuit-tracer rows without `FLAXLENS_BENCH_CIRCUIT_TRACER_PYTHON` (likewise). Rows whose
+API does not exist yet say "not yet available".
 
 This file is the entry point; the package `bench` holds the harness, the models, the
 table of targets (`bench/targets.py`), one module per case (`bench/cases/`) and the report.
@@ -40,6 +41,7 @@ from bench.cases import (
   eager_call,
   experts,
   extra_bytes,
+  graphs,
   harvest,
   heads,
   interventions,
@@ -69,6 +71,7 @@ CASES = (
   compilation_cache,
   compare,
   dictionaries,
+  graphs,
 )
 
 

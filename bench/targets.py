@@ -390,4 +390,42 @@ TARGETS: dict[str, Target] = {
     " (and the per-step history, 24 bytes a step).",
     "dictionaries",
   ),
+  # Attribution graphs; case 16.
+  "graph_time_vs_circuit_tracer": Target(
+    "time per attribution graph, flaxlens / circuit-tracer, same weights, prompt and CPU",
+    "≤",
+    "0.5",
+    "Once compiled, flaxlens computes a batch of graph rows as one XLA program (the frozen"
+    " forward's vector-Jacobian products, vmapped) where circuit-tracer runs PyTorch's eager"
+    " backward over a batch-sized copy of the forward with Python hooks; on the same CPU it"
+    " should take at most half the time.",
+    "graphs",
+  ),
+  "graph_second_prompt_compiles": Target(
+    "XLA compilations of a graph of a second prompt of the same length",
+    "=",
+    "0",
+    "Programs are keyed on the prompt's shape, the batch and the column chunk, never on the"
+    " prompt's values or its number of active features, so a new prompt of a length seen"
+    " before must reuse them.",
+    "graphs",
+  ),
+  "graph_memory_vs_circuit_tracer": Target(
+    "peak RSS of a 512-token graph, flaxlens / circuit-tracer, each in a fresh process",
+    "≤",
+    "0.5",
+    "circuit-tracer keeps the autograd graph of a forward over `batch_size` copies of the"
+    " prompt; flaxlens linearises one forward and vmaps its transpose over the rows, so it"
+    " should need at most half the memory.",
+    "graphs",
+  ),
+  "graph_long_under_budget": Target(
+    "a 2048-token graph in one address-space limit: flaxlens (budget=) runs, circuit-tracer not",
+    "=",
+    "flaxlens runs, circuit-tracer does not",
+    "A budget bounds what one compiled batch holds (rows and column chunks shrink to fit), so"
+    " flaxlens reaches prompt lengths where circuit-tracer's forward, kept for its backward"
+    " passes even at batch_size=1, runs out of memory (its issues 92, 39, 40).",
+    "graphs",
+  ),
 }
