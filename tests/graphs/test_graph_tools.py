@@ -191,6 +191,27 @@ def test_a_norm_or_attention_that_cannot_be_frozen_is_refused():
     flg.attribute(tree, tokens, _transcoders(), ["mlp"])
 
 
+class Normalizer(nn.Module):
+  """An RMS norm under a name no rule finds: left unfrozen, its scale is not affine."""
+
+  @nn.compact
+  def __call__(self, x):
+    scale = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    return x * scale * self.param("scale", nn.initializers.ones, (x.shape[-1],))
+
+
+def test_a_norm_left_unfrozen_is_refused_until_it_is_named():
+  tree, tokens = _odd(Normalizer, TwoHeads)
+  for _ in range(2):  # the check runs while compiling; a refused program is not kept
+    with pytest.raises(
+      fl.UnsupportedFlaxFeatureError, match=r"not linear in the nodes' writes: .*rsqrt.*Freeze"
+    ):
+      flg.attribute(tree, tokens, _transcoders(), ["mlp"])
+  freeze = flg.Freeze(norms=["ScaleNorm_ln", "ln_2"])
+  graph = flg.attribute(tree, tokens, _transcoders(), ["mlp"], freeze=freeze)
+  assert graph.rows.shape[1] == graph.n_nodes
+
+
 def test_refusals_name_the_problem_and_the_fix(demo):
   tree, tokens, transcoders, mlps, _ = demo
   cases = [

@@ -19,13 +19,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from flaxlens.core._jit import variable_jit
 from flaxlens.core._node import CallNode, check_tree
 from flaxlens.errors import ArgumentError
-from flaxlens.tools.graphs._graph import clean_run, dictionary_layers, edge_columns
+from flaxlens.tools.graphs._graph import (
+  Columns,
+  clean_run,
+  dictionary_layers,
+  write_edges,
+)
 from flaxlens.tools.graphs._model import Freeze, Plan, found_calls, frozen_reads, frozen_shapes
 
 
@@ -121,10 +125,8 @@ def attention_share(
   value, (g_embed, g_mlp) = _score_gradient_compiled(
     tree, args, plan, layers.skips, clean["zeros"], attention, entry
   )
-  features, errors, tokens = edge_columns(
-    (g_embed[None], g_mlp[None]), clean["embedded"], clean["errors"], layers.decoders,
-    *(jnp.asarray(c) for c in clean["columns"]),
-  )  # fmt: skip
+  features = Columns(clean, layers.decoders, 1024, 0).edges(g_mlp[None])
+  errors, tokens = write_edges(g_embed[None], g_mlp[None], clean["embedded"], clean["errors"])
   L, P = len(calls.mlps), clean["embedded"].shape[0]
   return AttentionShare(
     score=float(value),
