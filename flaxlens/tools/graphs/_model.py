@@ -270,12 +270,16 @@ def frozen_reads(
   skips: Any,
   deltas: tuple[Any, Any],
   scores: tuple[str, list] | None = None,
+  per_layer: bool = False,
 ) -> tuple[Any, Any]:
   """The frozen forward: `(inputs, logits)`, each MLP's input `[layers, positions,
   d_in]` and the logits at the last position `[vocabulary]`, as functions of `deltas`
   (`[positions, d_model]` at the embedding, `[layers, positions, d_out]` at the MLPs).
   `skips` holds each layer's `W_skip` (`[d_in, d_out]`) or None. With `scores=(call,
-  found)`, that attention call's scores (its softmax's exponent) are appended to `found`."""
+  found)`, that attention call's scores (its softmax's exponent) are appended to `found`.
+  With `per_layer`, the inputs are a tuple of each layer's `[positions, d_in]`: a
+  transpose that reads some of them skips the layers above (a stacked array's would
+  compute them with zeros)."""
   calls = plan.calls
   embed_delta, mlp_deltas = deltas
   shapes = dict(plan.shapes)
@@ -303,10 +307,11 @@ def frozen_reads(
     inputs=True,
     jit=False,
   )
-  inputs = jnp.stack([one_array(cache[f"{n}:input"], None, n, "input") for n in calls.mlps])
+  inputs = [one_array(cache[f"{n}:input"], None, n, "input") for n in calls.mlps]
+  inputs = [x.reshape(-1, x.shape[-1]) for x in inputs]
   logits = output if plan.logits_of is None else plan.logits_of(output)
   last = logits.reshape(-1, logits.shape[-1])[-1]
-  return inputs.reshape(inputs.shape[0], -1, inputs.shape[-1]), last
+  return (tuple(inputs) if per_layer else jnp.stack(inputs)), last
 
 
 def check_affine(tree: CallNode, args: Any, plan: Plan, skips: Any, zeros: Any, where: str) -> None:

@@ -125,7 +125,8 @@ def attention_share(
   value, (g_embed, g_mlp) = _score_gradient_compiled(
     tree, args, plan, layers.skips, clean["zeros"], attention, entry
   )
-  features = Columns(clean, layers.decoders, 1024, 0).edges(g_mlp[None])
+  features = np.zeros((1, len(clean["active"])), np.float32)
+  Columns(clean, layers.decoders, 1024, 0).edges(g_mlp[None], features)
   errors, tokens = write_edges(g_embed[None], g_mlp[None], clean["embedded"], clean["errors"])
   L, P = len(calls.mlps), clean["embedded"].shape[0]
   return AttentionShare(
