@@ -2,15 +2,18 @@
 transcoder features, error terms, tokens and output logits, through the replacement
 model (`_model.py`), as circuit-tracer computes them (`../shared/GRAPHS.md`).
 
-Rows are vector-Jacobian products of the frozen forward, `jax.vmap`ped over a batch of
-targets in one compiled program per (prompt shape, batch) (`_rows`), which also turns
-them into the edges into the tokens and errors (dot products with their write vectors);
-a second program per (shape, batch, column chunk) (`edge_columns`) gives the edges into
-features (their activation times their decoder rows). What depends only on the model and
-the prompt's shape (the frozen calls' argument shapes, the affine check) is done while
-tracing, once per program. Logit rows come first; with a feature cap the features get
-rows in the order of their influence so far (recomputed every `update_interval`
-batches), as the reference does. No Flax internals here.
+The frozen forward is linearised once per graph (`_linearized`, its residuals kept);
+rows are transposes of that linear map, `jax.vmap`ped over a batch of targets in one
+compiled program per (prompt shape, batch) (`_rows`) with a branch per depth (a batch of
+features transposes only the layers up to the deepest it reads), which also turns them
+into the edges into the tokens and errors (dot products with their write vectors); a
+second program per (shape, batch, column chunk) (`edge_columns`) gives the edges into
+features (their activation times their decoder rows), in groups of columns sharing a
+(layer, position) (`Columns`). What depends only on the model and the prompt's shape
+(the frozen calls' argument shapes, the affine check) is done while tracing, once per
+program. Logit rows come first; with a feature cap the features get rows in the order
+of their influence so far (recomputed every `update_interval` batches), as the
+reference does. No Flax internals here.
 """
 
 from __future__ import annotations
@@ -346,7 +349,8 @@ def _influences(
 
 
 class _Run:
-  """One graph's computation: the clean run's arrays and the two compiled programs."""
+  """One graph's computation: the clean run's arrays, the linearised forward and the
+  feature columns."""
 
   def __init__(self, tree, args, plan, layers, clean, batch, chunk, keep_rows):
     self.layers, self.clean, self.batch = layers, clean, batch
