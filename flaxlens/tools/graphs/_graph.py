@@ -439,6 +439,76 @@ def _sizes(
   return batch, int(max(16, min(4096, (budget // 2) // (4 * 2 * batch * writes))))
 
 
+def _graph_rows(
+  run: _Run, clean: dict, chosen: Targets, layers: DictionaryLayers, cap: int, batch: int,
+  update_interval: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+  """The rows of the graph (logits, then up to `cap` features chosen by influence), each
+  row's bias and the selected features."""
+  L, P = len(layers.decoders), clean["embedded"].shape[0]
+  active, n_active, n_logits = clean["active"], len(clean["active"]), len(chosen.ids)
+  n_cols = n_active + (L + 1) * P + n_logits
+  # Rows in the order they are computed (logits, then features by influence), except in
+  # a graph of every feature, whose rows go straight to their final places (features in
+  # order, then logits): no copy of the matrix afterwards.
+  everything = cap == n_active
+  first_logit = cap if everything else 0
+  edges = np.zeros((cap + n_logits, n_cols), np.float32)
+  values = np.zeros(cap + n_logits, np.float32)
+  row_nodes = np.zeros(cap + n_logits, np.int64)
+  none = np.zeros(1, np.int64)
+  for start in range(0, n_logits, batch):
+    k = min(batch, n_logits - start)
+    at = slice(first_logit + start, first_logit + start + k)
+    run.rows(
+      edges[at, : n_cols - n_logits],
+      none.repeat(k),
+      none.repeat(k),
+      none.repeat(k),
+      np.zeros(k, np.float32),
+      chosen.directions[start : start + k],
+    )
+    values[at] = chosen.directions[start : start + k] @ clean["last"]
+    row_nodes[at] = n_cols - n_logits + np.arange(start, start + k)
+  row, done, visited = (0 if everything else n_logits), 0, np.zeros(n_active, bool)
+  xs = np.asarray(clean["xs"])
+  W_enc = np.asarray(layers.W_enc)
+  no_direction = np.zeros((batch, chosen.directions.shape[1]), np.float32)
+  found = np.zeros((batch, n_cols - n_logits), np.float32)
+  while done < cap:
+    if everything:
+      pending = np.arange(n_active)
+    else:
+      influence = _influences(edges[:row], chosen.probabilities, row_nodes[:row])
+      rank = np.argsort(-influence[:n_active], kind="stable")
+      pending = rank[~visited[rank]][: min(update_interval * batch, cap - done)]
+    # Batches of features of nearby layers transpose fewer layers (`_rows`); the rows
+    # keep their places in the order of influence.
+    by_layer = np.argsort(active[pending, 0], kind="stable")
+    for start in range(0, len(pending), batch):
+      places = row + by_layer[start : start + batch]
+      chosen_rows = pending[by_layer[start : start + batch]]
+      k = len(chosen_rows)
+      at_layer, p, f = active[chosen_rows].T
+      contiguous = np.array_equal(places, np.arange(places[0], places[0] + k))
+      out = edges[places[0] : places[0] + k, : n_cols - n_logits] if contiguous else found[:k]
+      run.rows(out, at_layer, p, f, np.ones(k, np.float32), no_direction[:k])
+      if not contiguous:
+        edges[places, : n_cols - n_logits] = out
+      values[places] = np.einsum("kd,kd->k", xs[at_layer, p], W_enc[at_layer, :, f])
+      row_nodes[places] = chosen_rows
+      visited[chosen_rows] = True
+    row += len(pending)
+    done += len(pending)
+  bias = values - edges.sum(axis=1)
+  selected = np.flatnonzero(visited)
+  if not everything:
+    edges = edges[:, np.concatenate([selected, np.arange(n_active, n_cols)])]
+    order = np.argsort(row_nodes, kind="stable")
+    edges, bias = edges[order], bias[order]
+  return edges, bias, selected
+
+
 def attribute(
   tree: CallNode,
   args: Any,
@@ -504,76 +574,17 @@ def attribute(
   batch, chunk = _sizes(clean, layers, batch_size, budget, where)
   keep_rows = 2**30 if budget is None else budget // 2  # bytes of decoder rows kept
   run = _Run(tree, args, plan, layers, clean, batch, chunk, keep_rows)
-  L, P = len(calls.mlps), clean["embedded"].shape[0]
-  active, n_active, n_logits = clean["active"], len(clean["active"]), len(chosen.ids)
+  n_active = len(clean["active"])
   cap = n_active if max_feature_nodes is None else min(int(max_feature_nodes), n_active)
-  n_cols = n_active + (L + 1) * P + n_logits
-  # Rows in the order they are computed (logits, then features by influence), except in
-  # a graph of every feature, whose rows go straight to their final places (features in
-  # order, then logits): no copy of the matrix afterwards.
-  everything = cap == n_active
-  first_logit = cap if everything else 0
-  edges = np.zeros((cap + n_logits, n_cols), np.float32)
-  values = np.zeros(cap + n_logits, np.float32)
-  row_nodes = np.zeros(cap + n_logits, np.int64)
-  none = np.zeros(1, np.int64)
-  for start in range(0, n_logits, batch):
-    k = min(batch, n_logits - start)
-    at = slice(first_logit + start, first_logit + start + k)
-    run.rows(
-      edges[at, : n_cols - n_logits],
-      none.repeat(k),
-      none.repeat(k),
-      none.repeat(k),
-      np.zeros(k, np.float32),
-      chosen.directions[start : start + k],
-    )
-    values[at] = chosen.directions[start : start + k] @ clean["last"]
-    row_nodes[at] = n_cols - n_logits + np.arange(start, start + k)
-  row, done, visited = (0 if everything else n_logits), 0, np.zeros(n_active, bool)
-  xs = np.asarray(clean["xs"])
-  W_enc = np.asarray(layers.W_enc)
-  no_direction = np.zeros((batch, chosen.directions.shape[1]), np.float32)
-  found = np.zeros((batch, n_cols - n_logits), np.float32)
-  while done < cap:
-    if everything:
-      pending = np.arange(n_active)
-    else:
-      influence = _influences(edges[:row], chosen.probabilities, row_nodes[:row])
-      rank = np.argsort(-influence[:n_active], kind="stable")
-      pending = rank[~visited[rank]][: min(update_interval * batch, cap - done)]
-    # Batches of features of nearby layers transpose fewer layers (`_rows`); the rows
-    # keep their places in the order of influence.
-    by_layer = np.argsort(active[pending, 0], kind="stable")
-    for start in range(0, len(pending), batch):
-      places = row + by_layer[start : start + batch]
-      chosen_rows = pending[by_layer[start : start + batch]]
-      k = len(chosen_rows)
-      at_layer, p, f = active[chosen_rows].T
-      contiguous = np.array_equal(places, np.arange(places[0], places[0] + k))
-      out = edges[places[0] : places[0] + k, : n_cols - n_logits] if contiguous else found[:k]
-      run.rows(out, at_layer, p, f, np.ones(k, np.float32), no_direction[:k])
-      if not contiguous:
-        edges[places, : n_cols - n_logits] = out
-      values[places] = np.einsum("kd,kd->k", xs[at_layer, p], W_enc[at_layer, :, f])
-      row_nodes[places] = chosen_rows
-      visited[chosen_rows] = True
-    row += len(pending)
-    done += len(pending)
-  bias = values - edges.sum(axis=1)
-  selected = np.flatnonzero(visited)
-  if not everything:
-    edges = edges[:, np.concatenate([selected, np.arange(n_active, n_cols)])]
-    order = np.argsort(row_nodes, kind="stable")
-    edges, bias = edges[order], bias[order]
+  edges, bias, selected = _graph_rows(run, clean, chosen, layers, cap, batch, update_interval)
   return Graph(
     tokens=clean["tokens"],
-    active_features=active,
+    active_features=clean["active"],
     activations=clean["activations"],
     selected=selected,
     targets=chosen,
     rows=edges,
     bias=bias,
-    layers=L,
-    positions=P,
+    layers=len(calls.mlps),
+    positions=clean["embedded"].shape[0],
   )
