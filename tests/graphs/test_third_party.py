@@ -77,14 +77,20 @@ def _causal_softmax(scores):
   return jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
 
 
+def _initialised(model, seed: int, noise: int) -> tuple[tuple, dict]:
+  """A Hugging Face Flax model's arguments for one random prompt (ids, mask, positions)
+  and its parameters, initialised and made noisy (`_noisy`)."""
+  ids = jax.random.randint(jax.random.key(seed), (1, P), 0, VOCAB)
+  args = (ids, jnp.ones_like(ids), jnp.arange(P)[None])
+  return args, _noisy(jax.jit(model.module.init)(jax.random.key(0), *args)["params"], noise)
+
+
 def _gpt2() -> Model:
   config = transformers.GPT2Config(
     vocab_size=VOCAB, n_positions=32, n_embd=D, n_layer=2, n_head=2, initializer_range=0.2
   )
   model = transformers.FlaxGPT2LMHeadModel(config, _do_init=False)
-  ids = jax.random.randint(jax.random.key(6), (1, P), 0, VOCAB)
-  args = (ids, jnp.ones_like(ids), jnp.arange(P)[None])
-  params = _noisy(jax.jit(model.module.init)(jax.random.key(0), *args)["params"], 1)
+  args, params = _initialised(model, 6, 1)
   W = params["transformer"]
   heads, head_dim = config.n_head, D // config.n_head
 
@@ -149,9 +155,7 @@ def _llama() -> Model:
     initializer_range=0.2,
   )
   model = transformers.FlaxLlamaForCausalLM(config, _do_init=False)
-  ids = jax.random.randint(jax.random.key(7), (1, P), 0, VOCAB)
-  args = (ids, jnp.ones_like(ids), jnp.arange(P)[None])
-  params = _noisy(jax.jit(model.module.init)(jax.random.key(0), *args)["params"], 2)
+  args, params = _initialised(model, 7, 2)
   W = params["model"]
   heads, head_dim = config.num_attention_heads, D // config.num_attention_heads
   kv_heads = config.num_key_value_heads

@@ -6,7 +6,8 @@
 - `_model`: the replacement model of a tree: its MLPs, embedding, norms and attentions,
   the frozen forward, and the check that it is affine in the writes.
 - `_targets`: the logit targets.
-- `_graph`: the graph: clean run, rows as vmapped VJPs, edge columns, feature selection.
+- `_graph`: the graph: clean run, the forward linearised once and its rows as vmapped
+  transposes (a branch per depth), edge columns in groups, feature selection.
 - `_prune`: pruning by influence.
 - `_files`, `_page`: the viewers' JSON files and the static page.
 - `_check`, `_share`: checking a feature's effect; attention's share of a score.

@@ -322,7 +322,10 @@ class Columns:
     """Writes the edges of a batch of rows (products `g_mlp`) into every column to
     `out`, `[rows, n]` (the first rows of the batch)."""
     for i, (layer, position, feature, activation) in enumerate(self.chunks):
-      rows = self.kept[i] if self.kept else decoder_rows(self.decoders, layer, feature)
+      if self.kept is not None:
+        rows = self.kept[i]
+      else:
+        rows = decoder_rows(self.decoders, layer, feature)
       found = np.asarray(edge_columns(g_mlp, rows, layer, position, activation))
       entries = self.entries[i]
       out[:, self.ends[i] - len(entries) : self.ends[i]] = np.take(found[: len(out)], entries, 1)

@@ -15,6 +15,7 @@ bilinear part, and their total counts it twice. No Flax internals here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -54,6 +55,7 @@ class AttentionShare(NamedTuple):
 
 
 def _score_gradient(tree, args, plan, skips, zeros, attention, entry):
+  plan = dataclasses.replace(plan, shapes=frozen_shapes(tree, args, plan.calls))  # once
   found: list = []
 
   def score(deltas):
@@ -118,7 +120,7 @@ def attention_share(
     )
   layers = dictionary_layers(transcoders, len(calls.mlps), where)
   clean = clean_run(tree, args, calls, layers, logits, where)
-  plan = Plan(calls=calls, shapes=frozen_shapes(tree, args, calls), logits_of=logits)
+  plan = Plan(calls=calls, shapes=(), logits_of=logits)  # shapes: found when compiling
   entry = tuple(int(i) for i in entry)
   if len(entry) != 3:
     raise ArgumentError(f"{where}: entry={entry!r} is (head, query, key). Give three indices.")
